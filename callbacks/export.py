@@ -1,0 +1,192 @@
+"""Export a trained GPT as a Hugging Face GPT-2 checkpoint (safetensors, no pickle).
+
+Our decoder is architecturally GPT-2 (pre-LN, learned positions, exact GELU, tied head), so
+its weights map one to one onto ``GPT2LMHeadModel``: anyone can then load the result with
+``AutoModelForCausalLM.from_pretrained(out_dir)`` and ``AutoTokenizer.from_pretrained(out_dir)``
+without this package.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+from torch import nn
+
+from model import GPT, GPTConfig
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+def _export_tensor(t: torch.Tensor) -> torch.Tensor:
+    """fp32, contiguous and on CPU, so the file is the same whatever precision/device trained it."""
+    return t.detach().to(device="cpu", dtype=torch.float32).contiguous()
+
+
+def _conv1d(linear: nn.Linear) -> torch.Tensor:
+    """GPT-2's Conv1D stores its weight as [in, out], the transpose of nn.Linear's [out, in]."""
+    return _export_tensor(linear.weight.t())
+
+
+def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """Our weights under ``GPT2LMHeadModel`` key names.
+
+    Our Linear layers have no bias, GPT-2's Conv1D layers do: those biases are written as zeros,
+    which is the same function. ``lm_head.weight`` is left out because GPT-2 ties it to
+    ``transformer.wte.weight`` on load (safetensors refuses two names for one storage anyway).
+    """
+    sd: dict[str, torch.Tensor] = {
+        "transformer.wte.weight": _export_tensor(model.wte.weight),
+        "transformer.wpe.weight": _export_tensor(model.wpe.weight),
+        "transformer.ln_f.weight": _export_tensor(model.ln_f.weight),
+        "transformer.ln_f.bias": _export_tensor(model.ln_f.bias),
+    }
+    for i, block in enumerate(model.blocks):
+        prefix = f"transformer.h.{i}."
+        # c_attn's output is [q | k | v], the same order as our qkv rows, so a transpose suffices.
+        layers = {
+            "attn.c_attn": block.attn.qkv,
+            "attn.c_proj": block.attn.proj,
+            "mlp.c_fc": block.mlp.fc,
+            "mlp.c_proj": block.mlp.proj,
+        }
+        for name, linear in layers.items():
+            sd[prefix + name + ".weight"] = _conv1d(linear)
+            sd[prefix + name + ".bias"] = torch.zeros(linear.out_features, dtype=torch.float32)
+        for name, norm in (("ln_1", block.ln_1), ("ln_2", block.ln_2)):
+            sd[prefix + name + ".weight"] = _export_tensor(norm.weight)
+            sd[prefix + name + ".bias"] = _export_tensor(norm.bias)
+    return sd
+
+
+def gpt2_config(config: GPTConfig, eos_id: int):
+    """A GPT2Config that computes exactly what our GPT computes (exact GELU, no dropout)."""
+    from transformers import GPT2Config  # heavy import, only paid when exporting
+
+    return GPT2Config(
+        vocab_size=config.vocab_size,
+        n_positions=config.max_seq_len,
+        n_embd=config.n_embd,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        n_inner=4 * config.n_embd,
+        # "gelu" is erf-based like F.gelu; GPT-2's default "gelu_new" is the tanh approximation.
+        activation_function="gelu",
+        layer_norm_epsilon=config.layer_norm_eps,
+        initializer_range=config.init_std,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        tie_word_embeddings=True,
+        architectures=["GPT2LMHeadModel"],
+        dtype="float32",
+    )
+
+
+def _write_export(model: GPT, tokenizer_path: Path, folder: Path, eos_token: str) -> None:
+    """Write every file of the checkpoint into ``folder`` (which must exist)."""
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    eos_id = tokenizer.token_to_id(eos_token)
+    if eos_id is None:
+        raise ValueError(f"{tokenizer_path} has no token {eos_token!r}")
+    if tokenizer.get_vocab_size() > model.config.vocab_size:
+        raise ValueError(
+            f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than the model's "
+            f"vocab_size {model.config.vocab_size}"
+        )
+
+    save_file(gpt2_state_dict(model), str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    gpt2_config(model.config, eos_id).save_pretrained(folder)
+    # Without a pad id, generate() warns and guesses one; GPT-2 convention pads with EOS.
+    GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id).save_pretrained(folder)
+    # Byte-level BPE has no unknown token; GPT-2 uses EOS for bos/unk too.
+    PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer_path),
+        eos_token=eos_token,
+        bos_token=eos_token,
+        unk_token=eos_token,
+        model_max_length=model.config.max_seq_len,
+    ).save_pretrained(folder)
+    _name_portable_tokenizer_class(folder / "tokenizer_config.json")
+
+
+def _name_portable_tokenizer_class(path: Path) -> None:
+    """Name the tokenizer class as transformers 4.x knows it too; 5.x maps it to the same class.
+
+    transformers 5 writes ``TokenizersBackend``, which 4.x cannot resolve, so readers pinned
+    to 4.x (evaluation harnesses often are) would fail to load the tokenizer.
+    """
+    settings = json.loads(path.read_text())
+    settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+
+
+def export_model(
+    model: GPT, tokenizer_path: str | Path, out_dir: str | Path, eos_token: str = "<|endoftext|>"
+) -> list[Path]:
+    """Write a GPT-2 checkpoint of ``model`` plus its tokenizer to ``out_dir``; return its files.
+
+    Everything is written into a temporary sibling folder first and then renamed into place,
+    so a crash mid-export leaves either the previous export or none, never half a model.
+    """
+    tokenizer_path, out_dir = Path(tokenizer_path), Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        _write_export(model, tokenizer_path, staging, eos_token)
+        # mkdtemp (and safetensors) create owner-only entries; an export is meant to be shared.
+        staging.chmod(0o755)
+        for path in staging.iterdir():
+            path.chmod(0o644)
+        if out_dir.exists():
+            # Move the old export aside first: rename cannot replace a non-empty folder.
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            out_dir.rename(old / out_dir.name)
+            staging.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return sorted(p for p in out_dir.iterdir() if p.is_file())
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The module torch.compile wrapped, or the module itself."""
+    return getattr(module, "_orig_mod", module)
+
+
+class ExportModel(pl.Callback):
+    """At the end of training, export ``pl_module.model`` as a Hugging Face GPT-2 folder.
+
+    Only global rank 0 writes. The weights are read directly, so this suits single-device and
+    DDP runs; a sharded (FSDP) model would need its parameters gathered on every rank first.
+    """
+
+    def __init__(self, out_dir: str | Path, tokenizer_path: str | Path) -> None:
+        super().__init__()
+        self.out_dir = Path(out_dir)
+        self.tokenizer_path = Path(tokenizer_path)
+
+    def export_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[Path] | None:
+        """Export right away (e.g. from a signal handler); None on ranks other than 0."""
+        if not trainer.is_global_zero:
+            return None
+        files = export_model(_unwrap(pl_module.model), self.tokenizer_path, self.out_dir)
+        print(f"exported Hugging Face GPT-2 model to {self.out_dir}", file=sys.stderr)
+        return files
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.export_now(trainer, pl_module)

@@ -1,0 +1,113 @@
+"""The run record: what ran, where, on which data and settings, and what came of it.
+
+A small JSON kept beside the exported model, so a result can always be traced back to the
+exact code, input and configuration that produced it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import lightning as L
+import torch
+
+log = logging.getLogger(__name__)
+
+LIBRARIES = ("torch", "lightning", "transformers", "tokenizers", "tiktoken", "safetensors", "torchmetrics", "omegaconf", "numpy")
+SOURCE_SUFFIXES = (".py", ".yaml", ".yml", ".json", ".toml", ".txt")
+SKIPPED_DIRS = {"tests", "output", "dist", "data", "__pycache__", ".git", ".venv", ".ci"}
+
+
+def library_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    versions["cuda"] = torch.version.cuda
+    return versions
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def source_hashes(root: Path) -> dict[str, str]:
+    """SHA-256 of the bundle's code and configuration, which is what actually ran."""
+    hashes = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if path.is_file() and path.suffix in SOURCE_SUFFIXES and not SKIPPED_DIRS & set(rel.parts[:-1]):
+            hashes[rel.as_posix()] = sha256_file(path)
+    return hashes
+
+
+def dataset_descriptor(root: Path) -> dict | None:
+    """RunFab's runfabric.dataset.json (source, revision, split) when the bundle has one."""
+    path = root / "runfabric.dataset.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError as error:
+        return {"unreadable": str(error)}
+
+
+class RunRecord(L.Callback):
+    """Writes ``run_record.json`` into the model folder when training ends (rank 0)."""
+
+    def __init__(self, out_dir: Path, bundle_root: Path, static: dict, stream_stats) -> None:
+        self.out_dir = Path(out_dir)
+        self.bundle_root = Path(bundle_root)
+        self.static = static  # config, batch settings, tokenizer: known before training
+        self.stream_stats = stream_stats  # callable returning the input summary at the end
+        self.started = time.time()
+        self.status = "completed"
+
+    def build(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
+        gpu = torch.cuda.get_device_name(pl_module.device) if pl_module.device.type == "cuda" else None
+        metrics = next((c for c in trainer.callbacks if hasattr(c, "last_record")), None)
+        return {
+            "status": self.status,
+            "started_unix": round(self.started, 3),
+            "wall_seconds": round(time.time() - self.started, 3),
+            **self.static,
+            "precision": trainer.precision,
+            "world_size": trainer.world_size,
+            "optimizer_steps": trainer.global_step,
+            "parameters": sum(p.numel() for p in pl_module.model.parameters()),
+            "final_metrics": metrics.last_record if metrics else None,
+            "input": self.stream_stats(),
+            "dataset": dataset_descriptor(self.bundle_root),
+            "environment": {
+                "libraries": library_versions(),
+                "platform": platform.platform(),
+                "gpu": gpu,
+                "argv": sys.argv,
+            },
+            "sources_sha256": source_hashes(self.bundle_root),
+        }
+
+    def write(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Path | None:
+        if not trainer.is_global_zero:
+            return None
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / "run_record.json"
+        path.write_text(json.dumps(self.build(trainer, pl_module), indent=2, default=str) + "\n")
+        log.info("run record written to %s", path)
+        return path
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.write(trainer, pl_module)

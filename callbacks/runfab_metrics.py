@@ -1,0 +1,152 @@
+"""RunFab's graph feed: one JSON object per line on stdout, every few seconds and once at the end.
+
+Per-step values stay on the device and are summed there; the host reads them (one sync)
+only when it reports, so the metrics cost nothing between reports.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from typing import TextIO
+
+import lightning as L
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_LINE_CHARS = 8191
+
+
+class NonFiniteLossError(FloatingPointError):
+    """Training diverged; the run stops rather than report or export a broken model."""
+
+
+class RunFabMetrics(L.Callback):
+    """Token-weighted loss and synchronized throughput over each reporting interval (rank 0 writes)."""
+
+    def __init__(self, interval_seconds: float = 5.0, stream: TextIO | None = None) -> None:
+        self.interval_seconds = interval_seconds
+        self.stream = stream if stream is not None else sys.stdout
+        self.lines_written = 0
+        self.last_record: dict = {}
+
+    # -- state ------------------------------------------------------------------------------
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        device = pl_module.device
+        self._zero = lambda: torch.zeros((), dtype=torch.float64, device=device)
+        self._pending_loss, self._pending_tokens, self._pending_rows = self._zero(), 0, 0
+        self._interval_loss, self._interval_grad_norm = self._zero(), self._zero()
+        self._interval_tokens = self._interval_rows = self._interval_steps = 0
+        self._first_bad_step = torch.full((), -1, dtype=torch.long, device=device)
+        self._steps_seen = trainer.global_step
+        self.total_tokens = 0
+        self.start_time: float | None = None
+        self._interval_start = 0.0
+
+    def _now(self, device: torch.device) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.start_time is None:
+            self.start_time = self._interval_start = self._now(pl_module.device)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss_sum = outputs["loss_sum"].double()
+        update_completed = trainer.global_step != self._steps_seen
+        this_update = trainer.global_step if update_completed else trainer.global_step + 1
+        self._flag_nonfinite(loss_sum, torch.full((), this_update, device=loss_sum.device))
+        self._pending_loss += loss_sum
+        self._pending_tokens += outputs["target_tokens"]
+        self._pending_rows += batch["input_ids"].shape[0]
+        if not update_completed:
+            return  # mid-accumulation: the update is not complete yet
+        self._steps_seen = trainer.global_step
+        if pl_module.last_grad_norm is not None:
+            norm = pl_module.last_grad_norm.double()
+            self._flag_nonfinite(norm, torch.full((), trainer.global_step, device=norm.device))
+            self._interval_grad_norm += norm
+        self._interval_loss += self._pending_loss
+        self._interval_tokens += self._pending_tokens
+        self._interval_rows += self._pending_rows
+        self._interval_steps += 1
+        self._pending_loss, self._pending_tokens, self._pending_rows = self._zero(), 0, 0
+        if time.perf_counter() - self._interval_start >= self.interval_seconds:
+            self.report(trainer, pl_module)
+
+    def _flag_nonfinite(self, value: torch.Tensor, step: torch.Tensor) -> None:
+        first = (~torch.isfinite(value)) & (self._first_bad_step < 0)
+        self._first_bad_step = torch.where(first, step, self._first_bad_step)
+
+    # -- reporting --------------------------------------------------------------------------
+
+    def report(self, trainer: L.Trainer, pl_module: L.LightningModule, **extra: float) -> None:
+        """Close the interval: check finiteness, write one line, start the next interval."""
+        now = self._now(pl_module.device)
+        bad_step = int(self._first_bad_step)
+        if bad_step >= 0:
+            raise NonFiniteLossError(
+                f"loss or gradient norm became non-finite at optimizer step {bad_step}; stopping. "
+                "Lower optim.lr, raise optim.warmup_steps, or check the input for corrupt token ids."
+            )
+        record: dict[str, float] = {"step": trainer.global_step, "elapsed_seconds": round(now - self.start_time, 3)}
+        if self._interval_steps:
+            seconds = max(now - self._interval_start, 1e-9)
+            tokens = self._interval_tokens
+            record |= {
+                "loss": float(self._interval_loss) / max(tokens, 1),
+                "tokens_per_second": tokens / seconds,
+                "samples_per_second": self._interval_rows / seconds,
+                "lr": trainer.optimizers[0].param_groups[0]["lr"],
+                "grad_norm": float(self._interval_grad_norm) / self._interval_steps,
+            }
+            self.total_tokens += tokens
+        record |= extra
+        self._write(trainer, record)
+        self._interval_loss, self._interval_grad_norm = self._zero(), self._zero()
+        self._interval_tokens = self._interval_rows = self._interval_steps = 0
+        self._interval_start = self._now(pl_module.device)
+
+    def _write(self, trainer: L.Trainer, record: dict) -> None:
+        record = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in record.items()}
+        if not all(math.isfinite(v) for v in record.values()):
+            raise NonFiniteLossError(f"refusing to report a non-finite metric: {record}")
+        if not trainer.is_global_zero:
+            return
+        line = json.dumps(record, allow_nan=False, separators=(",", ":"))
+        if len(line) > MAX_LINE_CHARS:
+            raise ValueError(f"metrics line of {len(line)} characters exceeds RunFab's 8,192")
+        self.stream.write(line + "\n")
+        self.stream.flush()
+        self.lines_written += 1
+        self.last_record = record
+        shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items())
+        log.info("metrics: %s", shown)
+
+    # -- validation and end -----------------------------------------------------------------
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or self.start_time is None:
+            return
+        if self._interval_steps:
+            self.report(trainer, pl_module)  # keeps validation time out of the training throughput
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or self.start_time is None:
+            return
+        if pl_module.val_loss.update_count:
+            val_loss = float(pl_module.val_loss.compute())
+            pl_module.val_loss.reset()
+            self.report(trainer, pl_module, val_loss=val_loss)
+        else:
+            self._interval_start = self._now(pl_module.device)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.start_time is not None:
+            self.report(trainer, pl_module)

@@ -1,0 +1,124 @@
+"""The run configuration: typed sections, loaded from YAML with omegaconf, checked before anything is built.
+
+Every default lives here once; `conf/*.yaml` presets override them, and dotted command-line
+overrides (`--model.n_layer 2`) override the presets.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from lit_module import OptimConfig
+from model import GPTConfig
+
+BUNDLE_ROOT = Path(__file__).resolve().parent
+DEFAULT_CONFIG = "conf/config.yaml"
+CONFIG_ENV = "RUNFAB_CONFIG"
+
+
+@dataclass
+class DataConfig:
+    tokenizer: str = "conf/tokenizer.json"
+    sample_path: str = "data/sample.jsonl"  # used when stdin is a terminal or empty
+    microbatch: int = 8  # for local runs only: RunFab chooses its own
+    max_record_bytes: int = 1 << 20
+    give_up_after: int = 256  # rejected records, with none usable, before the stream is refused
+    tokenize_batch_docs: int = 256
+    tokenize_batch_bytes: int = 8 << 20
+    tokenizer_threads: int = 2
+    val_fraction: float = 0.005
+    val_max_tokens: int = 1 << 18
+    shuffle_buffer_docs: int = 10_000
+    shuffle_buffer_tokens: int = 1 << 23
+    max_train_tokens: int | None = None  # token budget: stop after this many target tokens
+    prefetch_updates: int = 2
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 2000
+    max_time: str | None = None  # "DD:HH:MM:SS"
+    precision: str | None = None  # None: bf16-mixed on CUDA, 32-true on CPU
+    accelerator: str = "auto"
+    val_every_steps: int = 250  # 0 disables validation
+    val_batches: int | None = None  # None: the whole held-out pool
+    progress_bar: bool | None = None  # None: when stderr is a terminal
+    checkpoint_every_steps: int = 0  # 0: no intermediate checkpoints
+
+
+@dataclass
+class MetricsConfig:
+    interval_seconds: float = 5.0
+
+
+@dataclass
+class OutputConfig:
+    root: str = "output"  # $RUNFABRIC_OUTPUT in the presets
+
+
+@dataclass
+class RunConfig:
+    seed: int = 1337
+    model: GPTConfig = field(default_factory=GPTConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says what to change."""
+
+
+def default_config_path() -> Path:
+    return bundle_path(os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG)
+
+
+def bundle_path(path: str | Path) -> Path:
+    """Paths in the config are relative to the bundle root, wherever the process was started."""
+    path = Path(path)
+    return path if path.is_absolute() else BUNDLE_ROOT / path
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Schema defaults <- YAML file <- dotted overrides ("model.n_layer=2"), then checked."""
+    path = bundle_path(path) if path is not None else default_config_path()
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found (set {CONFIG_ENV} to a YAML file of the bundle)")
+    try:
+        merged = OmegaConf.merge(
+            OmegaConf.structured(RunConfig), OmegaConf.load(path), OmegaConf.from_dotlist(overrides or [])
+        )
+        config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"invalid configuration in {path}: {error}") from None
+    check_config(config)
+    return config
+
+
+def check_config(cfg: RunConfig) -> None:
+    problems = []
+    if cfg.model.n_embd % cfg.model.n_head:
+        problems.append(f"model.n_embd ({cfg.model.n_embd}) must be divisible by model.n_head ({cfg.model.n_head})")
+    if cfg.optim.schedule not in ("cosine", "constant"):
+        problems.append(f"optim.schedule must be 'cosine' or 'constant', not {cfg.optim.schedule!r}")
+    if cfg.optim.schedule == "cosine" and not (cfg.optim.decay_steps or 0) > cfg.optim.warmup_steps:
+        problems.append("optim.decay_steps must exceed optim.warmup_steps for the cosine schedule")
+    if cfg.trainer.max_steps < 1 and cfg.trainer.max_steps != -1:
+        problems.append("trainer.max_steps must be positive, or -1 to train until the input ends")
+    if not 0 <= cfg.data.val_fraction < 1:
+        problems.append("data.val_fraction must lie in [0, 1)")
+    if cfg.metrics.interval_seconds <= 0:
+        problems.append("metrics.interval_seconds must be positive")
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def as_dict(cfg: RunConfig) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)

@@ -1,0 +1,552 @@
+"""From an NDJSON byte stream to complete optimizer updates of packed rows.
+
+The flow runs one way, as small stages that each take and give an iterator, so each can be
+tested alone on a list of records:
+
+    read_records -> encode_documents -> split_validation -> shuffle_documents -> pack_rows
+    -> assemble_updates -> split_update
+
+Every buffer has a bound from the config; nothing holds the whole stream. A background
+thread (UpdateFeeder) runs the flow and fills one bounded queue per rank, so stdin is read by
+the process that owns it and the training loop only ever sees complete updates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import random
+import sys
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from model import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
+
+EXPECTED_RECORD = 'NDJSON records, one JSON object per line, with "text" (a non-empty string) or "input_ids" (a list of token ids)'
+
+
+class UnusableInputError(RuntimeError):
+    """The stream holds nothing this trainer can learn from (for example image records)."""
+
+
+@dataclass
+class Document:
+    """One usable record: raw text still to tokenize, or token ids; ``key`` feeds the held-out hash."""
+
+    key: bytes
+    text: str | None = None
+    ids: np.ndarray | None = None
+
+
+@dataclass
+class StreamStats:
+    """What happened to the input; written to stderr and the run record at the end."""
+
+    source: str = ""
+    records: int = 0
+    accepted: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    rejected_keys: Counter = field(default_factory=Counter)
+    bytes_read: int = 0
+    documents: int = 0
+    document_tokens: int = 0
+    held_out_documents: int = 0
+    held_out_tokens: int = 0
+    rows: int = 0
+    updates: int = 0
+    update_target_tokens: int = 0
+    tail_tokens_dropped: int = 0
+    end_of_input: bool = False
+    fingerprint: str = ""
+    _sha: object = field(default_factory=hashlib.sha256, repr=False)
+
+    def as_dict(self) -> dict:
+        self.fingerprint = self._sha.hexdigest()
+        return {
+            "source": self.source,
+            "records": self.records,
+            "accepted": self.accepted,
+            "rejected": dict(self.rejected),
+            "bytes_read": self.bytes_read,
+            "documents": self.documents,
+            "document_tokens": self.document_tokens,
+            "held_out_documents": self.held_out_documents,
+            "held_out_tokens": self.held_out_tokens,
+            "rows": self.rows,
+            "updates": self.updates,
+            "update_target_tokens": self.update_target_tokens,
+            "tail_tokens_dropped": self.tail_tokens_dropped,
+            "end_of_input": self.end_of_input,
+            "input_sha256": self.fingerprint,
+        }
+
+
+# ----------------------------------------------------------------------------- read
+
+
+def _read_lines(stream: BinaryIO, max_bytes: int) -> Iterator[bytes | None]:
+    """Yield each line's bytes, or None for a line longer than ``max_bytes`` (skipped in bounded chunks)."""
+    while True:
+        line = stream.readline(max_bytes + 1)
+        if not line:
+            return
+        if len(line) <= max_bytes or line.endswith(b"\n") and len(line) == max_bytes + 1:
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):
+            line = stream.readline(1 << 20)
+        yield None
+
+
+def parse_record(line: bytes, vocab_size: int) -> Document | str:
+    """A Document, or the reason the line is rejected (a short snake_case word)."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        return "invalid_utf8"
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return "invalid_json"
+    if not isinstance(record, dict):
+        return "not_an_object"
+    if "text" in record:
+        value = record["text"]
+        if not isinstance(value, str):
+            return "text_not_a_string"
+        if not value.strip():
+            return "empty_text"
+        return Document(key=value.encode("utf-8", "surrogatepass"), text=value)
+    if "input_ids" in record:
+        value = record["input_ids"]
+        if not isinstance(value, list) or not all(type(i) is int for i in value):
+            return "input_ids_not_int_list"
+        if not value:
+            return "empty_input_ids"
+        if min(value) < 0 or max(value) >= vocab_size:
+            return "input_ids_out_of_range"
+        ids = np.asarray(value, dtype=np.int32)
+        return Document(key=ids.tobytes(), ids=ids)
+    return "no_text_or_input_ids"
+
+
+def read_records(
+    stream: BinaryIO, stats: StreamStats, vocab_size: int, max_record_bytes: int, give_up_after: int
+) -> Iterator[Document]:
+    """Validate each line; count rejects by reason; refuse a stream with nothing usable early."""
+    for line in _read_lines(stream, max_record_bytes):
+        stats.records += 1
+        if line is None:
+            stats.bytes_read += max_record_bytes
+            outcome: Document | str = "record_too_large"
+        else:
+            stats.bytes_read += len(line)
+            stats._sha.update(line)
+            if not line.strip():
+                stats.records -= 1
+                continue
+            outcome = parse_record(line, vocab_size)
+        if isinstance(outcome, Document):
+            stats.accepted += 1
+            yield outcome
+            continue
+        stats.rejected[outcome] += 1
+        if outcome == "no_text_or_input_ids" and stats.rejected[outcome] <= 8:
+            stats.rejected_keys.update(list(json.loads(line))[:16])
+        if stats.accepted == 0 and stats.records >= give_up_after:
+            raise UnusableInputError(unusable_message(stats))
+    stats.end_of_input = True
+    if stats.accepted == 0:
+        raise UnusableInputError(unusable_message(stats))
+
+
+def unusable_message(stats: StreamStats) -> str:
+    found = ", ".join(f"{n} {reason}" for reason, n in stats.rejected.most_common()) or "no records"
+    keys = ", ".join(k for k, _ in stats.rejected_keys.most_common(8))
+    seen = f"; fields seen: {keys}" if keys else ""
+    return (
+        f"no usable record in the first {stats.records} lines of {stats.source}. Expected {EXPECTED_RECORD}. "
+        f"Found: {found}{seen}. This trainer trains language models on text; point it at a text stream."
+    )
+
+
+# ----------------------------------------------------------------------------- tokenize
+
+
+def encode_documents(
+    docs: Iterable[Document], encode_batch: Callable[[list[str]], list[list[int]]], eos_id: int, stats: StreamStats,
+    batch_docs: int, batch_bytes: int,
+) -> Iterator[tuple[bytes, np.ndarray]]:
+    """Tokenize text in bounded batches (the encoder's threads pay off on batches); EOS ends every document."""
+    pending: list[Document] = []
+    pending_bytes = 0
+
+    def flush() -> Iterator[tuple[bytes, np.ndarray]]:
+        texts = [d.text for d in pending if d.text is not None]
+        encoded = iter(encode_batch(texts)) if texts else iter(())
+        for doc in pending:
+            ids = doc.ids if doc.ids is not None else np.asarray(next(encoded), dtype=np.int32)
+            tokens = np.append(ids, np.int32(eos_id)).astype(np.int32, copy=False)
+            stats.documents += 1
+            stats.document_tokens += len(tokens)
+            yield doc.key, tokens
+        pending.clear()
+
+    for doc in docs:
+        pending.append(doc)
+        pending_bytes += len(doc.key)
+        if len(pending) >= batch_docs or pending_bytes >= batch_bytes:
+            yield from flush()
+            pending_bytes = 0
+    yield from flush()
+
+
+# ----------------------------------------------------------------------------- hold out, shuffle
+
+
+def is_held_out(key: bytes, fraction: float) -> bool:
+    """Stable across runs, machines and record order: a hash of the document's content."""
+    digest = hashlib.blake2b(key, digest_size=8).digest()
+    return int.from_bytes(digest, "little") < fraction * 2**64
+
+
+class ValidationPool:
+    """Held-out documents, up to a token bound; filled by the feeder, read by validation."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._docs: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def offer(self, tokens: np.ndarray) -> bool:
+        with self._lock:
+            if self.tokens + len(tokens) > self.max_tokens:
+                return False
+            self._docs.append(tokens)
+            self.tokens += len(tokens)
+            return True
+
+    def snapshot(self) -> list[np.ndarray]:
+        with self._lock:
+            return list(self._docs)
+
+
+def split_validation(
+    docs: Iterable[tuple[bytes, np.ndarray]], pool: ValidationPool, fraction: float, stats: StreamStats
+) -> Iterator[np.ndarray]:
+    """Divert the held-out documents into the pool; once it is full they are trained on like the rest."""
+    for key, tokens in docs:
+        if fraction > 0 and is_held_out(key, fraction) and pool.offer(tokens):
+            stats.held_out_documents += 1
+            stats.held_out_tokens += len(tokens)
+            continue
+        yield tokens
+
+
+def shuffle_documents(docs: Iterable[np.ndarray], max_docs: int, max_tokens: int, seed: int) -> Iterator[np.ndarray]:
+    """Bounded, seeded shuffle: release a random held document whenever the buffer is over either bound."""
+    rng = random.Random(seed)
+    buffer: list[np.ndarray] = []
+    held = 0
+    for doc in docs:
+        buffer.append(doc)
+        held += len(doc)
+        while len(buffer) > max_docs or (held > max_tokens and len(buffer) > 1):
+            i = rng.randrange(len(buffer))
+            buffer[i], buffer[-1] = buffer[-1], buffer[i]
+            out = buffer.pop()
+            held -= len(out)
+            yield out
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+# ----------------------------------------------------------------------------- pack, assemble
+
+
+@dataclass
+class Row:
+    """``seq_len`` tokens; ``positions`` restart at 0 wherever a document (or its continuation) starts."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+
+    def targets(self) -> np.ndarray:
+        """Next token within the same segment; the last token of each segment predicts nothing."""
+        targets = np.full(len(self.tokens), IGNORE_INDEX, dtype=np.int64)
+        same_segment = self.positions[1:] != 0
+        targets[:-1] = np.where(same_segment, self.tokens[1:], IGNORE_INDEX)
+        return targets
+
+
+def pack_rows(docs: Iterable[np.ndarray], seq_len: int, stats: StreamStats, pad_last: bool = False) -> Iterator[Row]:
+    """Fill rows of exactly ``seq_len`` tokens; a document that does not fit continues in the next row.
+
+    The partial row left at end of input is dropped and counted (or, for validation, padded
+    with a zero-target segment).
+    """
+    tokens = np.empty(seq_len, dtype=np.int32)
+    positions = np.empty(seq_len, dtype=np.int32)
+    fill = 0
+    for doc in docs:
+        start = 0
+        while start < len(doc):
+            take = min(seq_len - fill, len(doc) - start)
+            tokens[fill : fill + take] = doc[start : start + take]
+            positions[fill : fill + take] = np.arange(take, dtype=np.int32)
+            fill += take
+            start += take
+            if fill == seq_len:
+                stats.rows += 1
+                yield Row(tokens.copy(), positions.copy())
+                fill = 0
+    if fill and pad_last:
+        tokens[fill:] = 0
+        positions[fill:] = 0
+        stats.rows += 1
+        yield Row(tokens.copy(), positions.copy())
+    else:
+        stats.tail_tokens_dropped += fill
+
+
+def assemble_updates(
+    rows: Iterable[Row], rows_per_update: int, stats: StreamStats, max_target_tokens: int | None = None
+) -> Iterator[list[Row]]:
+    """Group rows into complete updates; the incomplete group at end of input is dropped and counted."""
+    group: list[Row] = []
+    for row in rows:
+        group.append(row)
+        if len(group) < rows_per_update:
+            continue
+        stats.updates += 1
+        yield group
+        group = []
+        if max_target_tokens is not None and stats.update_target_tokens >= max_target_tokens:
+            log.info("token budget of %d target tokens reached", max_target_tokens)
+            return
+    stats.tail_tokens_dropped += sum(len(r.tokens) for r in group)
+
+
+def collate_rows(rows: list[Row]) -> dict[str, torch.Tensor]:
+    return {
+        "input_ids": torch.from_numpy(np.stack([r.tokens for r in rows]).astype(np.int64)),
+        "positions": torch.from_numpy(np.stack([r.positions for r in rows]).astype(np.int64)),
+        "targets": torch.from_numpy(np.stack([r.targets() for r in rows])),
+    }
+
+
+def split_update(update: list[Row], world_size: int, microbatch: int, stats: StreamStats) -> list[list[dict]]:
+    """Per rank, its microbatches of one update; each carries the whole update's target-token count.
+
+    Rank r gets rows [r*A*M, (r+1)*A*M): every rank receives the same number of microbatches.
+    """
+    batches = [collate_rows(update[i : i + microbatch]) for i in range(0, len(update), microbatch)]
+    update_tokens = sum(int((b["targets"] != IGNORE_INDEX).sum()) for b in batches)
+    stats.update_target_tokens += update_tokens
+    for b in batches:
+        b["update_target_tokens"] = update_tokens
+        b["target_tokens"] = int((b["targets"] != IGNORE_INDEX).sum())
+    per_rank = len(batches) // world_size
+    return [batches[r * per_rank : (r + 1) * per_rank] for r in range(world_size)]
+
+
+# ----------------------------------------------------------------------------- feeder
+
+
+@dataclass
+class StreamSettings:
+    """The data section of the config, resolved: what the feeder needs and nothing else."""
+
+    seq_len: int
+    vocab_size: int
+    eos_id: int
+    seed: int
+    microbatch: int
+    accumulation: int
+    world_size: int = 1
+    max_record_bytes: int = 1 << 20
+    give_up_after: int = 256
+    tokenize_batch_docs: int = 256
+    tokenize_batch_bytes: int = 8 << 20
+    val_fraction: float = 0.005
+    val_max_tokens: int = 1 << 18
+    shuffle_buffer_docs: int = 10_000
+    shuffle_buffer_tokens: int = 1 << 23
+    max_train_tokens: int | None = None
+    prefetch_updates: int = 2
+
+    @property
+    def rows_per_update(self) -> int:
+        return self.world_size * self.accumulation * self.microbatch
+
+
+def stream_updates(
+    stream: BinaryIO, settings: StreamSettings, encode_batch: Callable, stats: StreamStats, pool: ValidationPool
+) -> Iterator[list[list[dict]]]:
+    """The whole flow, composed: a byte stream in, per-rank microbatch lists of complete updates out."""
+    s = settings
+    docs = read_records(stream, stats, s.vocab_size, s.max_record_bytes, s.give_up_after)
+    tokens = encode_documents(docs, encode_batch, s.eos_id, stats, s.tokenize_batch_docs, s.tokenize_batch_bytes)
+    train_docs = split_validation(tokens, pool, s.val_fraction, stats)
+    shuffled = shuffle_documents(train_docs, s.shuffle_buffer_docs, s.shuffle_buffer_tokens, s.seed)
+    rows = pack_rows(shuffled, s.seq_len, stats)
+    for update in assemble_updates(rows, s.rows_per_update, stats, s.max_train_tokens):
+        yield split_update(update, s.world_size, s.microbatch, stats)
+    if stats.updates == 0:
+        raise UnusableInputError(
+            f"the input ended before one complete update: an update is {s.rows_per_update} rows of {s.seq_len} "
+            f"tokens ({s.rows_per_update * s.seq_len} tokens), the input gave {stats.document_tokens} tokens "
+            f"in {stats.documents} documents ({stats.held_out_tokens} of them held out for validation)"
+        )
+
+
+_END = object()
+
+
+class UpdateFeeder:
+    """Runs ``stream_updates`` on a daemon thread and fills one bounded queue per rank.
+
+    The queues hold at most ``prefetch_updates`` updates, so the reader stays a bounded
+    distance ahead of training; an error in the flow is handed to every consumer.
+    """
+
+    def __init__(self, open_stream: Callable[[], tuple[BinaryIO, str]], settings: StreamSettings,
+                 encode_batch: Callable, pool: ValidationPool) -> None:
+        self.settings = settings
+        self.stats = StreamStats()
+        self.pool = pool
+        self._open_stream = open_stream
+        self._encode_batch = encode_batch
+        capacity = settings.prefetch_updates * settings.accumulation
+        self.queues = [queue.Queue(maxsize=capacity) for _ in range(settings.world_size)]
+        self._stop = threading.Event()
+        self._finished = [False] * settings.world_size
+        self._thread = threading.Thread(target=self._run, name="update-feeder", daemon=True)
+
+    def start(self) -> None:
+        if not self._thread.is_alive() and not self._stop.is_set():
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _put(self, rank: int, item: object) -> bool:
+        while not self._stop.is_set():
+            try:
+                self.queues[rank].put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        final: object = _END
+        try:
+            stream, self.stats.source = self._open_stream()
+            log.info("reading records from %s", self.stats.source)
+            for per_rank in stream_updates(stream, self.settings, self._encode_batch, self.stats, self.pool):
+                for rank, microbatches in enumerate(per_rank):
+                    for mb in microbatches:
+                        if not self._put(rank, mb):
+                            return
+            log.info(summary_line(self.stats))
+        except BaseException as error:  # handed to the training loop, which re-raises it
+            final = error
+        for rank in range(len(self.queues)):
+            self._put(rank, final)
+
+    def iterate(self, rank: int = 0) -> Iterator[dict]:
+        """The rank's microbatches; the stream is consumed once, so a second pass yields nothing."""
+        self.start()
+        while not self._finished[rank]:
+            item = self.queues[rank].get()
+            if item is _END:
+                self._finished[rank] = True
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+def summary_line(stats: StreamStats) -> str:
+    rejected = ", ".join(f"{k}={v}" for k, v in sorted(stats.rejected.items())) or "none"
+    return (
+        f"input: {stats.records} records, {stats.accepted} accepted, rejected: {rejected}; "
+        f"{stats.documents} documents, {stats.held_out_documents} held out for validation; "
+        f"{stats.updates} complete updates; tail dropped: {stats.tail_tokens_dropped} tokens"
+    )
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def open_input(sample_path: Path | None, stdin: BinaryIO | None = None) -> tuple[BinaryIO, str]:
+    """stdin when it carries data; the bundled sample when stdin is a terminal or empty."""
+    stdin = stdin if stdin is not None else getattr(sys.stdin, "buffer", None)
+    if stdin is not None and not stdin.isatty():
+        if stdin.peek(1)[:1]:
+            return stdin, "stdin"
+    if sample_path is None or not sample_path.is_file():
+        raise FileNotFoundError(
+            f"no input: stdin is empty and the bundled sample {sample_path} does not exist. "
+            "Pipe NDJSON records into stdin or set data.sample_path to a file of the bundle."
+        )
+    return sample_path.open("rb"), str(sample_path)
+
+
+# ----------------------------------------------------------------------------- Lightning
+
+
+class _QueueDataset(IterableDataset):
+    def __init__(self, feeder: UpdateFeeder, rank: int) -> None:
+        self.feeder, self.rank = feeder, rank
+
+    def __iter__(self) -> Iterator[dict]:
+        return self.feeder.iterate(self.rank)
+
+
+class _ValidationDataset(IterableDataset):
+    """Packs the pool's documents as they are at the start of each validation run."""
+
+    def __init__(self, pool: ValidationPool, seq_len: int, microbatch: int) -> None:
+        self.pool, self.seq_len, self.microbatch = pool, seq_len, microbatch
+
+    def __iter__(self) -> Iterator[dict]:
+        rows = list(pack_rows(self.pool.snapshot(), self.seq_len, StreamStats(), pad_last=True))
+        for i in range(0, len(rows), self.microbatch):
+            yield collate_rows(rows[i : i + self.microbatch])
+
+
+class StreamingDataModule(L.LightningDataModule):
+    """Training batches from the feeder's queue (complete updates only); validation from the held-out pool."""
+
+    def __init__(self, feeder: UpdateFeeder, rank: int = 0, pin_memory: bool = False) -> None:
+        super().__init__()
+        self.feeder = feeder
+        self.rank = rank
+        self.pin_memory = pin_memory
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_QueueDataset(self.feeder, self.rank), batch_size=None, pin_memory=self.pin_memory)
+
+    def val_dataloader(self) -> DataLoader:
+        s = self.feeder.settings
+        dataset = _ValidationDataset(self.feeder.pool, s.seq_len, s.microbatch)
+        return DataLoader(dataset, batch_size=None, pin_memory=self.pin_memory)
+
+    def teardown(self, stage: str) -> None:
+        self.feeder.stop()

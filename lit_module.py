@@ -1,0 +1,100 @@
+"""The LightningModule: the decoder, its loss normalization, optimizer and schedule. No I/O."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+from torchmetrics.aggregation import MeanMetric
+
+from model import GPT, GPTConfig, token_loss_sum
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    warmup_steps: int = 100
+    schedule: str = "cosine"  # or "constant"
+    decay_steps: int | None = None  # cosine horizon in optimizer steps
+    fused: bool | None = None  # None: fused on CUDA
+
+
+def lr_factor(step: int, cfg: OptimConfig) -> float:
+    """Linear warmup to 1, then constant or cosine down to ``min_lr_ratio`` at ``decay_steps``."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    horizon = max(1, (cfg.decay_steps or 1) - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / horizon)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class LitGPT(L.LightningModule):
+    """Trains GPT so that every optimizer update's gradient is exactly
+
+        sum of the update's target-token losses / the update's target-token count,
+
+    however the update is split into microbatches (accumulation) and ranks.
+    """
+
+    def __init__(self, model_config: GPTConfig, optim_config: OptimConfig) -> None:
+        super().__init__()
+        self.model_config = model_config
+        self.optim_config = optim_config
+        self.model = GPT(model_config)
+        self.val_loss = MeanMetric()
+        self.last_grad_norm: torch.Tensor | None = None
+
+    def training_step(self, batch: dict, batch_idx: int) -> dict:
+        hidden = self.model.hidden_states(batch["input_ids"], batch["positions"])
+        loss_sum = token_loss_sum(hidden, self.model.lm_head_weight, batch["targets"])
+        # Lightning divides the returned loss by accumulate_grad_batches and DDP averages gradients
+        # over ranks; multiplying both back makes the update's gradient the exact per-token mean.
+        scale = self.trainer.accumulate_grad_batches * self.trainer.world_size / batch["update_target_tokens"]
+        return {"loss": loss_sum * scale, "loss_sum": loss_sum.detach(), "target_tokens": batch["target_tokens"]}
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        hidden = self.model.hidden_states(batch["input_ids"], batch["positions"])
+        loss_sum = token_loss_sum(hidden, self.model.lm_head_weight, batch["targets"])
+        count = (batch["targets"] >= 0).sum()
+        self.val_loss.update(loss_sum / count.clamp(min=1), weight=count)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Clip by total norm and keep the pre-clip norm on the device for the metrics (no host sync)."""
+        clip = self.optim_config.grad_clip
+        max_norm = clip if clip and clip > 0 else float("inf")
+        self.last_grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, foreach=True)
+
+    def parameter_groups(self) -> list[dict]:
+        """Weight decay on matrices only; norms, biases and (by default) embeddings are left alone."""
+        embeddings = {id(self.model.wte.weight), id(self.model.wpe.weight)}
+        decay, no_decay = [], []
+        for p in self.model.parameters():
+            is_embedding = id(p) in embeddings
+            if p.dim() >= 2 and (not is_embedding or self.optim_config.decay_embeddings):
+                decay.append(p)
+            else:
+                no_decay.append(p)
+        return [
+            {"params": decay, "weight_decay": self.optim_config.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+
+    def configure_optimizers(self):
+        cfg = self.optim_config
+        fused = cfg.fused if cfg.fused is not None else self.device.type == "cuda"
+        optimizer = torch.optim.AdamW(
+            self.parameter_groups(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

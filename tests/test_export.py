@@ -1,0 +1,155 @@
+"""The Hugging Face export computes exactly what our GPT computes, and loads without this package."""
+
+import copy
+import os
+from types import SimpleNamespace
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: the export must load offline
+
+import pytest
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
+
+from callbacks.export import ExportModel, export_model
+from model import GPT, GPTConfig
+
+EOS = "<|endoftext|>"
+# init_std well above the default so attention is far from uniform and a q/k mix-up shows.
+CONFIG = GPTConfig(vocab_size=300, n_layer=2, n_head=4, n_embd=64, max_seq_len=64, init_std=0.1)
+TEXT = "the quick brown fox jumps over the lazy dog. hello world, hello tokenizer!"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory):
+    """A tiny byte-level BPE, trained here so the test needs no shipped tokenizer."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=290, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator([TEXT] * 20, trainer)
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    """Random weights, LayerNorms moved off 1/0 too, so any misplaced tensor changes the logits."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.normal_(0.0, 0.2)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def export_dir(gpt, tokenizer_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "hf"
+    export_model(gpt, tokenizer_path, out)
+    return out
+
+
+def load(path):
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, local_files_only=True)
+    return model.eval(), info
+
+
+def max_logit_diff(hf_model, gpt):
+    input_ids = torch.randint(0, CONFIG.vocab_size, (3, CONFIG.max_seq_len), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return (hf_model(input_ids).logits - gpt(input_ids)).abs().max().item()
+
+
+def test_loads_as_tied_gpt2_with_matching_logits(export_dir, gpt):
+    hf_model, info = load(export_dir)
+    assert type(hf_model) is GPT2LMHeadModel
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert hf_model.lm_head.weight.data_ptr() == hf_model.transformer.wte.weight.data_ptr()
+    assert hf_model.dtype == torch.float32
+    assert max_logit_diff(hf_model, gpt) < 1e-4
+
+
+def test_tokenizer_and_generate(export_dir, gpt, tokenizer_path):
+    hf_model, _ = load(export_dir)
+    tokenizer = AutoTokenizer.from_pretrained(export_dir, local_files_only=True)
+    assert tokenizer.eos_token == EOS
+    prompt = tokenizer("hello world", return_tensors="pt")
+    assert prompt.input_ids[0].tolist() == Tokenizer.from_file(str(tokenizer_path)).encode("hello world").ids
+
+    new_tokens = 8
+    with torch.no_grad():
+        out = hf_model.generate(**prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        # The same greedy decoding with our model, as a check that generation uses the right positions.
+        ours = prompt.input_ids
+        for _ in range(new_tokens):
+            ours = torch.cat([ours, gpt(ours)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert out.shape[1] == prompt.input_ids.shape[1] + new_tokens
+    assert out.tolist() == ours.tolist()
+    assert isinstance(tokenizer.decode(out[0], skip_special_tokens=True), str)
+
+
+def test_writes_only_safetensors_and_json(export_dir):
+    names = {p.name for p in export_dir.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert all(name.endswith((".safetensors", ".json")) for name in names), names
+    with safe_open(export_dir / "model.safetensors", framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert "lm_head.weight" not in f.keys()
+        assert all(f.get_tensor(key).dtype == torch.float32 for key in f.keys())
+
+
+def swap_q_k(model):
+    qkv = model.blocks[0].attn.qkv.weight
+    d = CONFIG.n_embd
+    qkv[: 2 * d] = torch.cat([qkv[d : 2 * d], qkv[:d]])
+
+
+def swap_layer_norms(model):
+    block = model.blocks[0]
+    for a, b in ((block.ln_1.weight, block.ln_2.weight), (block.ln_1.bias, block.ln_2.bias)):
+        a_copy = a.clone()
+        a.copy_(b)
+        b.copy_(a_copy)
+
+
+@pytest.mark.parametrize("corrupt", [swap_q_k, swap_layer_norms])
+def test_comparison_catches_a_wrong_mapping(corrupt, gpt, tokenizer_path, tmp_path):
+    wrong = copy.deepcopy(gpt)
+    with torch.no_grad():
+        corrupt(wrong)
+    export_model(wrong, tokenizer_path, tmp_path / "hf")
+    hf_model, _ = load(tmp_path / "hf")
+    assert max_logit_diff(hf_model, gpt) > 1e-2
+
+
+def test_reexport_replaces_folder_and_failure_leaves_it(gpt, tokenizer_path, tmp_path):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "stale.txt").write_text("from an older export")
+    files = export_model(gpt, tokenizer_path, out)
+    assert not (out / "stale.txt").exists()
+    assert sorted(files) == sorted(p for p in out.iterdir())
+
+    with pytest.raises(ValueError, match="has no token"):
+        export_model(gpt, tokenizer_path, out, eos_token="<|missing|>")
+    assert sorted(out.iterdir()) == sorted(files)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging folders left behind
+
+
+def test_callback_exports_on_rank_zero_only(gpt, tokenizer_path, tmp_path):
+    callback = ExportModel(tmp_path / "hf", tokenizer_path)
+    module = SimpleNamespace(model=torch.compile(gpt))  # compiled lazily: wrapping costs nothing
+
+    callback.on_train_end(SimpleNamespace(is_global_zero=False), module)
+    assert not (tmp_path / "hf").exists()
+
+    callback.on_train_end(SimpleNamespace(is_global_zero=True), module)
+    hf_model, _ = load(tmp_path / "hf")
+    assert max_logit_diff(hf_model, gpt) < 1e-4

@@ -1,0 +1,240 @@
+"""Byte-level BPE tokenizer: training, fast encoding, and the `tokenizer` CLI.
+
+The tokenizer is trained and stored with HF `tokenizers` (tokenizer.json).
+For encoding, the same vocabulary and merges are loaded into `tiktoken` when
+it is installed, because its batch encoder is several times faster; the
+tokenizer.json is checked first so that both backends produce the same ids,
+and the plain HF path is used whenever that cannot be guaranteed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOS_TOKEN = "<|endoftext|>"
+# GPT-2's pre-tokenization split; HF's ByteLevel(use_regex=True) applies the
+# same expression, so tiktoken must be given exactly this one.
+GPT2_SPLIT_PATTERN = (
+    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, path: str | Path) -> None:
+    """Train a GPT-2-style byte-level BPE on `texts` and save it as tokenizer.json.
+
+    All 256 bytes are in the initial alphabet, so any string encodes without
+    an unknown token; `<|endoftext|>` is the only special token (id 0) and
+    serves as EOS between documents.
+    """
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path))
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map.
+
+    Byte-level BPE vocabularies store every token as a string of these
+    characters; inverting the map recovers the token's raw bytes.
+    """
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\N{INVERTED EXCLAMATION MARK}"), ord("\N{NOT SIGN}") + 1),
+        *range(ord("\N{REGISTERED SIGN}"), ord("\N{LATIN SMALL LETTER Y WITH DIAERESIS}") + 1),
+    ]
+    mapping = {byte: chr(byte) for byte in printable}
+    shifted = 0
+    for byte in range(256):
+        if byte not in mapping:
+            mapping[byte] = chr(256 + shifted)
+            shifted += 1
+    return mapping
+
+
+def _merge_pairs(merges: list) -> list[tuple[str, str]]:
+    """tokenizer.json stores merges as ["a", "b"] pairs or, in older files, "a b"."""
+    pairs = []
+    for merge in merges:
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        pairs.append((left, right))
+    return pairs
+
+
+def tiktoken_tables(config: dict) -> tuple[dict[bytes, int], dict[str, int]]:
+    """Translate a tokenizer.json into tiktoken's (mergeable_ranks, special_tokens).
+
+    tiktoken ranks a merge by the id of the token it produces, while HF ranks
+    it by its position in the merge list; the two agree only for a plain
+    GPT-2-style byte-level BPE whose merge results have increasing ids.
+    Raises ValueError for anything else, since ids would then silently differ.
+    """
+
+    def require(condition: bool, problem: str) -> None:
+        if not condition:
+            raise ValueError(f"tokenizer.json is not a plain byte-level BPE: {problem}")
+
+    require(config.get("normalizer") is None, "it has a normalizer")
+    pre = config.get("pre_tokenizer") or {}
+    require(pre.get("type") == "ByteLevel", f"pre-tokenizer is {pre.get('type')}, not ByteLevel")
+    require(not pre.get("add_prefix_space", False), "ByteLevel pre-tokenizer adds a prefix space")
+    require(pre.get("use_regex", True), "ByteLevel pre-tokenizer does not use the GPT-2 regex")
+    decoder = config.get("decoder") or {}
+    require(decoder.get("type") == "ByteLevel", f"decoder is {decoder.get('type')}, not ByteLevel")
+    post = config.get("post_processor")
+    require(post is None or post.get("type") == "ByteLevel", "post-processor adds tokens")
+
+    model = config.get("model") or {}
+    require(model.get("type") == "BPE", f"model is {model.get('type')}, not BPE")
+    require(not model.get("dropout"), "BPE dropout is set")
+    require(not model.get("continuing_subword_prefix"), "continuing_subword_prefix is set")
+    require(not model.get("end_of_word_suffix"), "end_of_word_suffix is set")
+    require(not model.get("byte_fallback", False), "byte_fallback is set")
+    require(not model.get("ignore_merges", False), "ignore_merges is set")
+
+    added = config.get("added_tokens") or []
+    require(all(token.get("special") for token in added), "it has non-special added tokens")
+    special_tokens = {token["content"]: token["id"] for token in added}
+    require(EOS_TOKEN in special_tokens, f"{EOS_TOKEN} is not a special token")
+
+    char_to_byte = {char: byte for byte, char in byte_to_unicode().items()}
+    vocab: dict[str, int] = model.get("vocab") or {}
+    ranks: dict[bytes, int] = {}
+    for token, token_id in vocab.items():
+        if token in special_tokens:
+            require(special_tokens[token] == token_id, f"{token!r} has two ids")
+            continue
+        require(all(char in char_to_byte for char in token), f"token {token!r} is not byte-level")
+        token_bytes = bytes(char_to_byte[char] for char in token)
+        require(token_bytes not in ranks, f"two tokens have the bytes {token_bytes!r}")
+        ranks[token_bytes] = token_id
+    require(all(bytes([byte]) in ranks for byte in range(256)), "not all 256 bytes are tokens")
+    all_ids = sorted([*ranks.values(), *special_tokens.values()])
+    require(all_ids == list(range(len(all_ids))), "token ids are not contiguous")
+
+    previous_rank = -1
+    merged_tokens = set()
+    for left, right in _merge_pairs(model.get("merges") or []):
+        merged = left + right
+        require(merged in vocab and left in vocab and right in vocab, f"merge {left!r} {right!r}")
+        require(vocab[merged] > previous_rank, f"merge results out of id order at {merged!r}")
+        previous_rank = vocab[merged]
+        merged_tokens.add(merged)
+    multi_byte = {token for token in vocab if token not in special_tokens and len(token) > 1}
+    require(multi_byte <= merged_tokens, "some tokens are not produced by any merge")
+    return ranks, special_tokens
+
+
+class TextEncoder:
+    """Encodes documents to token ids with a trained tokenizer.json.
+
+    Uses tiktoken when available and the file allows it (`backend ==
+    "tiktoken"`), otherwise HF tokenizers (`backend == "tokenizers"`); both
+    give the same ids. A literal "<|endoftext|>" in a document is encoded as
+    ordinary text, so documents cannot inject EOS; callers append `eos_id`.
+    """
+
+    def __init__(self, path: str | Path, prefer_fast: bool = True, num_threads: int = 2):
+        self.path = Path(path)
+        self.num_threads = num_threads
+        self._hf = Tokenizer.from_file(str(self.path))
+        self._hf.encode_special_tokens = True
+        eos_id = self._hf.token_to_id(EOS_TOKEN)
+        if eos_id is None:
+            raise ValueError(f"{self.path} has no {EOS_TOKEN} token")
+        self.eos_id: int = eos_id
+        self.vocab_size: int = self._hf.get_vocab_size(with_added_tokens=True)
+        self._tiktoken = self._load_tiktoken() if prefer_fast else None
+        self.backend: str = "tiktoken" if self._tiktoken is not None else "tokenizers"
+
+    def _load_tiktoken(self):
+        try:
+            import tiktoken
+        except ImportError:
+            return None
+        try:
+            config = json.loads(self.path.read_text(encoding="utf-8"))
+            ranks, special_tokens = tiktoken_tables(config)
+        except ValueError as err:
+            warnings.warn(f"{err}; using the slower HF tokenizers backend", RuntimeWarning)
+            return None
+        return tiktoken.Encoding(
+            name=self.path.stem,
+            pat_str=GPT2_SPLIT_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens=special_tokens,
+            explicit_n_vocab=self.vocab_size,
+        )
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, without EOS."""
+        if self._tiktoken is not None:
+            return self._tiktoken.encode_ordinary_batch(texts, num_threads=self.num_threads)
+        encodings = self._hf.encode_batch_fast(texts, add_special_tokens=False)
+        return [encoding.ids for encoding in encodings]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`; special tokens are kept as their literal text."""
+        if self._tiktoken is not None:
+            return self._tiktoken.decode(list(ids))
+        return self._hf.decode(list(ids), skip_special_tokens=False)
+
+
+def read_ndjson_texts(paths: Iterable[str | Path], field: str = "text") -> Iterator[str]:
+    """The `field` of every non-blank line of the NDJSON files, in order."""
+    for path in paths:
+        with open(path, encoding="utf-8") as lines:
+            for line in lines:
+                if line.strip():
+                    yield json.loads(line)[field]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`train.py tokenizer`: train tokenizer.json from NDJSON documents."""
+    parser = argparse.ArgumentParser(
+        prog="train.py tokenizer", description="Train a byte-level BPE tokenizer."
+    )
+    parser.add_argument("--input", nargs="+", required=True, help="NDJSON files with a text field")
+    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--output", type=Path, default=Path("conf/tokenizer.json"))
+    parser.add_argument("--field", default="text", help="JSON field holding the document")
+    args = parser.parse_args(argv)
+
+    documents = 0
+
+    def counted_texts() -> Iterator[str]:
+        nonlocal documents
+        for text in read_ndjson_texts(args.input, args.field):
+            documents += 1
+            yield text
+
+    train_tokenizer(counted_texts(), args.vocab_size, args.output)
+    encoder = TextEncoder(args.output)
+    print(
+        f"trained on {documents} documents: {args.output} "
+        f"(vocab {encoder.vocab_size}, eos id {encoder.eos_id}, backend {encoder.backend})",
+        file=sys.stderr,
+    )
+    if encoder.vocab_size < args.vocab_size:
+        print(f"note: corpus only supports {encoder.vocab_size} tokens", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""RunFab entry point and local command line: config in, Lightning Trainer out.
+
+RunFab imports this file, calls ``probe_batch(microbatch)`` in fresh processes, then
+``train(microbatch, accumulation)`` with records on stdin. ``python train.py`` runs the very
+same path locally. Importing it only defines things: no stdin, no CUDA, no files, no model.
+
+stdout carries RunFab's metric lines and nothing else; everything for people goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from callbacks.export import ExportModel
+from callbacks.run_record import RunRecord, sha256_file
+from callbacks.runfab_metrics import NonFiniteLossError, RunFabMetrics
+from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, load_config
+from datamodule import StreamingDataModule, StreamSettings, UnusableInputError, UpdateFeeder, ValidationPool, open_input
+from lit_module import LitGPT
+from model import IGNORE_INDEX
+from tokenizer import TextEncoder
+
+EFFECTIVE_BATCH_SIZE = 32
+
+PROBE_STEPS = 2
+USER_ERRORS = (ConfigError, UnusableInputError, NonFiniteLossError, FileNotFoundError)
+
+log = logging.getLogger("train")
+
+
+# ----------------------------------------------------------------------------- RunFab hooks
+
+
+def probe_batch(microbatch: int) -> None:
+    """Fit ``microbatch`` worst-case rows with the real model and optimizer; CUDA OOM propagates."""
+    run_probe(load_config(), microbatch)
+
+
+def train(microbatch: int, accumulation: int) -> dict:
+    """Train on stdin (or the bundled sample) with RunFab's choice of batch split, then export."""
+    return run_training(load_config(), microbatch, accumulation)
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+def world_size() -> int:
+    """Data-parallel ranks. One process, one device for now."""
+    return 1
+
+
+def check_batch(microbatch: int, accumulation: int, world: int) -> None:
+    if microbatch < 1 or accumulation < 1 or microbatch * accumulation * world != EFFECTIVE_BATCH_SIZE:
+        raise ConfigError(
+            f"microbatch ({microbatch}) x accumulation ({accumulation}) x GPUs ({world}) must equal "
+            f"EFFECTIVE_BATCH_SIZE ({EFFECTIVE_BATCH_SIZE}) rows per optimizer update"
+        )
+
+
+def resolve_accelerator(cfg: RunConfig) -> str:
+    if cfg.trainer.accelerator != "auto":
+        return cfg.trainer.accelerator
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_precision(cfg: RunConfig, accelerator: str) -> str:
+    return cfg.trainer.precision or ("bf16-mixed" if accelerator == "gpu" else "32-true")
+
+
+def setup_process(cfg: RunConfig) -> None:
+    """Logging to stderr, quiet about what we chose on purpose, seeded."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[%(asctime)s %(name)s] %(message)s")
+    for name in ("train", "datamodule", "callbacks", "lightning.pytorch"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*Consider setting `persistent_workers`.*")
+    L.seed_everything(cfg.seed, verbose=False)
+
+
+def lightning_trainer(cfg: RunConfig, accelerator: str, **overrides) -> L.Trainer:
+    """The Trainer arguments shared by training and the probe, so both run the same settings."""
+    arguments = dict(
+        accelerator=accelerator,
+        devices=1,
+        precision=resolve_precision(cfg, accelerator),
+        max_epochs=1,  # the stream is one pass
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        gradient_clip_val=None,  # LitGPT.configure_gradient_clipping clips with optim.grad_clip
+    )
+    arguments.update(overrides)
+    return L.Trainer(**arguments)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def stream_settings(cfg: RunConfig, encoder: TextEncoder, microbatch: int, accumulation: int, world: int) -> StreamSettings:
+    d = cfg.data
+    return StreamSettings(
+        seq_len=cfg.model.max_seq_len, vocab_size=cfg.model.vocab_size, eos_id=encoder.eos_id, seed=cfg.seed,
+        microbatch=microbatch, accumulation=accumulation, world_size=world,
+        max_record_bytes=d.max_record_bytes, give_up_after=d.give_up_after,
+        tokenize_batch_docs=d.tokenize_batch_docs, tokenize_batch_bytes=d.tokenize_batch_bytes,
+        val_fraction=d.val_fraction, val_max_tokens=d.val_max_tokens,
+        shuffle_buffer_docs=d.shuffle_buffer_docs, shuffle_buffer_tokens=d.shuffle_buffer_tokens,
+        max_train_tokens=d.max_train_tokens, prefetch_updates=d.prefetch_updates,
+    )
+
+
+def load_encoder(cfg: RunConfig) -> TextEncoder:
+    path = bundle_path(cfg.data.tokenizer)
+    if not path.is_file():
+        raise ConfigError(f"data.tokenizer {path} not found; train one with `python train.py tokenizer`")
+    encoder = TextEncoder(path, num_threads=cfg.data.tokenizer_threads)
+    if encoder.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"the tokenizer {path.name} has {encoder.vocab_size} tokens but model.vocab_size is "
+            f"{cfg.model.vocab_size}; the model's vocabulary must be at least the tokenizer's"
+        )
+    return encoder
+
+
+def run_training(cfg: RunConfig, microbatch: int, accumulation: int, stdin=None) -> dict:
+    """Validate, build, hand over to Lightning. Export and run record happen in callbacks."""
+    world = world_size()
+    check_batch(microbatch, accumulation, world)
+    setup_process(cfg)
+    accelerator = resolve_accelerator(cfg)
+    encoder = load_encoder(cfg)
+    settings = stream_settings(cfg, encoder, microbatch, accumulation, world)
+    feeder = UpdateFeeder(
+        lambda: open_input(bundle_path(cfg.data.sample_path), stdin),
+        settings, encoder.encode_batch, ValidationPool(cfg.data.val_max_tokens),
+    )
+    model_dir = Path(cfg.output.root) / "model"
+    tokenizer_path = bundle_path(cfg.data.tokenizer)
+    static = {
+        "seed": cfg.seed,
+        "config": as_dict(cfg),
+        "batch": {"effective": EFFECTIVE_BATCH_SIZE, "microbatch": microbatch, "accumulation": accumulation,
+                  "world_size": world, "tokens_per_update": EFFECTIVE_BATCH_SIZE * cfg.model.max_seq_len},
+        "tokenizer": {"path": cfg.data.tokenizer, "sha256": sha256_file(tokenizer_path),
+                      "vocab_size": encoder.vocab_size, "eos_id": encoder.eos_id, "backend": encoder.backend},
+    }
+    metrics = RunFabMetrics(cfg.metrics.interval_seconds, stream=sys.stdout)
+    callbacks: list[L.Callback] = [
+        metrics,
+        ExportModel(model_dir, tokenizer_path),
+        RunRecord(model_dir, BUNDLE_ROOT, static, feeder.stats.as_dict),
+    ]
+    every = cfg.trainer.checkpoint_every_steps
+    if every > 0:
+        checkpoint_dir = Path(cfg.output.root) / "checkpoints"
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=every, save_top_k=1))
+    validate = cfg.trainer.val_every_steps > 0 and cfg.data.val_fraction > 0
+    progress = cfg.trainer.progress_bar if cfg.trainer.progress_bar is not None else sys.stderr.isatty()
+    trainer = lightning_trainer(
+        cfg, accelerator,
+        max_steps=cfg.trainer.max_steps, max_time=cfg.trainer.max_time,
+        accumulate_grad_batches=accumulation,
+        val_check_interval=cfg.trainer.val_every_steps * accumulation if validate else None,
+        limit_val_batches=(cfg.trainer.val_batches or 1.0) if validate else 0,
+        enable_checkpointing=every > 0,
+        enable_progress_bar=progress,
+        default_root_dir=cfg.output.root,
+        callbacks=callbacks,
+    )
+    module = LitGPT(cfg.model, cfg.optim)
+    log.info("model: %d parameters; %s on %s; microbatch %d x accumulation %d x %d GPU(s)",
+             sum(p.numel() for p in module.model.parameters()), trainer.precision, accelerator,
+             microbatch, accumulation, world)
+    datamodule = StreamingDataModule(feeder, pin_memory=accelerator == "gpu")
+    with contextlib.redirect_stdout(sys.stderr):  # Lightning's progress bar and tables default to stdout
+        trainer.fit(module, datamodule=datamodule)
+    stats = feeder.stats.as_dict()
+    log.info("finished: %d optimizer steps, %d target tokens; model in %s", trainer.global_step, metrics.total_tokens, model_dir)
+    return {"steps": trainer.global_step, "model_dir": str(model_dir), "input": stats, "metrics": metrics.last_record}
+
+
+# ----------------------------------------------------------------------------- probe
+
+
+def worst_case_batch(microbatch: int, seq_len: int, vocab_size: int, accumulation: int) -> dict:
+    """Full-length rows, one document spanning each: the most attention work and memory a row can need."""
+    tokens = torch.randint(0, vocab_size, (microbatch, seq_len))
+    targets = torch.cat([tokens[:, 1:], torch.full((microbatch, 1), IGNORE_INDEX)], dim=1)
+    target_tokens = microbatch * (seq_len - 1)
+    return {
+        "input_ids": tokens,
+        "positions": torch.arange(seq_len).expand(microbatch, seq_len).contiguous(),
+        "targets": targets,
+        "target_tokens": target_tokens,
+        "update_target_tokens": target_tokens * accumulation,
+    }
+
+
+def run_probe(cfg: RunConfig, microbatch: int) -> dict:
+    """Two real optimizer steps (the second with AdamW state allocated) on worst-case rows.
+
+    Accumulates over two microbatches when the effective batch allows, so gradients are held
+    while the next forward runs, as in training. Reads no stdin, writes no files.
+    """
+    if not 1 <= microbatch <= EFFECTIVE_BATCH_SIZE:
+        raise ConfigError(f"microbatch must lie in 1..{EFFECTIVE_BATCH_SIZE}, not {microbatch}")
+    setup_process(cfg)
+    accelerator = resolve_accelerator(cfg)
+    accumulation = 2 if EFFECTIVE_BATCH_SIZE // microbatch >= 2 else 1
+    batch = worst_case_batch(microbatch, cfg.model.max_seq_len, cfg.model.vocab_size, accumulation)
+    batches = DataLoader([batch] * (PROBE_STEPS * accumulation), batch_size=None)
+    trainer = lightning_trainer(
+        cfg, accelerator, max_steps=PROBE_STEPS, accumulate_grad_batches=accumulation,
+        limit_val_batches=0, enable_progress_bar=False,
+    )
+    module = LitGPT(cfg.model, cfg.optim)
+    if accelerator == "gpu":
+        torch.cuda.reset_peak_memory_stats()
+    with contextlib.redirect_stdout(sys.stderr):
+        trainer.fit(module, train_dataloaders=batches)
+    result = {"microbatch": microbatch, "steps": trainer.global_step}
+    if accelerator == "gpu":
+        result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    log.info("probe: %s", result)
+    return result
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def parse_overrides(tokens: list[str]) -> list[str]:
+    """``--model.n_layer 2`` or ``--model.n_layer=2`` -> ``model.n_layer=2`` (omegaconf dotlist)."""
+    dotlist, i = [], 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--") or len(token) < 3:
+            raise ConfigError(f"unexpected argument {token!r}; overrides look like --section.key VALUE")
+        key = token[2:]
+        if "=" in key:
+            dotlist.append(key)
+            i += 1
+        elif i + 1 < len(tokens):
+            dotlist.append(f"{key}={tokens[i + 1]}")
+            i += 2
+        else:
+            raise ConfigError(f"override {token} has no value")
+    return dotlist
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["tokenizer"]:
+        import tokenizer
+
+        return tokenizer.main(argv[1:])
+    command = argv.pop(0) if argv[:1] in (["fit"], ["probe"]) else "fit"
+    parser = argparse.ArgumentParser(
+        prog="train.py",
+        description="Pretrain the GPT decoder on NDJSON records from stdin (or the bundled sample). "
+        "Subcommands: fit (default), probe, tokenizer. Any --section.key VALUE overrides the config.",
+    )
+    parser.add_argument("--config", help=f"YAML config of the bundle (default: $RUNFAB_CONFIG or conf/config.yaml)")
+    parser.add_argument("--microbatch", type=int, help="rows per microbatch (default: data.microbatch)")
+    parser.add_argument("--accumulation", type=int, help="microbatches per update (default: what the batch implies)")
+    known, rest = parser.parse_known_args(argv)
+    try:
+        cfg = load_config(known.config, parse_overrides(rest))
+        world = world_size()
+        microbatch = known.microbatch or (
+            EFFECTIVE_BATCH_SIZE // (known.accumulation * world) if known.accumulation else cfg.data.microbatch
+        )
+        if command == "probe":
+            run_probe(cfg, microbatch)
+            return 0
+        accumulation = known.accumulation or max(1, EFFECTIVE_BATCH_SIZE // (microbatch * world))
+        run_training(cfg, microbatch, accumulation)
+    except USER_ERRORS as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
