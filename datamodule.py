@@ -129,7 +129,11 @@ def parse_record(line: bytes, vocab_size: int) -> Document | str:
             return "text_not_a_string"
         if not value.strip():
             return "empty_text"
-        return Document(key=value.encode("utf-8", "surrogatepass"), text=value)
+        try:
+            key = value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate from a \ud800-style escape is not text
+            return "invalid_utf8"
+        return Document(key=key, text=value)
     if "input_ids" in record:
         value = record["input_ids"]
         if not isinstance(value, list) or not all(type(i) is int for i in value):
@@ -438,7 +442,7 @@ class UpdateFeeder:
         self._thread = threading.Thread(target=self._run, name="update-feeder", daemon=True)
 
     def start(self) -> None:
-        if not self._thread.is_alive() and not self._stop.is_set():
+        if self._thread.ident is None and not self._stop.is_set():
             self._thread.start()
 
     def stop(self) -> None:

@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # tests run from anywhere, tokenizer.py lives at the root
-    sys.path.insert(0, str(ROOT))
+import tokenizer
+from tokenizer import EOS_TOKEN, TextEncoder, read_ndjson_texts, train_tokenizer
 
-import tokenizer  # noqa: E402
-from tokenizer import EOS_TOKEN, TextEncoder, read_ndjson_texts, train_tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SAMPLE = ROOT / "data" / "sample.jsonl"
 SHIPPED_TOKENIZER = ROOT / "conf" / "tokenizer.json"

@@ -1,0 +1,300 @@
+"""Each stage of the data flow alone, then composed: validation, packing, complete updates, bounds."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import numpy as np
+import pytest
+
+from datamodule import (
+    Row,
+    StreamSettings,
+    StreamStats,
+    UnusableInputError,
+    UpdateFeeder,
+    ValidationPool,
+    assemble_updates,
+    is_held_out,
+    open_input,
+    pack_rows,
+    parse_record,
+    read_records,
+    shuffle_documents,
+    split_update,
+    split_validation,
+    stream_updates,
+)
+from model import IGNORE_INDEX
+
+VOCAB = 1000
+
+
+def ndjson(*records) -> bytes:
+    return b"".join((r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in records)
+
+
+def reader(data: bytes, max_bytes: int = 1 << 20, give_up_after: int = 256) -> tuple[list, StreamStats]:
+    stats = StreamStats(source="test")
+    docs = list(read_records(io.BytesIO(data), stats, VOCAB, max_bytes, give_up_after))
+    return docs, stats
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        (b"{not json", "invalid_json"),
+        (b"\xff\xfe{}", "invalid_utf8"),
+        (b'{"text": "a\\ud800b"}', "invalid_utf8"),
+        (b"[1, 2, 3]", "not_an_object"),
+        (b'{"id": 7}', "no_text_or_input_ids"),
+        (b'{"text": 5}', "text_not_a_string"),
+        (b'{"text": "  \\n "}', "empty_text"),
+        (b'{"input_ids": "1 2"}', "input_ids_not_int_list"),
+        (b'{"input_ids": [1, 2.5]}', "input_ids_not_int_list"),
+        (b'{"input_ids": [1, true]}', "input_ids_not_int_list"),
+        (b'{"input_ids": []}', "empty_input_ids"),
+        (b'{"input_ids": [1, 1000]}', "input_ids_out_of_range"),
+        (b'{"input_ids": [-1]}', "input_ids_out_of_range"),
+    ],
+)
+def test_each_bad_record_is_rejected_with_its_reason(line, reason):
+    assert parse_record(line, VOCAB) == reason
+
+
+def test_good_records_keep_text_or_ids_and_ignore_other_fields():
+    text = parse_record(b'{"text": "hello", "id": 3, "split": "train"}', VOCAB)
+    ids = parse_record(b'{"input_ids": [0, 999], "text_len": 2}', VOCAB)
+    assert text.text == "hello" and text.ids is None
+    assert ids.ids.tolist() == [0, 999] and ids.text is None
+
+
+def test_rejects_are_counted_by_reason_and_good_records_survive():
+    big = json.dumps({"text": "x" * (2 << 20)}).encode()
+    data = ndjson({"text": "one"}, b"{oops", {"image_b64": "AAAA"}, big, {"input_ids": [5, 6]}, b"", {"text": ""})
+    docs, stats = reader(data + b'{"text": "trunc')
+    assert [d.text or d.ids.tolist() for d in docs] == ["one", [5, 6]]
+    assert stats.rejected == {"invalid_json": 2, "no_text_or_input_ids": 1, "record_too_large": 1, "empty_text": 1}
+    assert stats.records == 7 and stats.accepted == 2 and stats.end_of_input
+
+
+def test_a_record_just_at_the_size_limit_is_kept_and_one_byte_more_is_not():
+    limit = 64
+    exact = json.dumps({"text": "y" * (limit - 12)}).encode()
+    assert len(exact) == limit
+    over = json.dumps({"text": "y" * (limit - 11)}).encode()
+    docs, stats = reader(ndjson(exact, over, {"text": "after"}), max_bytes=limit)
+    assert [d.text for d in docs] == ["y" * (limit - 12), "after"]
+    assert stats.rejected == {"record_too_large": 1}
+
+
+def test_an_image_stream_is_refused_quickly_naming_what_was_expected_and_found():
+    record = {"image_b64": "A" * 200_000, "labels": [], "boxes": [], "class_ids": [], "id": "x", "split": "train"}
+    line = json.dumps(record).encode() + b"\n"
+
+    def endless():
+        while True:
+            yield line
+
+    class Stream(io.RawIOBase):
+        def __init__(self):
+            self.lines = endless()
+
+        def readline(self, size=-1):
+            return next(self.lines)
+
+    start = time.perf_counter()
+    with pytest.raises(UnusableInputError) as error:
+        list(read_records(Stream(), StreamStats(source="stdin"), VOCAB, 1 << 20, 256))
+    assert time.perf_counter() - start < 10
+    message = str(error.value)
+    assert '"text"' in message and '"input_ids"' in message and "image_b64" in message
+
+
+def test_a_stream_without_any_usable_record_fails_at_its_end():
+    with pytest.raises(UnusableInputError, match="no usable record"):
+        reader(ndjson(b"{bad", {"foo": 1}))
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def docs_of(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, VOCAB, n).astype(np.int32) for n in lengths]
+
+
+def test_rows_are_exactly_seq_len_and_keep_every_token_in_order():
+    docs = docs_of([3, 17, 8, 1, 40, 5, 9])
+    stats = StreamStats()
+    rows = list(pack_rows(docs, 16, stats))
+    assert all(len(r.tokens) == 16 for r in rows)
+    flat = np.concatenate([r.tokens for r in rows])
+    everything = np.concatenate(docs)
+    assert np.array_equal(flat, everything[: len(flat)])
+    assert stats.tail_tokens_dropped == len(everything) - len(flat) == 83 - 80
+
+
+def test_positions_restart_at_each_document_and_its_continuation():
+    rows = list(pack_rows(docs_of([5, 20, 7]), 16, StreamStats()))
+    assert rows[0].positions.tolist() == [0, 1, 2, 3, 4] + list(range(11))
+    assert rows[1].positions.tolist() == list(range(9)) + list(range(7))
+
+
+def test_targets_predict_the_next_token_of_the_same_document_only():
+    rows = list(pack_rows(docs_of([5, 11]), 16, StreamStats()))
+    row = rows[0]
+    targets = row.targets()
+    assert targets[:4].tolist() == row.tokens[1:5].tolist()
+    assert targets[4] == IGNORE_INDEX  # the last token of document 1 must not predict document 2
+    assert targets[5:15].tolist() == row.tokens[6:16].tolist()
+    assert targets[15] == IGNORE_INDEX
+    assert (targets != IGNORE_INDEX).sum() == 16 - 2
+
+
+def test_updates_are_complete_and_the_tail_is_dropped_and_counted():
+    stats = StreamStats()
+    rows = [Row(np.full(8, i, np.int32), np.arange(8, dtype=np.int32)) for i in range(11)]
+    updates = list(assemble_updates(rows, 4, stats))
+    assert [len(u) for u in updates] == [4, 4]
+    assert stats.updates == 2 and stats.tail_tokens_dropped == 3 * 8
+
+
+def test_each_rank_gets_the_same_number_of_microbatches_carrying_the_update_token_count():
+    rows = list(pack_rows(docs_of([7] * 40, seed=3), 16, StreamStats()))[:12]
+    per_rank = split_update(rows, world_size=3, microbatch=2, stats=StreamStats())
+    assert [len(mbs) for mbs in per_rank] == [2, 2, 2]
+    microbatches = [mb for mbs in per_rank for mb in mbs]
+    total = sum(mb["target_tokens"] for mb in microbatches)
+    assert total == sum(int((r.targets() != IGNORE_INDEX).sum()) for r in rows)
+    assert all(mb["update_target_tokens"] == total for mb in microbatches)
+    assert np.array_equal(per_rank[1][0]["input_ids"].numpy(), np.stack([r.tokens for r in rows[4:6]]))
+
+
+# ----------------------------------------------------------------------------- holding out and shuffling
+
+
+def test_shuffle_is_a_seeded_permutation_that_never_holds_more_than_its_bound():
+    docs = docs_of(range(1, 200))
+    pulled = []
+
+    def source():
+        for d in docs:
+            pulled.append(d)
+            yield d
+
+    out = []
+    for d in shuffle_documents(source(), max_docs=10, max_tokens=10**9, seed=7):
+        assert len(pulled) - len(out) <= 11  # held at most 10 documents plus the one just pulled
+        out.append(d)
+    assert sorted(map(len, out)) == sorted(map(len, docs))
+    again = list(shuffle_documents(iter(docs), max_docs=10, max_tokens=10**9, seed=7))
+    assert [len(d) for d in again] == [len(d) for d in out]
+    assert [len(d) for d in out] != [len(d) for d in docs]
+
+
+def test_shuffle_respects_its_token_bound():
+    docs = docs_of([50] * 100)
+    held = []
+    it = shuffle_documents(iter(docs), max_docs=10**6, max_tokens=500, seed=0)
+    first = next(it)
+    held.append(first)
+    assert len(first) == 50  # released as soon as the buffer passed 500 tokens
+
+
+def test_held_out_documents_are_chosen_by_content_not_by_order():
+    docs = [(f"doc {i}".encode(), np.arange(i % 7 + 1, dtype=np.int32)) for i in range(4000)]
+    chosen = {key for key, _ in docs if is_held_out(key, 0.05)}
+    assert 100 < len(chosen) < 300
+    stats = StreamStats()
+    pool = ValidationPool(max_tokens=10**9)
+    trained = list(split_validation(reversed(docs), pool, 0.05, stats))
+    assert stats.held_out_documents == len(chosen) and len(trained) == 4000 - len(chosen)
+
+
+def test_the_validation_pool_is_bounded_and_later_held_out_documents_are_trained():
+    docs = [(f"doc {i}".encode(), np.arange(10, dtype=np.int32)) for i in range(2000)]
+    stats = StreamStats()
+    pool = ValidationPool(max_tokens=55)
+    trained = list(split_validation(docs, pool, 0.5, stats))
+    assert pool.tokens == 50 and stats.held_out_documents == 5
+    assert len(trained) == 2000 - 5
+
+
+# ----------------------------------------------------------------------------- composed
+
+
+def settings(**overrides) -> StreamSettings:
+    values = dict(seq_len=32, vocab_size=VOCAB, eos_id=0, seed=0, microbatch=2, accumulation=2, val_fraction=0.05,
+                  val_max_tokens=200, shuffle_buffer_docs=16)
+    values.update(overrides)
+    return StreamSettings(**values)
+
+
+def fake_encode(texts):
+    return [[1 + (ord(c) % (VOCAB - 1)) for c in t] for t in texts]
+
+
+def test_every_usable_token_is_trained_once_held_out_or_reported_as_tail():
+    rng = np.random.default_rng(0)
+    records = [{"text": "w" * int(n)} if i % 2 else {"input_ids": [int(x) for x in rng.integers(1, VOCAB, int(n))]}
+               for i, n in enumerate(rng.integers(1, 90, 300))]
+    data = ndjson(*records, b"garbage")
+    stats = StreamStats()
+    s = settings()
+    updates = list(stream_updates(io.BytesIO(data), s, fake_encode, stats, ValidationPool(s.val_max_tokens)))
+    trained_rows = sum(len(mb["input_ids"]) for per_rank in updates for mb in per_rank[0])
+    assert trained_rows == len(updates) * s.rows_per_update
+    assert stats.document_tokens == stats.held_out_tokens + trained_rows * s.seq_len + stats.tail_tokens_dropped
+    assert stats.documents == 300 and stats.rejected == {"invalid_json": 1}
+    assert stats.update_target_tokens == sum(per_rank[0][0]["update_target_tokens"] for per_rank in updates)
+
+
+def test_too_little_input_for_one_update_is_a_clear_error():
+    with pytest.raises(UnusableInputError, match="before one complete update"):
+        list(stream_updates(io.BytesIO(ndjson({"text": "short"})), settings(), fake_encode, StreamStats(),
+                            ValidationPool(0)))
+
+
+def test_the_token_budget_stops_at_an_update_boundary():
+    data = ndjson(*({"input_ids": [3] * 50} for _ in range(200)))
+    stats = StreamStats()
+    updates = list(stream_updates(io.BytesIO(data), settings(max_train_tokens=300), fake_encode, stats, ValidationPool(0)))
+    assert len(updates) == 3 and stats.update_target_tokens >= 300
+
+
+def test_the_feeder_delivers_complete_updates_then_ends_and_forwards_errors():
+    data = ndjson(*({"input_ids": [3] * 50} for _ in range(100)))
+    s = settings(val_fraction=0.0)
+    feeder = UpdateFeeder(lambda: (io.BytesIO(data), "test"), s, fake_encode, ValidationPool(0))
+    microbatches = list(feeder.iterate())
+    assert len(microbatches) == feeder.stats.updates * s.accumulation > 0
+    assert list(feeder.iterate()) == []  # one pass: a second iteration ends at once
+
+    broken = UpdateFeeder(lambda: (io.BytesIO(ndjson({"image_b64": "x"})), "test"), s, fake_encode, ValidationPool(0))
+    with pytest.raises(UnusableInputError):
+        list(broken.iterate())
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+class FakeStdin(io.BufferedReader):
+    def isatty(self):
+        return False
+
+
+def test_input_comes_from_stdin_when_it_has_data_else_from_the_bundled_sample(tmp_path):
+    sample = tmp_path / "sample.jsonl"
+    sample.write_bytes(ndjson({"text": "bundled"}))
+    stream, source = open_input(sample, FakeStdin(io.BytesIO(b'{"text": "piped"}\n')))
+    assert source == "stdin" and stream.readline() == b'{"text": "piped"}\n'
+    stream, source = open_input(sample, FakeStdin(io.BytesIO(b"")))
+    assert source == str(sample) and stream.readline() == b'{"text": "bundled"}\n'
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        open_input(tmp_path / "missing.jsonl", FakeStdin(io.BytesIO(b"")))

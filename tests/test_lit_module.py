@@ -1,0 +1,138 @@
+"""Loss normalization, optimizer groups and schedule, checked through the real Lightning Trainer."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from datamodule import Row, StreamStats, split_update
+from lit_module import LitGPT, OptimConfig, lr_factor
+from model import IGNORE_INDEX, GPTConfig, token_loss_sum
+
+SEQ_LEN = 16
+ROWS = 8
+
+
+def uneven_rows(seed: int = 0) -> list[Row]:
+    """Rows whose document layouts differ, so microbatches hold very different target counts."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(ROWS):
+        cuts = sorted(rng.choice(np.arange(1, SEQ_LEN), size=i % 5, replace=False))
+        bounds = [0, *cuts, SEQ_LEN]
+        positions = np.concatenate([np.arange(b - a) for a, b in zip(bounds, bounds[1:])]).astype(np.int32)
+        rows.append(Row(rng.integers(0, 61, SEQ_LEN).astype(np.int32), positions))
+    return rows
+
+
+def module(seed: int = 0, **optim) -> LitGPT:
+    torch.manual_seed(seed)
+    config = GPTConfig(vocab_size=61, n_layer=2, n_head=2, n_embd=16, max_seq_len=SEQ_LEN, init_std=0.1)
+    return LitGPT(config, OptimConfig(grad_clip=0.0, warmup_steps=1, schedule="constant", **optim))
+
+
+class CaptureGradients(L.Callback):
+    def __init__(self) -> None:
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.grads.append({n: p.grad.clone() for n, p in pl_module.named_parameters()})
+
+
+def fit(lit: LitGPT, updates: list[list[Row]], microbatch: int, steps: int = 1) -> CaptureGradients:
+    accumulation = ROWS // microbatch
+    batches = [mb for update in updates for mb in split_update(update, 1, microbatch, StreamStats())[0]]
+    capture = CaptureGradients()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, precision="32-true", max_steps=steps, max_epochs=1,
+        accumulate_grad_batches=accumulation, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[capture],
+    )
+    trainer.fit(lit, train_dataloaders=DataLoader(batches, batch_size=None))
+    return capture
+
+
+def reference_gradients(lit: LitGPT, rows: list[Row]) -> dict[str, torch.Tensor]:
+    """The definition: sum of every target token's loss in the update / the update's target count."""
+    lit = copy.deepcopy(lit)
+    tokens = torch.from_numpy(np.stack([r.tokens for r in rows]).astype(np.int64))
+    positions = torch.from_numpy(np.stack([r.positions for r in rows]).astype(np.int64))
+    targets = torch.from_numpy(np.stack([r.targets() for r in rows]))
+    hidden = lit.model.hidden_states(tokens, positions)
+    loss = token_loss_sum(hidden, lit.model.lm_head_weight, targets) / (targets != IGNORE_INDEX).sum()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in lit.named_parameters()}
+
+
+@pytest.mark.parametrize("microbatch", [1, 2, 4, 8])
+def test_accumulated_gradient_equals_the_one_batch_gradient(microbatch):
+    rows = uneven_rows()
+    lit = module()
+    expected = reference_gradients(lit, rows)
+    got = fit(lit, [rows], microbatch).grads[0]
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_the_check_has_teeth_a_per_microbatch_mean_would_fail_it():
+    """Averaging each microbatch's mean loss (the naive recipe) weights tokens unequally here."""
+    rows = uneven_rows()
+    lit = module()
+    expected = reference_gradients(lit, rows)
+    naive = copy.deepcopy(lit)
+    for i in range(0, ROWS, 2):
+        part = rows[i : i + 2]
+        tokens = torch.from_numpy(np.stack([r.tokens for r in part]).astype(np.int64))
+        positions = torch.from_numpy(np.stack([r.positions for r in part]).astype(np.int64))
+        targets = torch.from_numpy(np.stack([r.targets() for r in part]))
+        hidden = naive.model.hidden_states(tokens, positions)
+        loss = token_loss_sum(hidden, naive.model.lm_head_weight, targets) / (targets != IGNORE_INDEX).sum()
+        (loss / (ROWS // 2)).backward()
+    difference = max((p.grad - expected[n]).abs().max().item() for n, p in naive.named_parameters())
+    assert difference > 1e-4
+
+
+def test_weights_after_several_updates_do_not_depend_on_the_split():
+    updates = [uneven_rows(seed) for seed in range(3)]
+    one_batch, split = module(), module()
+    fit(one_batch, updates, microbatch=8, steps=3)
+    fit(split, updates, microbatch=2, steps=3)
+    for (name, a), b in zip(one_batch.named_parameters(), split.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_no_weight_decay_on_norms_biases_and_embeddings():
+    lit = module()
+    decay, no_decay = lit.parameter_groups()
+    names = {id(p): n for n, p in lit.model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert decayed and all(n.endswith(("qkv.weight", "proj.weight", "fc.weight")) for n in decayed)
+    assert {"wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"} <= {names[id(p)] for p in no_decay["params"]}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(lit.model.parameters()))
+
+
+def test_schedule_warms_up_linearly_then_follows_the_cosine_to_its_floor():
+    cfg = OptimConfig(warmup_steps=10, decay_steps=110, min_lr_ratio=0.1, schedule="cosine")
+    assert lr_factor(0, cfg) == pytest.approx(0.1)
+    assert lr_factor(9, cfg) == pytest.approx(1.0)
+    assert lr_factor(60, cfg) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_factor(110, cfg) == pytest.approx(0.1)
+    assert lr_factor(500, cfg) == pytest.approx(0.1)
+    assert lr_factor(50, OptimConfig(warmup_steps=10, schedule="constant")) == 1.0
+
+
+def test_gradient_clipping_reports_the_norm_before_clipping():
+    rows = uneven_rows()
+    lit = module()
+    lit.optim_config.grad_clip = 1e-3
+    expected = reference_gradients(lit, rows)
+    fit(lit, [rows], microbatch=4)
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in expected.values()]))
+    torch.testing.assert_close(lit.last_grad_norm, norm, rtol=1e-5, atol=0)

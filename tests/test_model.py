@@ -1,0 +1,74 @@
+"""The decoder: exact size of the reference model, and documents that never see each other."""
+
+from __future__ import annotations
+
+import torch
+
+from config import load_config
+from model import GPT, GPTConfig, count_parameters, document_causal_mask
+
+
+def tiny_model(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=97, n_layer=2, n_head=4, n_embd=32, max_seq_len=32, init_std=0.1))
+    return model.eval()
+
+
+def test_reference_config_has_exactly_126_716_160_parameters():
+    cfg = load_config("conf/config.yaml")
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    assert count_parameters(model) == 126_716_160
+    assert model.wte.weight is model.lm_head_weight  # tied, counted once
+
+
+def test_document_causal_mask_matches_brute_force():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 0]])
+    mask = document_causal_mask(positions)[0, 0]
+    starts = [0, 3, 5, 9]
+    doc = [max(i for i, s in enumerate(starts) if s <= t) for t in range(10)]
+    expected = torch.tensor([[j <= i and doc[i] == doc[j] for j in range(10)] for i in range(10)])
+    assert torch.equal(mask, expected)
+
+
+def test_packed_documents_give_the_logits_of_each_document_alone():
+    model = tiny_model()
+    generator = torch.Generator().manual_seed(1)
+    lengths = [5, 11, 1, 7]
+    docs = [torch.randint(0, 97, (n,), generator=generator) for n in lengths]
+    row = torch.cat(docs)[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        packed = model(row, positions)[0]
+        start = 0
+        for doc in docs:
+            alone = model(doc[None])[0]
+            torch.testing.assert_close(packed[start : start + len(doc)], alone, rtol=1e-5, atol=1e-5)
+            start += len(doc)
+
+
+def test_changing_one_document_leaves_the_others_untouched():
+    model = tiny_model()
+    row = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(2))
+    positions = torch.cat([torch.arange(10), torch.arange(14)])[None]
+    changed = row.clone()
+    changed[0, :10] = (changed[0, :10] + 1) % 97
+    with torch.no_grad():
+        before, after = model(row, positions), model(changed, positions)
+    assert torch.equal(before[0, 10:], after[0, 10:])
+    assert not torch.allclose(before[0, :10], after[0, :10])
+    # Without document positions the same change would leak into the second document.
+    with torch.no_grad():
+        leaked = model(changed)[0, 10:] - model(row)[0, 10:]
+    assert leaked.abs().max() > 1e-4
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    plain, checkpointed = tiny_model(), tiny_model()
+    checkpointed.config.activation_checkpointing = True
+    row = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
+    for model in (plain, checkpointed):
+        model.train()
+        model(row).float().pow(2).mean().backward()
+    for a, b in zip(plain.parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
