@@ -1,0 +1,130 @@
+"""The metrics feed, divergence handling, checkpoints and the run record, with real Lightning runs."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from types import SimpleNamespace
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import train
+from callbacks.runfab_metrics import NonFiniteLossError, RunFabMetrics
+from config import load_config
+from datamodule import Row, StreamStats, split_update
+from lit_module import LitGPT, OptimConfig
+from model import GPTConfig
+
+TINY = [
+    "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.max_seq_len=32",
+    "trainer.max_steps=4", "trainer.val_every_steps=2", "optim.warmup_steps=1", "metrics.interval_seconds=0.01",
+    "data.val_fraction=0.2", "data.val_max_tokens=4096", "data.shuffle_buffer_docs=64",
+]
+
+
+class Stdin(io.BufferedReader):
+    def isatty(self) -> bool:
+        return False
+
+
+def records(n: int = 400) -> bytes:
+    lines = (json.loads(line) for line in open(train.BUNDLE_ROOT / "data/sample.jsonl"))
+    return b"".join(json.dumps({"text": r["text"]}).encode() + b"\n" for _, r in zip(range(n), lines))
+
+
+def test_interval_loss_is_token_weighted_and_steps_are_counted_once_per_update():
+    """Two updates of two microbatches each; the reported loss weights microbatches by their tokens."""
+    stream = io.StringIO()
+    metrics = RunFabMetrics(interval_seconds=3600, stream=stream)
+    optimizer = SimpleNamespace(param_groups=[{"lr": 0.5}])
+    trainer = SimpleNamespace(global_step=0, is_global_zero=True, optimizers=[optimizer], sanity_checking=False)
+    module = SimpleNamespace(device=torch.device("cpu"), last_grad_norm=None, val_loss=None)
+    metrics.on_train_start(trainer, module)
+    batch = {"input_ids": torch.zeros(3, 4)}
+    microbatches = [(10.0, 5), (40.0, 20), (3.0, 1), (7.0, 4)]  # (summed loss, target tokens)
+    for i, (loss_sum, tokens) in enumerate(microbatches):
+        metrics.on_train_batch_start(trainer, module, batch, i)
+        if i % 2:
+            trainer.global_step += 1
+            module.last_grad_norm = torch.tensor(float(trainer.global_step))
+        metrics.on_train_batch_end(trainer, module, {"loss_sum": torch.tensor(loss_sum), "target_tokens": tokens}, batch, i)
+    metrics.report(trainer, module)
+    record = json.loads(stream.getvalue())
+    assert record["step"] == 2
+    assert record["loss"] == pytest.approx(60 / 30)  # not the mean of the four microbatch means
+    assert record["grad_norm"] == pytest.approx(1.5)
+    assert record["lr"] == 0.5
+    assert record["tokens_per_second"] > 0 and record["samples_per_second"] > 0
+    assert record["tokens_per_second"] / record["samples_per_second"] == pytest.approx(30 / 12)
+
+
+class PoisonWeights(L.Callback):
+    """Turns the embedding into NaN before the given microbatch, as a diverging run would."""
+
+    def __init__(self, batch_idx: int) -> None:
+        self.batch_idx = batch_idx
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == self.batch_idx:
+            with torch.no_grad():
+                pl_module.model.wte.weight.fill_(float("nan"))
+
+
+def test_a_non_finite_loss_stops_the_run_naming_the_update_and_reports_no_nan():
+    rng = np.random.default_rng(0)
+    rows = [Row(rng.integers(0, 50, 16).astype(np.int32), np.arange(16, dtype=np.int32)) for _ in range(16)]
+    batches = [mb for i in range(0, 16, 4) for mb in split_update(rows[i : i + 4], 1, 2, StreamStats())[0]]
+    torch.manual_seed(0)
+    lit = LitGPT(GPTConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=16, max_seq_len=16), OptimConfig(warmup_steps=1))
+    stream = io.StringIO()
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=8, max_epochs=1, accumulate_grad_batches=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[RunFabMetrics(interval_seconds=0.0, stream=stream), PoisonWeights(batch_idx=5)],
+    )
+    with pytest.raises(NonFiniteLossError, match="optimizer step 3"):
+        trainer.fit(lit, train_dataloaders=DataLoader(batches, batch_size=None))
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    assert all(math.isfinite(v) for line in lines for v in line.values())
+
+
+def test_training_in_process_writes_metrics_model_record_and_checkpoints_apart(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("conf/smoke.yaml", [*TINY, f"output.root={tmp_path / 'out'}", "trainer.checkpoint_every_steps=2"])
+    stdout = io.StringIO()
+    monkeypatch.setattr("sys.stdout", stdout)
+    result = train.run_training(cfg, microbatch=8, accumulation=4, stdin=Stdin(io.BytesIO(records())))
+    assert result["steps"] == 4
+    lines = [json.loads(line) for line in stdout.getvalue().splitlines()]
+    assert lines and all(set(line) >= {"step", "elapsed_seconds"} for line in lines)
+    assert any("val_loss" in line for line in lines)
+    assert lines[-1]["step"] == 4 and [line["step"] for line in lines] == sorted(line["step"] for line in lines)
+    model_dir, checkpoints = tmp_path / "out" / "model", tmp_path / "out" / "checkpoints"
+    assert {p.name for p in model_dir.iterdir()} >= {"model.safetensors", "config.json", "tokenizer.json", "run_record.json"}
+    assert list(checkpoints.glob("*.ckpt")) and not list(model_dir.glob("*.ckpt"))
+    record = json.loads((model_dir / "run_record.json").read_text())
+    assert record["batch"] == {"effective": 32, "microbatch": 8, "accumulation": 4, "world_size": 1, "tokens_per_update": 1024}
+    assert record["optimizer_steps"] == 4 and record["input"]["source"] == "stdin"
+    assert record["input"]["accepted"] == record["input"]["records"] <= 400
+    assert len(record["input"]["input_sha256"]) == 64
+    assert record["config"]["model"]["n_layer"] == 1 and record["seed"] == cfg.seed
+    assert record["tokenizer"]["vocab_size"] == 8192 and record["environment"]["libraries"]["torch"]
+    assert "train.py" in record["sources_sha256"] and "conf/smoke.yaml" in record["sources_sha256"]
+
+
+def test_a_model_smaller_than_the_tokenizer_vocabulary_is_refused():
+    cfg = load_config("conf/smoke.yaml", ["model.vocab_size=100"])
+    with pytest.raises(train.ConfigError, match="at least the tokenizer"):
+        train.load_encoder(cfg)
+
+
+def test_a_batch_split_that_does_not_make_the_effective_batch_is_refused():
+    with pytest.raises(train.ConfigError, match="EFFECTIVE_BATCH_SIZE"):
+        train.check_batch(3, 5, 1)
+    train.check_batch(4, 8, 1)
