@@ -13,30 +13,13 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from datamodule import DataConfig
 from lit_module import OptimConfig
 from model import GPTConfig
 
 BUNDLE_ROOT = Path(__file__).resolve().parent
 DEFAULT_CONFIG = "conf/config.yaml"
 CONFIG_ENV = "RUNFAB_CONFIG"
-
-
-@dataclass
-class DataConfig:
-    tokenizer: str = "conf/tokenizer.json"
-    sample_path: str = "data/sample.jsonl"  # used when stdin is a terminal or empty
-    microbatch: int = 8  # for local runs only: RunFab chooses its own
-    max_record_bytes: int = 1 << 20
-    give_up_after: int = 256  # rejected records, with none usable, before the stream is refused
-    tokenize_batch_docs: int = 256
-    tokenize_batch_bytes: int = 8 << 20
-    tokenizer_threads: int = 2
-    val_fraction: float = 0.005
-    val_max_tokens: int = 1 << 18
-    shuffle_buffer_docs: int = 10_000
-    shuffle_buffer_tokens: int = 1 << 23
-    max_train_tokens: int | None = None  # token budget: stop after this many target tokens
-    prefetch_updates: int = 2
 
 
 @dataclass

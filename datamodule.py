@@ -372,9 +372,30 @@ def split_update(update: list[Row], world_size: int, microbatch: int, stats: Str
 
 
 @dataclass
-class StreamSettings:
-    """The data section of the config, resolved: what the feeder needs and nothing else."""
+class DataConfig:
+    """The ``data`` section of the config: where records come from and every buffer's bound."""
 
+    tokenizer: str = "conf/tokenizer.json"
+    sample_path: str = "data/sample.jsonl"  # used when stdin is a terminal or empty
+    microbatch: int = 8  # for local runs only: RunFab chooses its own
+    max_record_bytes: int = 1 << 20
+    give_up_after: int = 256  # rejected records, with none usable, before the stream is refused
+    tokenize_batch_docs: int = 256
+    tokenize_batch_bytes: int = 8 << 20
+    tokenizer_threads: int = 2
+    val_fraction: float = 0.005
+    val_max_tokens: int = 1 << 18
+    shuffle_buffer_docs: int = 10_000
+    shuffle_buffer_tokens: int = 1 << 23
+    max_train_tokens: int | None = None  # token budget: stop after this many target tokens
+    prefetch_updates: int = 2
+
+
+@dataclass
+class StreamSettings:
+    """What the feeder needs: the data config plus the run's shape (row length, batch split, tokenizer)."""
+
+    data: DataConfig
     seq_len: int
     vocab_size: int
     eos_id: int
@@ -382,16 +403,6 @@ class StreamSettings:
     microbatch: int
     accumulation: int
     world_size: int = 1
-    max_record_bytes: int = 1 << 20
-    give_up_after: int = 256
-    tokenize_batch_docs: int = 256
-    tokenize_batch_bytes: int = 8 << 20
-    val_fraction: float = 0.005
-    val_max_tokens: int = 1 << 18
-    shuffle_buffer_docs: int = 10_000
-    shuffle_buffer_tokens: int = 1 << 23
-    max_train_tokens: int | None = None
-    prefetch_updates: int = 2
 
     @property
     def rows_per_update(self) -> int:
@@ -402,13 +413,13 @@ def stream_updates(
     stream: BinaryIO, settings: StreamSettings, encode_batch: Callable, stats: StreamStats, pool: ValidationPool
 ) -> Iterator[list[list[dict]]]:
     """The whole flow, composed: a byte stream in, per-rank microbatch lists of complete updates out."""
-    s = settings
-    docs = read_records(stream, stats, s.vocab_size, s.max_record_bytes, s.give_up_after)
-    tokens = encode_documents(docs, encode_batch, s.eos_id, stats, s.tokenize_batch_docs, s.tokenize_batch_bytes)
-    train_docs = split_validation(tokens, pool, s.val_fraction, stats)
-    shuffled = shuffle_documents(train_docs, s.shuffle_buffer_docs, s.shuffle_buffer_tokens, s.seed)
+    s, d = settings, settings.data
+    docs = read_records(stream, stats, s.vocab_size, d.max_record_bytes, d.give_up_after)
+    tokens = encode_documents(docs, encode_batch, s.eos_id, stats, d.tokenize_batch_docs, d.tokenize_batch_bytes)
+    train_docs = split_validation(tokens, pool, d.val_fraction, stats)
+    shuffled = shuffle_documents(train_docs, d.shuffle_buffer_docs, d.shuffle_buffer_tokens, s.seed)
     rows = pack_rows(shuffled, s.seq_len, stats)
-    for update in assemble_updates(rows, s.rows_per_update, stats, s.max_train_tokens):
+    for update in assemble_updates(rows, s.rows_per_update, stats, d.max_train_tokens):
         yield split_update(update, s.world_size, s.microbatch, stats)
     if stats.updates == 0:
         raise UnusableInputError(
@@ -435,7 +446,7 @@ class UpdateFeeder:
         self.pool = pool
         self._open_stream = open_stream
         self._encode_batch = encode_batch
-        capacity = settings.prefetch_updates * settings.accumulation
+        capacity = settings.data.prefetch_updates * settings.accumulation
         self.queues = [queue.Queue(maxsize=capacity) for _ in range(settings.world_size)]
         self._stop = threading.Event()
         self._finished = [False] * settings.world_size

@@ -109,15 +109,9 @@ def lightning_trainer(cfg: RunConfig, accelerator: str, **overrides) -> L.Traine
 
 
 def stream_settings(cfg: RunConfig, encoder: TextEncoder, microbatch: int, accumulation: int, world: int) -> StreamSettings:
-    d = cfg.data
     return StreamSettings(
-        seq_len=cfg.model.max_seq_len, vocab_size=cfg.model.vocab_size, eos_id=encoder.eos_id, seed=cfg.seed,
-        microbatch=microbatch, accumulation=accumulation, world_size=world,
-        max_record_bytes=d.max_record_bytes, give_up_after=d.give_up_after,
-        tokenize_batch_docs=d.tokenize_batch_docs, tokenize_batch_bytes=d.tokenize_batch_bytes,
-        val_fraction=d.val_fraction, val_max_tokens=d.val_max_tokens,
-        shuffle_buffer_docs=d.shuffle_buffer_docs, shuffle_buffer_tokens=d.shuffle_buffer_tokens,
-        max_train_tokens=d.max_train_tokens, prefetch_updates=d.prefetch_updates,
+        data=cfg.data, seq_len=cfg.model.max_seq_len, vocab_size=cfg.model.vocab_size, eos_id=encoder.eos_id,
+        seed=cfg.seed, microbatch=microbatch, accumulation=accumulation, world_size=world,
     )
 
 

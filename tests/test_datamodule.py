@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from datamodule import (
+    DataConfig,
     Row,
     StreamSettings,
     StreamStats,
@@ -229,11 +230,9 @@ def test_the_validation_pool_is_bounded_and_later_held_out_documents_are_trained
 # ----------------------------------------------------------------------------- composed
 
 
-def settings(**overrides) -> StreamSettings:
-    values = dict(seq_len=32, vocab_size=VOCAB, eos_id=0, seed=0, microbatch=2, accumulation=2, val_fraction=0.05,
-                  val_max_tokens=200, shuffle_buffer_docs=16)
-    values.update(overrides)
-    return StreamSettings(**values)
+def settings(**data) -> StreamSettings:
+    data = DataConfig(**{"val_fraction": 0.05, "val_max_tokens": 200, "shuffle_buffer_docs": 16, **data})
+    return StreamSettings(data=data, seq_len=32, vocab_size=VOCAB, eos_id=0, seed=0, microbatch=2, accumulation=2)
 
 
 def fake_encode(texts):
@@ -247,7 +246,7 @@ def test_every_usable_token_is_trained_once_held_out_or_reported_as_tail():
     data = ndjson(*records, b"garbage")
     stats = StreamStats()
     s = settings()
-    updates = list(stream_updates(io.BytesIO(data), s, fake_encode, stats, ValidationPool(s.val_max_tokens)))
+    updates = list(stream_updates(io.BytesIO(data), s, fake_encode, stats, ValidationPool(s.data.val_max_tokens)))
     trained_rows = sum(len(mb["input_ids"]) for per_rank in updates for mb in per_rank[0])
     assert trained_rows == len(updates) * s.rows_per_update
     assert stats.document_tokens == stats.held_out_tokens + trained_rows * s.seq_len + stats.tail_tokens_dropped
