@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from model import IGNORE_INDEX
+from model import IGNORE_INDEX, document_offsets
 
 log = logging.getLogger(__name__)
 
@@ -346,10 +346,13 @@ def assemble_updates(
 
 
 def collate_rows(rows: list[Row]) -> dict[str, torch.Tensor]:
+    """Tensors of a microbatch; document offsets are found here, on the host, not by a device sync."""
+    positions = torch.from_numpy(np.stack([r.positions for r in rows]).astype(np.int64))
     return {
         "input_ids": torch.from_numpy(np.stack([r.tokens for r in rows]).astype(np.int64)),
-        "positions": torch.from_numpy(np.stack([r.positions for r in rows]).astype(np.int64)),
+        "positions": positions,
         "targets": torch.from_numpy(np.stack([r.targets() for r in rows])),
+        "cu_seqlens": document_offsets(positions),
     }
 
 

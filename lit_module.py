@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from torchmetrics.aggregation import MeanMetric
 
-from model import GPT, GPTConfig, token_loss_sum
+from model import GPT, GPTConfig
 
 
 @dataclass
@@ -56,16 +56,14 @@ class LitGPT(L.LightningModule):
         self.last_grad_norm: torch.Tensor | None = None
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
-        hidden = self.model.hidden_states(batch["input_ids"], batch["positions"])
-        loss_sum = token_loss_sum(hidden, self.model.lm_head_weight, batch["targets"])
+        loss_sum = self.model.loss_sum(batch)
         # Lightning divides the returned loss by accumulate_grad_batches and DDP averages gradients
         # over ranks; multiplying both back makes the update's gradient the exact per-token mean.
         scale = self.trainer.accumulate_grad_batches * self.trainer.world_size / batch["update_target_tokens"]
         return {"loss": loss_sum * scale, "loss_sum": loss_sum.detach(), "target_tokens": batch["target_tokens"]}
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        hidden = self.model.hidden_states(batch["input_ids"], batch["positions"])
-        loss_sum = token_loss_sum(hidden, self.model.lm_head_weight, batch["targets"])
+        loss_sum = self.model.loss_sum(batch)
         count = (batch["targets"] >= 0).sum()
         self.val_loss.update(loss_sum / count.clamp(min=1), weight=count)
 

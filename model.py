@@ -16,6 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+try:  # the flash-attention varlen kernel; absent from older PyTorch and CPU-only builds it can't use
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
+
 IGNORE_INDEX = -100
 
 
@@ -29,10 +34,14 @@ class GPTConfig:
     layer_norm_eps: float = 1e-5
     init_std: float = 0.02
     activation_checkpointing: bool = False
+    attention: str = "auto"  # "auto": varlen flash kernel on CUDA in bf16/fp16, else SDPA with a mask
+    loss_chunk_tokens: int = 8192  # LM head + cross-entropy in chunks of this many tokens; 0: all at once
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.attention not in ("auto", "sdpa", "varlen"):
+            raise ValueError(f"attention must be 'auto', 'sdpa' or 'varlen', not {self.attention!r}")
 
 
 def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
@@ -47,14 +56,61 @@ def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
     return (same_document & causal).unsqueeze(1)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Causal attention over [B, H, T, hd]; ``mask`` (from document_causal_mask) keeps documents apart.
+def document_offsets(positions: torch.Tensor) -> torch.Tensor:
+    """int32 offsets of each document in the flattened rows, plus the total: flash-attention's cu_seqlens."""
+    flat = positions.reshape(-1)
+    starts = torch.nonzero(flat == 0).flatten()
+    total = torch.tensor([flat.numel()], device=flat.device)
+    return torch.cat([starts, total]).to(torch.int32)
 
-    The one place attention is computed, so a faster kernel can replace it behind this signature.
+
+class DocumentLayout:
+    """Where the documents of a batch of rows start, in the forms the attention kernels want.
+
+    Built once per forward and shared by every layer. ``cu_seqlens`` usually comes precomputed
+    with the batch (host side, no device sync); the mask is only built if a layer needs it.
     """
+
+    def __init__(self, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None, mode: str) -> None:
+        self.positions = positions
+        self.cu_seqlens = cu_seqlens
+        self.mode = mode
+        self._mask: torch.Tensor | None = None
+
+    def use_varlen(self, q: torch.Tensor) -> bool:
+        if self.positions is None or self.mode == "sdpa" or not q.is_cuda or varlen_attn is None:
+            return False
+        return q.dtype in (torch.float16, torch.bfloat16)
+
+    def mask(self) -> torch.Tensor | None:
+        if self.positions is not None and self._mask is None:
+            self._mask = document_causal_mask(self.positions)
+        return self._mask
+
+    def offsets(self) -> torch.Tensor:
+        if self.cu_seqlens is None:
+            self.cu_seqlens = document_offsets(self.positions)
+        return self.cu_seqlens
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+    """Causal attention over [B, T, H, hd] that never crosses a document boundary; returns [B, T, H, hd].
+
+    The one place attention is computed: the varlen flash kernel on CUDA (documents as
+    separate sequences), PyTorch SDPA elsewhere (one row per sequence, document mask).
+    """
+    b, t, h, hd = q.shape
+    if layout.use_varlen(q):
+        cu = layout.offsets()
+        flat = [z.reshape(b * t, h, hd) for z in (q, k, v)]
+        return varlen_attn(*flat, cu, cu, t, t, window_size=(-1, 0)).view(b, t, h, hd)
+    q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+    mask = layout.mask()
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return y.transpose(1, 2)
 
 
 class CausalSelfAttention(nn.Module):
@@ -64,12 +120,11 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = attend(q, k, v, mask)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head) for z in (q, k, v))
+        return self.proj(attend(q, k, v, layout).reshape(b, t, d))
 
 
 class MLP(nn.Module):
@@ -90,8 +145,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), mask)
+    def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), layout)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -121,36 +176,102 @@ class GPT(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.wte.weight
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Final-LayerNorm hidden states [B, T, d]. ``positions`` None means one document per row."""
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final-LayerNorm hidden states [B, T, d].
+
+        ``positions`` None means one document per row; ``cu_seqlens`` (document offsets in the
+        flattened rows, see document_offsets) may come with the batch to spare a device sync.
+        """
         b, t = input_ids.shape
         if t > self.config.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len {self.config.max_seq_len}")
-        mask = None
+        layout = DocumentLayout(positions, cu_seqlens, self.config.attention)
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
-        else:
-            mask = document_causal_mask(positions)
         x = self.wte(input_ids) + self.wpe(positions)
         for block in self.blocks:
             if self.config.activation_checkpointing and self.training:
-                x = checkpoint(block, x, mask, use_reentrant=False)
+                x = checkpoint(block, x, layout, use_reentrant=False)
             else:
-                x = block(x, mask)
+                x = block(x, layout)
         return self.ln_f(x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab_size]."""
         return F.linear(self.hidden_states(input_ids, positions), self.lm_head_weight)
 
+    def loss_sum(self, batch: dict) -> torch.Tensor:
+        """Summed next-token loss of a packed batch (input_ids, positions, targets, optional cu_seqlens)."""
+        hidden = self.hidden_states(batch["input_ids"], batch.get("positions"), batch.get("cu_seqlens"))
+        return token_loss_sum(hidden, self.lm_head_weight, batch["targets"], self.config.loss_chunk_tokens)
 
-def token_loss_sum(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+
+def token_loss_sum(
+    hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 0
+) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over targets != IGNORE_INDEX, in fp32.
 
     Returning the sum lets the caller divide by the whole optimizer update's target count.
+    With ``chunk_tokens`` the full-vocabulary logits never exist at once (ChunkedLinearCrossEntropy).
     """
-    logits = F.linear(hidden, head_weight).float()
-    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    if not chunk_tokens or hidden.shape[0] <= chunk_tokens:
+        return _cross_entropy_sum(hidden, head_weight, targets)
+    if torch.is_grad_enabled():
+        return ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, chunk_tokens)
+    chunks = zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
+    return sum(_cross_entropy_sum(h, head_weight, t) for h, t in chunks)
+
+
+def _cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(hidden, head_weight)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """LM head + summed cross-entropy, chunk by chunk, with the gradients computed on the way.
+
+    Each chunk's logits live only while its loss and its gradients (softmax - one-hot, times the
+    head) are computed, so peak memory holds one chunk of logits instead of all of them, and
+    nothing is recomputed in backward. Under autocast the two matmuls run in the autocast dtype,
+    as F.linear would; the softmax and the sums stay in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_tokens):
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        exact = torch.promote_types(dtype, torch.float32)  # softmax and sums: fp32 at least
+        with torch.autocast(device_type=device, enabled=False):
+            w = weight.to(dtype)
+            grad_hidden = torch.empty_like(hidden)
+            grad_weight = torch.zeros_like(weight, dtype=exact)
+            loss = torch.zeros((), dtype=exact, device=hidden.device)
+            for start in range(0, hidden.shape[0], chunk_tokens):
+                h = hidden[start : start + chunk_tokens].to(dtype)
+                t = targets[start : start + chunk_tokens]
+                valid = t != IGNORE_INDEX
+                safe_t = torch.where(valid, t, 0)
+                logits = (h @ w.t()).to(exact)
+                lse = torch.logsumexp(logits, dim=-1)
+                picked = logits.gather(1, safe_t[:, None]).squeeze(1)
+                loss += torch.where(valid, lse - picked, 0.0).sum()
+                grad_logits = torch.exp_(logits.sub_(lse[:, None]))  # softmax, in place
+                grad_logits.scatter_add_(1, safe_t[:, None], torch.full_like(lse[:, None], -1.0))
+                grad_logits = grad_logits.mul_(valid[:, None]).to(dtype)
+                grad_hidden[start : start + chunk_tokens] = (grad_logits @ w).to(hidden.dtype)
+                grad_weight += (grad_logits.t() @ h).to(exact)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype), None, None
 
 
 def count_parameters(model: nn.Module) -> int:

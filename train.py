@@ -197,6 +197,7 @@ def worst_case_batch(microbatch: int, seq_len: int, vocab_size: int, accumulatio
         "input_ids": tokens,
         "positions": torch.arange(seq_len).expand(microbatch, seq_len).contiguous(),
         "targets": targets,
+        "cu_seqlens": torch.arange(0, microbatch * seq_len + 1, seq_len, dtype=torch.int32),
         "target_tokens": target_tokens,
         "update_target_tokens": target_tokens * accumulation,
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from config import load_config
-from model import GPT, GPTConfig, count_parameters, document_causal_mask
+from model import IGNORE_INDEX, GPT, GPTConfig, count_parameters, document_causal_mask, document_offsets, token_loss_sum
 
 
 def tiny_model(seed: int = 0) -> GPT:
@@ -72,3 +72,26 @@ def test_activation_checkpointing_gives_the_same_gradients():
         model(row).float().pow(2).mean().backward()
     for a, b in zip(plain.parameters(), checkpointed.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_chunked_loss_matches_the_plain_loss_and_its_gradients():
+    torch.manual_seed(4)
+    hidden = torch.randn(2, 37, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(53, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 53, (2, 37))
+    targets[0, 5:9] = IGNORE_INDEX
+    plain = token_loss_sum(hidden, weight, targets)
+    plain_grads = torch.autograd.grad(3.0 * plain, (hidden, weight))
+    for chunk in (1, 8, 36):
+        chunked = token_loss_sum(hidden, weight, targets, chunk_tokens=chunk)
+        torch.testing.assert_close(chunked, plain)
+        for got, expected in zip(torch.autograd.grad(3.0 * chunked, (hidden, weight)), plain_grads):
+            torch.testing.assert_close(got, expected)
+    with torch.no_grad():
+        torch.testing.assert_close(token_loss_sum(hidden, weight, targets, chunk_tokens=8), plain)
+
+
+def test_document_offsets_are_the_starts_of_each_document_in_the_flattened_rows():
+    positions = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]])
+    assert document_offsets(positions).tolist() == [0, 3, 5, 9, 10]
+    assert document_offsets(positions).dtype == torch.int32

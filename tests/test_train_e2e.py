@@ -208,7 +208,10 @@ def metric_lines(stdout: bytes) -> list[dict]:
     assert text == "" or text.endswith("\n"), "stdout ends in a partial line"
     for line in text.splitlines():
         assert len(line) < 8192, f"metrics line of {len(line)} characters"
-        record = json.loads(line)  # a non-JSON line on stdout fails here
+        try:
+            record = json.loads(line)
+        except ValueError:
+            pytest.fail(f"stdout carries a line that is not JSON: {line[:300]!r}")
         assert isinstance(record, dict), f"stdout line is not an object: {line!r}"
         assert METRIC_KEYS <= record.keys(), f"metrics line without {METRIC_KEYS - record.keys()}: {line!r}"
         for key, value in record.items():
