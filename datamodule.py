@@ -73,6 +73,10 @@ class StreamStats:
     fingerprint: str = ""
     _sha: object = field(default_factory=hashlib.sha256, repr=False)
 
+    def count_bytes(self, chunk: bytes) -> None:
+        self.bytes_read += len(chunk)
+        self._sha.update(chunk)
+
     def as_dict(self) -> dict:
         self.fingerprint = self._sha.hexdigest()
         return {
@@ -97,10 +101,14 @@ class StreamStats:
 # ----------------------------------------------------------------------------- read
 
 
-def _read_lines(stream: BinaryIO, max_bytes: int) -> Iterator[bytes | None]:
-    """Yield each line's bytes, or None for a line longer than ``max_bytes`` (skipped in bounded chunks)."""
+def _read_lines(stream: BinaryIO, max_bytes: int, stats: StreamStats) -> Iterator[bytes | None]:
+    """Yield each line's bytes, or None for a line longer than ``max_bytes`` (skipped in bounded chunks).
+
+    Every byte read, skipped ones included, goes into the byte count and the input fingerprint.
+    """
     while True:
         line = stream.readline(max_bytes + 1)
+        stats.count_bytes(line)
         if not line:
             return
         if len(line) <= max_bytes or line.endswith(b"\n") and len(line) == max_bytes + 1:
@@ -108,6 +116,7 @@ def _read_lines(stream: BinaryIO, max_bytes: int) -> Iterator[bytes | None]:
             continue
         while line and not line.endswith(b"\n"):
             line = stream.readline(1 << 20)
+            stats.count_bytes(line)
         yield None
 
 
@@ -151,14 +160,11 @@ def read_records(
     stream: BinaryIO, stats: StreamStats, vocab_size: int, max_record_bytes: int, give_up_after: int
 ) -> Iterator[Document]:
     """Validate each line; count rejects by reason; refuse a stream with nothing usable early."""
-    for line in _read_lines(stream, max_record_bytes):
+    for line in _read_lines(stream, max_record_bytes, stats):
         stats.records += 1
         if line is None:
-            stats.bytes_read += max_record_bytes
             outcome: Document | str = "record_too_large"
         else:
-            stats.bytes_read += len(line)
-            stats._sha.update(line)
             if not line.strip():
                 stats.records -= 1
                 continue
@@ -462,6 +468,18 @@ class UpdateFeeder:
     def stop(self) -> None:
         self._stop.set()
 
+    def close(self, timeout: float = 2.0) -> dict:
+        """Stop reading and return the input summary.
+
+        When training stops before the input ends, the counts cover what was read, which runs
+        at most ``prefetch_updates`` updates ahead of training. A thread blocked on a silent
+        stdin cannot be joined; it is a daemon and ends with the process.
+        """
+        self.stop()
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+        return self.stats.as_dict()
+
     def _put(self, rank: int, item: object) -> bool:
         while not self._stop.is_set():
             try:
@@ -481,7 +499,6 @@ class UpdateFeeder:
                     for mb in microbatches:
                         if not self._put(rank, mb):
                             return
-            log.info(summary_line(self.stats))
         except BaseException as error:  # handed to the training loop, which re-raises it
             final = error
         for rank in range(len(self.queues)):
@@ -505,7 +522,9 @@ def summary_line(stats: StreamStats) -> str:
     return (
         f"input: {stats.records} records, {stats.accepted} accepted, rejected: {rejected}; "
         f"{stats.documents} documents, {stats.held_out_documents} held out for validation; "
-        f"{stats.updates} complete updates; tail dropped: {stats.tail_tokens_dropped} tokens"
+        f"{stats.updates} complete updates; "
+        + (f"end of input, tail dropped: {stats.tail_tokens_dropped} tokens" if stats.end_of_input
+           else "training stopped before the end of input")
     )
 
 

@@ -24,7 +24,9 @@ from callbacks.export import ExportModel
 from callbacks.run_record import RunRecord, sha256_file
 from callbacks.runfab_metrics import NonFiniteLossError, RunFabMetrics
 from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, load_config
-from datamodule import StreamingDataModule, StreamSettings, UnusableInputError, UpdateFeeder, ValidationPool, open_input
+from datamodule import (
+    StreamingDataModule, StreamSettings, UnusableInputError, UpdateFeeder, ValidationPool, open_input, summary_line,
+)
 from lit_module import LitGPT
 from model import IGNORE_INDEX
 from tokenizer import TextEncoder
@@ -154,7 +156,7 @@ def run_training(cfg: RunConfig, microbatch: int, accumulation: int, stdin=None)
     callbacks: list[L.Callback] = [
         metrics,
         ExportModel(model_dir, tokenizer_path),
-        RunRecord(model_dir, BUNDLE_ROOT, static, feeder.stats.as_dict),
+        RunRecord(model_dir, BUNDLE_ROOT, static, feeder.close),
     ]
     every = cfg.trainer.checkpoint_every_steps
     if every > 0:
@@ -180,7 +182,8 @@ def run_training(cfg: RunConfig, microbatch: int, accumulation: int, stdin=None)
     datamodule = StreamingDataModule(feeder, pin_memory=accelerator == "gpu")
     with contextlib.redirect_stdout(sys.stderr):  # Lightning's progress bar and tables default to stdout
         trainer.fit(module, datamodule=datamodule)
-    stats = feeder.stats.as_dict()
+    stats = feeder.close()
+    log.info(summary_line(feeder.stats))
     log.info("finished: %d optimizer steps, %d target tokens; model in %s", trainer.global_step, metrics.total_tokens, model_dir)
     return {"steps": trainer.global_step, "model_dir": str(model_dir), "input": stats, "metrics": metrics.last_record}
 

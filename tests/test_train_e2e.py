@@ -465,8 +465,7 @@ def test_input_sha256_covers_the_whole_input(sandbox):
     assert proc.returncode == 0, stderr_of(proc)[-4000:]
     stats = json.loads((sandbox.model_dir / "run_record.json").read_text())["input"]
     assert stats["end_of_input"] is True
-    assert stats["bytes_read"] == data.stat().st_size
-    assert stats["input_sha256"] == sha256_of(data)
+    assert (stats["input_sha256"], stats["bytes_read"]) == (sha256_of(data), data.stat().st_size)
 
 
 def test_rejected_counts_reach_stderr_when_max_steps_ends_the_run(sandbox):
