@@ -32,11 +32,13 @@ class TrainerConfig:
     val_batches: int | None = None  # None: the whole held-out pool
     progress_bar: bool | None = None  # None: when stderr is a terminal
     checkpoint_every_steps: int = 0  # 0: no intermediate checkpoints
+    compile: bool | None = None  # torch.compile the model trunk; None: on CUDA only
 
 
 @dataclass
 class MetricsConfig:
     interval_seconds: float = 5.0
+    peak_flops: float = 989e12  # MFU denominator per GPU: H100/H200 SXM dense BF16, as the training lab uses
 
 
 @dataclass

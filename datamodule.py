@@ -354,11 +354,14 @@ def assemble_updates(
 def collate_rows(rows: list[Row]) -> dict[str, torch.Tensor]:
     """Tensors of a microbatch; document offsets are found here, on the host, not by a device sync."""
     positions = torch.from_numpy(np.stack([r.positions for r in rows]).astype(np.int64))
+    cu_seqlens = document_offsets(positions)
+    lengths = cu_seqlens.diff().to(torch.int64)
     return {
         "input_ids": torch.from_numpy(np.stack([r.tokens for r in rows]).astype(np.int64)),
         "positions": positions,
         "targets": torch.from_numpy(np.stack([r.targets() for r in rows])),
-        "cu_seqlens": document_offsets(positions),
+        "cu_seqlens": cu_seqlens,
+        "attention_pairs": int((lengths * lengths).sum()),  # sum of s^2 over documents, for MFU
     }
 
 

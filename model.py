@@ -9,6 +9,7 @@ crosses that boundary.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -158,6 +159,8 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(config.max_seq_len, config.n_embd)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
+        self._compiled_trunk = None
+        self._compiled_loss_chunk = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -183,10 +186,20 @@ class GPT(nn.Module):
 
         ``positions`` None means one document per row; ``cu_seqlens`` (document offsets in the
         flattened rows, see document_offsets) may come with the batch to spare a device sync.
+        Training runs the compiled trunk once ``compile_trunk`` was called; evaluation stays eager.
         """
+        if input_ids.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"sequence length {input_ids.shape[1]} exceeds max_seq_len {self.config.max_seq_len}")
+        if self._compiled_trunk is not None and self.training:
+            if cu_seqlens is not None:
+                torch._dynamo.mark_dynamic(cu_seqlens, 0)  # document counts vary: one graph for all
+            return self._compiled_trunk(input_ids, positions, cu_seqlens)
+        return self._trunk(input_ids, positions, cu_seqlens)
+
+    def _trunk(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None
+    ) -> torch.Tensor:
         b, t = input_ids.shape
-        if t > self.config.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds max_seq_len {self.config.max_seq_len}")
         layout = DocumentLayout(positions, cu_seqlens, self.config.attention)
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
@@ -198,6 +211,11 @@ class GPT(nn.Module):
                 x = block(x, layout)
         return self.ln_f(x)
 
+    def compile_trunk(self) -> None:
+        """torch.compile the embedding-to-final-norm trunk and the loss's per-chunk softmax arithmetic."""
+        self._compiled_trunk = torch.compile(self._trunk)
+        self._compiled_loss_chunk = torch.compile(_chunk_loss_and_grad, dynamic=False)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab_size]."""
         return F.linear(self.hidden_states(input_ids, positions), self.lm_head_weight)
@@ -205,11 +223,14 @@ class GPT(nn.Module):
     def loss_sum(self, batch: dict) -> torch.Tensor:
         """Summed next-token loss of a packed batch (input_ids, positions, targets, optional cu_seqlens)."""
         hidden = self.hidden_states(batch["input_ids"], batch.get("positions"), batch.get("cu_seqlens"))
-        return token_loss_sum(hidden, self.lm_head_weight, batch["targets"], self.config.loss_chunk_tokens)
+        return token_loss_sum(
+            hidden, self.lm_head_weight, batch["targets"], self.config.loss_chunk_tokens, self._compiled_loss_chunk
+        )
 
 
 def token_loss_sum(
-    hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 0
+    hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 0,
+    chunk_fn: Callable | None = None,
 ) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over targets != IGNORE_INDEX, in fp32.
 
@@ -220,7 +241,8 @@ def token_loss_sum(
     if not chunk_tokens or hidden.shape[0] <= chunk_tokens:
         return _cross_entropy_sum(hidden, head_weight, targets)
     if torch.is_grad_enabled():
-        return ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, chunk_tokens)
+        chunk_fn = chunk_fn or _chunk_loss_and_grad
+        return ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, chunk_tokens, chunk_fn)
     chunks = zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
     return sum(_cross_entropy_sum(h, head_weight, t) for h, t in chunks)
 
@@ -231,47 +253,73 @@ def _cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, targets:
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+VOCAB_ALIGNMENT = 128  # padded vocabulary keeps the head's matmuls on the aligned (fast) GEMM kernels
+
+
+def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, dtype: torch.dtype):
+    """Summed loss of one chunk and d(loss)/d(logits) = softmax - one-hot (zero for ignored targets).
+
+    Columns past ``vocab_size`` are padding: -inf logits, so they take no probability.
+    """
+    logits[:, vocab_size:] = float("-inf")
+    valid = targets != IGNORE_INDEX
+    safe = torch.where(valid, targets, 0)[:, None]
+    log_probs = torch.log_softmax(logits, dim=-1)
+    loss = -torch.where(valid, log_probs.gather(1, safe).squeeze(1), 0.0).sum()
+    grad = log_probs.exp_()
+    grad.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=grad.dtype))
+    return loss, grad.mul_(valid[:, None]).to(dtype)
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """LM head + summed cross-entropy, chunk by chunk, with the gradients computed on the way.
 
     Each chunk's logits live only while its loss and its gradients (softmax - one-hot, times the
     head) are computed, so peak memory holds one chunk of logits instead of all of them, and
-    nothing is recomputed in backward. Under autocast the two matmuls run in the autocast dtype,
-    as F.linear would; the softmax and the sums stay in fp32.
+    nothing is recomputed in backward. Under autocast the matmuls run in the autocast dtype, as
+    F.linear would; the softmax and the sums stay in fp32 (at least). The vocabulary is padded to
+    a multiple of VOCAB_ALIGNMENT inside the computation: with 50257 columns the GEMMs fall back
+    to slow unaligned kernels.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens):
+    def forward(ctx, hidden, weight, targets, chunk_tokens, chunk_fn=_chunk_loss_and_grad):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-        exact = torch.promote_types(dtype, torch.float32)  # softmax and sums: fp32 at least
+        exact = torch.promote_types(dtype, torch.float32)
+        vocab, width = weight.shape
+        padded = -(-vocab // VOCAB_ALIGNMENT) * VOCAB_ALIGNMENT
         with torch.autocast(device_type=device, enabled=False):
-            w = weight.to(dtype)
+            w = torch.zeros(padded, width, dtype=dtype, device=weight.device)
+            w[:vocab] = weight
             grad_hidden = torch.empty_like(hidden)
-            grad_weight = torch.zeros_like(weight, dtype=exact)
+            grad_weight = torch.zeros(padded, width, dtype=exact, device=weight.device)
             loss = torch.zeros((), dtype=exact, device=hidden.device)
             for start in range(0, hidden.shape[0], chunk_tokens):
                 h = hidden[start : start + chunk_tokens].to(dtype)
-                t = targets[start : start + chunk_tokens]
-                valid = t != IGNORE_INDEX
-                safe_t = torch.where(valid, t, 0)
                 logits = (h @ w.t()).to(exact)
-                lse = torch.logsumexp(logits, dim=-1)
-                picked = logits.gather(1, safe_t[:, None]).squeeze(1)
-                loss += torch.where(valid, lse - picked, 0.0).sum()
-                grad_logits = torch.exp_(logits.sub_(lse[:, None]))  # softmax, in place
-                grad_logits.scatter_add_(1, safe_t[:, None], torch.full_like(lse[:, None], -1.0))
-                grad_logits = grad_logits.mul_(valid[:, None]).to(dtype)
+                chunk_loss, grad_logits = chunk_fn(logits, targets[start : start + chunk_tokens], vocab, dtype)
+                loss += chunk_loss
                 grad_hidden[start : start + chunk_tokens] = (grad_logits @ w).to(hidden.dtype)
                 grad_weight += (grad_logits.t() @ h).to(exact)
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.save_for_backward(grad_hidden, grad_weight[:vocab])
         ctx.weight_dtype = weight.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype), None, None
+        return grad_hidden * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None
+
+
+def training_flops(config: GPTConfig, tokens: int, attention_pairs: int) -> float:
+    """The training lab's estimate of forward+backward matrix FLOPs (for MFU).
+
+    6 * (12 L d^2 + V d) per token for the dense layers and LM head, plus 12 L d per causal
+    attention pair counted as sum(s^2) over independent document segments s.
+    """
+    dense = 6 * (12 * config.n_layer * config.n_embd**2 + config.vocab_size * config.n_embd) * tokens
+    return dense + 12 * config.n_layer * config.n_embd * attention_pairs
 
 
 def count_parameters(model: nn.Module) -> int:

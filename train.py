@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -28,7 +30,7 @@ from datamodule import (
     StreamingDataModule, StreamSettings, UnusableInputError, UpdateFeeder, ValidationPool, open_input, summary_line,
 )
 from lit_module import LitGPT
-from model import IGNORE_INDEX
+from model import IGNORE_INDEX, training_flops
 from tokenizer import TextEncoder
 
 EFFECTIVE_BATCH_SIZE = 32
@@ -107,6 +109,13 @@ def lightning_trainer(cfg: RunConfig, accelerator: str, **overrides) -> L.Traine
     return L.Trainer(**arguments)
 
 
+def use_compile_cache(folder: Path) -> None:
+    """Inductor and Triton caches go to the output's disposable data/ folder: RunFab's /tmp holds 256 MiB."""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(folder / "triton"))
+
+
 # ----------------------------------------------------------------------------- training
 
 
@@ -152,7 +161,11 @@ def run_training(cfg: RunConfig, microbatch: int, accumulation: int, stdin=None)
         "tokenizer": {"path": cfg.data.tokenizer, "sha256": sha256_file(tokenizer_path),
                       "vocab_size": encoder.vocab_size, "eos_id": encoder.eos_id, "backend": encoder.backend},
     }
-    metrics = RunFabMetrics(cfg.metrics.interval_seconds, stream=sys.stdout)
+    on_gpu = accelerator == "gpu"
+    metrics = RunFabMetrics(
+        cfg.metrics.interval_seconds, stream=sys.stdout,
+        flops=functools.partial(training_flops, cfg.model) if on_gpu else None, peak_flops=cfg.metrics.peak_flops,
+    )
     callbacks: list[L.Callback] = [
         metrics,
         ExportModel(model_dir, tokenizer_path),
@@ -176,10 +189,13 @@ def run_training(cfg: RunConfig, microbatch: int, accumulation: int, stdin=None)
         callbacks=callbacks,
     )
     module = LitGPT(cfg.model, cfg.optim)
+    if cfg.trainer.compile if cfg.trainer.compile is not None else on_gpu:
+        use_compile_cache(Path(cfg.output.root) / "data" / "compile-cache")
+        module.model.compile_trunk()
     log.info("model: %d parameters; %s on %s; microbatch %d x accumulation %d x %d GPU(s)",
              sum(p.numel() for p in module.model.parameters()), trainer.precision, accelerator,
              microbatch, accumulation, world)
-    datamodule = StreamingDataModule(feeder, pin_memory=accelerator == "gpu")
+    datamodule = StreamingDataModule(feeder, pin_memory=on_gpu)
     with contextlib.redirect_stdout(sys.stderr):  # Lightning's progress bar and tables default to stdout
         trainer.fit(module, datamodule=datamodule)
     stats = feeder.close()
@@ -201,6 +217,7 @@ def worst_case_batch(microbatch: int, seq_len: int, vocab_size: int, accumulatio
         "positions": torch.arange(seq_len).expand(microbatch, seq_len).contiguous(),
         "targets": targets,
         "cu_seqlens": torch.arange(0, microbatch * seq_len + 1, seq_len, dtype=torch.int32),
+        "attention_pairs": microbatch * seq_len**2,
         "target_tokens": target_tokens,
         "update_target_tokens": target_tokens * accumulation,
     }

@@ -11,6 +11,7 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 import lightning as L
@@ -28,9 +29,15 @@ class NonFiniteLossError(FloatingPointError):
 class RunFabMetrics(L.Callback):
     """Token-weighted loss and synchronized throughput over each reporting interval (rank 0 writes)."""
 
-    def __init__(self, interval_seconds: float = 5.0, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, interval_seconds: float = 5.0, stream: TextIO | None = None,
+        flops: Callable[[int, int], float] | None = None, peak_flops: float | None = None,
+    ) -> None:
+        """``flops(tokens, attention_pairs)`` and ``peak_flops`` (per device) add ``mfu`` to the lines."""
         self.interval_seconds = interval_seconds
         self.stream = stream if stream is not None else sys.stdout
+        self.flops = flops
+        self.peak_flops = peak_flops
         self.lines_written = 0
         self.last_record: dict = {}
 
@@ -39,9 +46,10 @@ class RunFabMetrics(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         device = pl_module.device
         self._zero = lambda: torch.zeros((), dtype=torch.float64, device=device)
-        self._pending_loss, self._pending_tokens, self._pending_rows = self._zero(), 0, 0
+        self._pending_loss, self._pending_tokens, self._pending_rows, self._pending_flops = self._zero(), 0, 0, 0.0
         self._interval_loss, self._interval_grad_norm = self._zero(), self._zero()
         self._interval_tokens = self._interval_rows = self._interval_steps = 0
+        self._interval_flops = 0.0
         self._first_bad_step = torch.full((), -1, dtype=torch.long, device=device)
         self._steps_seen = trainer.global_step
         self.total_tokens = 0
@@ -65,6 +73,8 @@ class RunFabMetrics(L.Callback):
         self._pending_loss += loss_sum
         self._pending_tokens += outputs["target_tokens"]
         self._pending_rows += batch["input_ids"].shape[0]
+        if self.flops is not None:
+            self._pending_flops += self.flops(batch["input_ids"].numel(), batch.get("attention_pairs", 0))
         if not update_completed:
             return  # mid-accumulation: the update is not complete yet
         self._steps_seen = trainer.global_step
@@ -75,8 +85,9 @@ class RunFabMetrics(L.Callback):
         self._interval_loss += self._pending_loss
         self._interval_tokens += self._pending_tokens
         self._interval_rows += self._pending_rows
+        self._interval_flops += self._pending_flops
         self._interval_steps += 1
-        self._pending_loss, self._pending_tokens, self._pending_rows = self._zero(), 0, 0
+        self._pending_loss, self._pending_tokens, self._pending_rows, self._pending_flops = self._zero(), 0, 0, 0.0
         if time.perf_counter() - self._interval_start >= self.interval_seconds:
             self.report(trainer, pl_module)
 
@@ -106,11 +117,17 @@ class RunFabMetrics(L.Callback):
                 "lr": trainer.optimizers[0].param_groups[0]["lr"],
                 "grad_norm": float(self._interval_grad_norm) / self._interval_steps,
             }
+            if self.flops is not None and self.peak_flops:
+                record["mfu"] = self._interval_flops / seconds / (self.peak_flops * trainer.world_size)
             self.total_tokens += tokens
+        if pl_module.device.type == "cuda":
+            record["peak_allocated_gib"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
+            record["peak_reserved_gib"] = torch.cuda.max_memory_reserved(pl_module.device) / 2**30
         record |= extra
         self._write(trainer, record)
         self._interval_loss, self._interval_grad_norm = self._zero(), self._zero()
         self._interval_tokens = self._interval_rows = self._interval_steps = 0
+        self._interval_flops = 0.0
         self._interval_start = self._now(pl_module.device)
 
     def _write(self, trainer: L.Trainer, record: dict) -> None:

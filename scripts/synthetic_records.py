@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, required=True)
     parser.add_argument("--mean-tokens", type=float, default=1000.0)
-    parser.add_argument("--sigma", type=float, default=1.0, help="lognormal shape: larger is more heavy-tailed")
+    parser.add_argument("--sigma", type=float, default=1.0, help="lognormal shape: larger is more heavy-tailed; 0: every document has mean-tokens")
     parser.add_argument("--max-tokens", type=int, default=100_000)
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--seed", type=int, default=0)
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     mu = math.log(args.mean_tokens) - args.sigma**2 / 2  # so the mean is mean_tokens
     out = sys.stdout
     for _ in range(args.docs):
-        n = int(min(args.max_tokens, max(1, rng.lognormal(mu, args.sigma))))
+        n = round(min(args.max_tokens, max(1, rng.lognormal(mu, args.sigma))))
         out.write(json.dumps({"input_ids": rng.integers(1, args.vocab, n).tolist()}) + "\n")
     out.flush()
     return 0

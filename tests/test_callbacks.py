@@ -40,12 +40,13 @@ def records(n: int = 400) -> bytes:
 def test_interval_loss_is_token_weighted_and_steps_are_counted_once_per_update():
     """Two updates of two microbatches each; the reported loss weights microbatches by their tokens."""
     stream = io.StringIO()
-    metrics = RunFabMetrics(interval_seconds=3600, stream=stream)
+    metrics = RunFabMetrics(interval_seconds=3600, stream=stream, flops=lambda tokens, pairs: 1000.0 * tokens + pairs,
+                            peak_flops=1e6)
     optimizer = SimpleNamespace(param_groups=[{"lr": 0.5}])
-    trainer = SimpleNamespace(global_step=0, is_global_zero=True, optimizers=[optimizer], sanity_checking=False)
+    trainer = SimpleNamespace(global_step=0, is_global_zero=True, world_size=1, optimizers=[optimizer], sanity_checking=False)
     module = SimpleNamespace(device=torch.device("cpu"), last_grad_norm=None, val_loss=None)
     metrics.on_train_start(trainer, module)
-    batch = {"input_ids": torch.zeros(3, 4)}
+    batch = {"input_ids": torch.zeros(3, 4), "attention_pairs": 7}
     microbatches = [(10.0, 5), (40.0, 20), (3.0, 1), (7.0, 4)]  # (summed loss, target tokens)
     for i, (loss_sum, tokens) in enumerate(microbatches):
         metrics.on_train_batch_start(trainer, module, batch, i)
@@ -61,6 +62,8 @@ def test_interval_loss_is_token_weighted_and_steps_are_counted_once_per_update()
     assert record["lr"] == 0.5
     assert record["tokens_per_second"] > 0 and record["samples_per_second"] > 0
     assert record["tokens_per_second"] / record["samples_per_second"] == pytest.approx(30 / 12)
+    flops = 4 * (1000.0 * 12 + 7)  # four microbatches of 3 x 4 tokens
+    assert record["mfu"] * 1e6 / record["tokens_per_second"] == pytest.approx(flops / 30, rel=1e-4)
 
 
 class PoisonWeights(L.Callback):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from config import load_config
-from model import IGNORE_INDEX, GPT, GPTConfig, count_parameters, document_causal_mask, document_offsets, token_loss_sum
+from model import IGNORE_INDEX, GPT, GPTConfig, count_parameters, document_causal_mask, document_offsets, token_loss_sum, training_flops
 
 
 def tiny_model(seed: int = 0) -> GPT:
@@ -95,3 +95,13 @@ def test_document_offsets_are_the_starts_of_each_document_in_the_flattened_rows(
     positions = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]])
     assert document_offsets(positions).tolist() == [0, 3, 5, 9, 10]
     assert document_offsets(positions).dtype == torch.int32
+
+
+def test_training_flops_follow_the_lab_formula():
+    cfg = load_config("conf/config.yaml").model
+    per_token = 6 * (12 * 12 * 768**2 + 50257 * 768)
+    assert per_token == 741_192_192
+    assert training_flops(cfg, tokens=4096, attention_pairs=0) == 4096 * per_token
+    one_document = training_flops(cfg, tokens=4096, attention_pairs=4096**2)
+    four_documents = training_flops(cfg, tokens=4096, attention_pairs=4 * 1024**2)
+    assert one_document - four_documents == 12 * 12 * 768 * (4096**2 - 4 * 1024**2)
