@@ -33,11 +33,12 @@ class TrainerConfig:
     progress_bar: bool | None = None  # None: when stderr is a terminal
     checkpoint_every_steps: int = 0  # 0: no intermediate checkpoints
     compile: bool | None = None  # torch.compile the model trunk; None: on CUDA only
+    devices: int | None = None  # data-parallel processes; None: every visible GPU (1 on CPU)
 
 
 @dataclass
 class MetricsConfig:
-    interval_seconds: float = 5.0
+    interval_seconds: float = 5.0  # RunFab wants a line every 5-10 s; 0 reports every update (debugging)
     peak_flops: float = 989e12  # MFU denominator per GPU: H100/H200 SXM dense BF16, as the training lab uses
 
 
@@ -87,6 +88,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config
 
 
+def load_config_dict(values: dict) -> RunConfig:
+    """A configuration already resolved (as_dict's output), as a data-parallel worker receives it."""
+    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(values)))
+    check_config(config)
+    return config
+
+
 def check_config(cfg: RunConfig) -> None:
     problems = []
     if cfg.model.n_embd % cfg.model.n_head:
@@ -99,8 +107,8 @@ def check_config(cfg: RunConfig) -> None:
         problems.append("trainer.max_steps must be positive, or -1 to train until the input ends")
     if not 0 <= cfg.data.val_fraction < 1:
         problems.append("data.val_fraction must lie in [0, 1)")
-    if cfg.metrics.interval_seconds <= 0:
-        problems.append("metrics.interval_seconds must be positive")
+    if cfg.metrics.interval_seconds < 0:
+        problems.append("metrics.interval_seconds must be >= 0 (0 reports every update)")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 

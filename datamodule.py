@@ -20,6 +20,7 @@ import queue
 import random
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -452,8 +453,13 @@ class UpdateFeeder:
     """
 
     def __init__(self, open_stream: Callable[[], tuple[BinaryIO, str]], settings: StreamSettings,
-                 encode_batch: Callable, pool: ValidationPool) -> None:
+                 encode_batch: Callable, pool: ValidationPool, report_every: float | None = None) -> None:
+        """``report_every`` (seconds) marks updates with ``report=1`` so that data-parallel ranks
+        agree on when to report metrics without a collective; held-out documents then also travel
+        to every rank (as ValidationDocument items) so each worker holds the same pool."""
         self.settings = settings
+        self.report_every = report_every
+        self.error: BaseException | None = None  # set by a data-parallel sender that met a pipeline error
         self.stats = StreamStats()
         self.pool = pool
         self._open_stream = open_stream
@@ -494,10 +500,16 @@ class UpdateFeeder:
 
     def _run(self) -> None:
         final: object = _END
+        pool = self.pool if self.report_every is None else _ForwardingPool(self.pool, self)
+        last_report = time.monotonic()
         try:
             stream, self.stats.source = self._open_stream()
             log.info("reading records from %s", self.stats.source)
-            for per_rank in stream_updates(stream, self.settings, self._encode_batch, self.stats, self.pool):
+            for per_rank in stream_updates(stream, self.settings, self._encode_batch, self.stats, pool):
+                if self.report_every is not None and time.monotonic() - last_report >= self.report_every:
+                    last_report = time.monotonic()
+                    for microbatches in per_rank:
+                        microbatches[-1]["report"] = 1
                 for rank, microbatches in enumerate(per_rank):
                     for mb in microbatches:
                         if not self._put(rank, mb):
@@ -507,8 +519,8 @@ class UpdateFeeder:
         for rank in range(len(self.queues)):
             self._put(rank, final)
 
-    def iterate(self, rank: int = 0) -> Iterator[dict]:
-        """The rank's microbatches; the stream is consumed once, so a second pass yields nothing."""
+    def iterate(self, rank: int = 0) -> Iterator[dict | ValidationDocument]:
+        """The rank's items; the stream is consumed once, so a second pass yields nothing."""
         self.start()
         while not self._finished[rank]:
             item = self.queues[rank].get()
@@ -518,6 +530,27 @@ class UpdateFeeder:
             if isinstance(item, BaseException):
                 raise item
             yield item
+
+
+@dataclass
+class ValidationDocument:
+    """A held-out document on its way to a data-parallel worker's own pool."""
+
+    tokens: np.ndarray
+
+
+class _ForwardingPool(ValidationPool):
+    """The feeder's pool, which also sends every document it keeps to each rank, in stream order."""
+
+    def __init__(self, pool: ValidationPool, feeder: UpdateFeeder) -> None:
+        self.pool, self.feeder = pool, feeder
+
+    def offer(self, tokens: np.ndarray) -> bool:
+        if not self.pool.offer(tokens):
+            return False
+        for rank in range(len(self.feeder.queues)):
+            self.feeder._put(rank, ValidationDocument(tokens))
+        return True
 
 
 def summary_line(stats: StreamStats) -> str:
@@ -551,42 +584,51 @@ def open_input(sample_path: Path | None, stdin: BinaryIO | None = None) -> tuple
 # ----------------------------------------------------------------------------- Lightning
 
 
-class _QueueDataset(IterableDataset):
-    def __init__(self, feeder: UpdateFeeder, rank: int) -> None:
-        self.feeder, self.rank = feeder, rank
+class _BatchStream(IterableDataset):
+    def __init__(self, batches: Callable[[], Iterator[dict]]) -> None:
+        self.batches = batches
 
     def __iter__(self) -> Iterator[dict]:
-        return self.feeder.iterate(self.rank)
+        return self.batches()
 
 
 class _ValidationDataset(IterableDataset):
-    """Packs the pool's documents as they are at the start of each validation run."""
+    """Packs the pool's documents as they are at the start of each validation run; rows are split over ranks."""
 
-    def __init__(self, pool: ValidationPool, seq_len: int, microbatch: int) -> None:
+    def __init__(self, pool: ValidationPool, seq_len: int, microbatch: int, rank: int, world_size: int) -> None:
         self.pool, self.seq_len, self.microbatch = pool, seq_len, microbatch
+        self.rank, self.world_size = rank, world_size
 
     def __iter__(self) -> Iterator[dict]:
-        rows = list(pack_rows(self.pool.snapshot(), self.seq_len, StreamStats(), pad_last=True))
+        rows = list(pack_rows(self.pool.snapshot(), self.seq_len, StreamStats(), pad_last=True))[self.rank :: self.world_size]
         for i in range(0, len(rows), self.microbatch):
             yield collate_rows(rows[i : i + self.microbatch])
 
 
 class StreamingDataModule(L.LightningDataModule):
-    """Training batches from the feeder's queue (complete updates only); validation from the held-out pool."""
+    """Training batches from a stream of complete updates (this rank's share); validation from the held-out pool.
 
-    def __init__(self, feeder: UpdateFeeder, rank: int = 0, pin_memory: bool = False) -> None:
+    The stream is the feeder's queue in a single process, or the feeder's socket in a data-parallel worker.
+    """
+
+    def __init__(
+        self, batches: Callable[[], Iterator[dict]], pool: ValidationPool, settings: StreamSettings,
+        rank: int = 0, pin_memory: bool = False, on_teardown: Callable[[], object] | None = None,
+    ) -> None:
         super().__init__()
-        self.feeder = feeder
+        self.batches, self.pool, self.settings = batches, pool, settings
         self.rank = rank
         self.pin_memory = pin_memory
+        self.on_teardown = on_teardown
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_QueueDataset(self.feeder, self.rank), batch_size=None, pin_memory=self.pin_memory)
+        return DataLoader(_BatchStream(self.batches), batch_size=None, pin_memory=self.pin_memory)
 
     def val_dataloader(self) -> DataLoader:
-        s = self.feeder.settings
-        dataset = _ValidationDataset(self.feeder.pool, s.seq_len, s.microbatch)
+        s = self.settings
+        dataset = _ValidationDataset(self.pool, s.seq_len, s.microbatch, self.rank, s.world_size)
         return DataLoader(dataset, batch_size=None, pin_memory=self.pin_memory)
 
     def teardown(self, stage: str) -> None:
-        self.feeder.stop()
+        if self.on_teardown is not None:
+            self.on_teardown()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import logging
 import os
 import sys
@@ -25,7 +26,8 @@ from torch.utils.data import DataLoader
 from callbacks.export import ExportModel
 from callbacks.run_record import RunRecord, sha256_file
 from callbacks.runfab_metrics import NonFiniteLossError, RunFabMetrics
-from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, load_config
+import launcher
+from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, load_config, load_config_dict
 from datamodule import (
     StreamingDataModule, StreamSettings, UnusableInputError, UpdateFeeder, ValidationPool, open_input, summary_line,
 )
@@ -36,7 +38,9 @@ from tokenizer import TextEncoder
 EFFECTIVE_BATCH_SIZE = 32
 
 PROBE_STEPS = 2
-USER_ERRORS = (ConfigError, UnusableInputError, NonFiniteLossError, FileNotFoundError)
+USER_ERRORS = (
+    ConfigError, UnusableInputError, NonFiniteLossError, FileNotFoundError, launcher.WorkerFailed, launcher.Interrupted,
+)
 
 log = logging.getLogger("train")
 
@@ -57,9 +61,11 @@ def train(microbatch: int, accumulation: int) -> dict:
 # ----------------------------------------------------------------------------- building blocks
 
 
-def world_size() -> int:
-    """Data-parallel ranks. One process, one device for now."""
-    return 1
+def world_size(cfg: RunConfig) -> int:
+    """Data-parallel ranks: ``trainer.devices`` if set, else every visible GPU (1 on CPU)."""
+    if cfg.trainer.devices is not None:
+        return cfg.trainer.devices
+    return max(1, torch.cuda.device_count()) if resolve_accelerator(cfg) == "gpu" else 1
 
 
 def check_batch(microbatch: int, accumulation: int, world: int) -> None:
@@ -91,11 +97,17 @@ def setup_process(cfg: RunConfig) -> None:
     L.seed_everything(cfg.seed, verbose=False)
 
 
-def lightning_trainer(cfg: RunConfig, accelerator: str, **overrides) -> L.Trainer:
-    """The Trainer arguments shared by training and the probe, so both run the same settings."""
+def lightning_trainer(cfg: RunConfig, accelerator: str, world: int, **overrides) -> L.Trainer:
+    """The Trainer arguments shared by training and the probe, so both run the same settings.
+
+    With several ranks the processes already exist (launcher.py started them), so Lightning's
+    DDP strategy joins them instead of launching any.
+    """
+    backend = "nccl" if accelerator == "gpu" else "gloo"
     arguments = dict(
         accelerator=accelerator,
-        devices=1,
+        devices=world,
+        strategy="auto" if world == 1 else L.pytorch.strategies.DDPStrategy(process_group_backend=backend),
         precision=resolve_precision(cfg, accelerator),
         max_epochs=1,  # the stream is one pass
         num_sanity_val_steps=0,
@@ -140,17 +152,36 @@ def load_encoder(cfg: RunConfig) -> TextEncoder:
 
 
 def run_training(cfg: RunConfig, microbatch: int, accumulation: int, stdin=None) -> dict:
-    """Validate, build, hand over to Lightning. Export and run record happen in callbacks."""
-    world = world_size()
+    """Validate, then train in this process (one device) or through data-parallel workers."""
+    world = world_size(cfg)
     check_batch(microbatch, accumulation, world)
     setup_process(cfg)
-    accelerator = resolve_accelerator(cfg)
     encoder = load_encoder(cfg)
     settings = stream_settings(cfg, encoder, microbatch, accumulation, world)
     feeder = UpdateFeeder(
-        lambda: open_input(bundle_path(cfg.data.sample_path), stdin),
-        settings, encoder.encode_batch, ValidationPool(cfg.data.val_max_tokens),
+        lambda: open_input(bundle_path(cfg.data.sample_path), stdin), settings, encoder.encode_batch,
+        ValidationPool(cfg.data.val_max_tokens), report_every=cfg.metrics.interval_seconds if world > 1 else None,
     )
+    if world > 1:
+        result = train_data_parallel(cfg, microbatch, accumulation, world, feeder)
+    else:
+        datamodule = StreamingDataModule(
+            feeder.iterate, feeder.pool, settings, pin_memory=resolve_accelerator(cfg) == "gpu", on_teardown=feeder.stop
+        )
+        result = fit(cfg, microbatch, accumulation, world, datamodule, encoder, feeder.close)
+    result["input"] = feeder.close()
+    log.info(summary_line(feeder.stats))
+    return result
+
+
+def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodule: StreamingDataModule,
+        encoder: TextEncoder, input_summary=None) -> dict:
+    """Build module, callbacks and Trainer, and fit: the same in a single process and in each worker.
+
+    Export and the run record happen in callbacks, on global rank 0.
+    """
+    accelerator = resolve_accelerator(cfg)
+    on_gpu = accelerator == "gpu"
     model_dir = Path(cfg.output.root) / "model"
     tokenizer_path = bundle_path(cfg.data.tokenizer)
     static = {
@@ -161,7 +192,6 @@ def run_training(cfg: RunConfig, microbatch: int, accumulation: int, stdin=None)
         "tokenizer": {"path": cfg.data.tokenizer, "sha256": sha256_file(tokenizer_path),
                       "vocab_size": encoder.vocab_size, "eos_id": encoder.eos_id, "backend": encoder.backend},
     }
-    on_gpu = accelerator == "gpu"
     metrics = RunFabMetrics(
         cfg.metrics.interval_seconds, stream=sys.stdout,
         flops=functools.partial(training_flops, cfg.model) if on_gpu else None, peak_flops=cfg.metrics.peak_flops,
@@ -169,7 +199,7 @@ def run_training(cfg: RunConfig, microbatch: int, accumulation: int, stdin=None)
     callbacks: list[L.Callback] = [
         metrics,
         ExportModel(model_dir, tokenizer_path),
-        RunRecord(model_dir, BUNDLE_ROOT, static, feeder.close),
+        RunRecord(model_dir, BUNDLE_ROOT, static, input_summary),
     ]
     every = cfg.trainer.checkpoint_every_steps
     if every > 0:
@@ -178,7 +208,7 @@ def run_training(cfg: RunConfig, microbatch: int, accumulation: int, stdin=None)
     validate = cfg.trainer.val_every_steps > 0 and cfg.data.val_fraction > 0
     progress = cfg.trainer.progress_bar if cfg.trainer.progress_bar is not None else sys.stderr.isatty()
     trainer = lightning_trainer(
-        cfg, accelerator,
+        cfg, accelerator, world,
         max_steps=cfg.trainer.max_steps, max_time=cfg.trainer.max_time,
         accumulate_grad_batches=accumulation,
         val_check_interval=cfg.trainer.val_every_steps * accumulation if validate else None,
@@ -192,16 +222,61 @@ def run_training(cfg: RunConfig, microbatch: int, accumulation: int, stdin=None)
     if cfg.trainer.compile if cfg.trainer.compile is not None else on_gpu:
         use_compile_cache(Path(cfg.output.root) / "data" / "compile-cache")
         module.model.compile_trunk()
-    log.info("model: %d parameters; %s on %s; microbatch %d x accumulation %d x %d GPU(s)",
+    log.info("model: %d parameters; %s on %s; microbatch %d x accumulation %d x %d device(s)",
              sum(p.numel() for p in module.model.parameters()), trainer.precision, accelerator,
              microbatch, accumulation, world)
-    datamodule = StreamingDataModule(feeder, pin_memory=on_gpu)
     with contextlib.redirect_stdout(sys.stderr):  # Lightning's progress bar and tables default to stdout
         trainer.fit(module, datamodule=datamodule)
-    stats = feeder.close()
-    log.info(summary_line(feeder.stats))
-    log.info("finished: %d optimizer steps, %d target tokens; model in %s", trainer.global_step, metrics.total_tokens, model_dir)
-    return {"steps": trainer.global_step, "model_dir": str(model_dir), "input": stats, "metrics": metrics.last_record}
+    log.info("finished: %d optimizer steps; model in %s", trainer.global_step, model_dir)
+    return {"steps": trainer.global_step, "model_dir": str(model_dir), "metrics": metrics.last_record}
+
+
+# ----------------------------------------------------------------------------- data parallel
+
+
+def train_data_parallel(cfg: RunConfig, microbatch: int, accumulation: int, world: int, feeder: UpdateFeeder) -> dict:
+    """This process feeds; ``world`` workers train. Waits for all, or fails with the first failure."""
+    listener, authkey = launcher.new_listener()
+    spec = {"config": as_dict(cfg), "microbatch": microbatch, "accumulation": accumulation,
+            "address": list(listener.address), "authkey": authkey.hex()}
+    restore_signals = launcher.raise_on_signals()
+    group = launcher.WorkerGroup(world, spec, BUNDLE_ROOT)
+    try:
+        launcher.serve_feeder(feeder, listener, world)
+        group.wait(feeder_error=lambda: feeder.error, on_first_exit=feeder.stop)
+    finally:
+        feeder.stop()
+        listener.close()
+        group.stop()
+        restore_signals()
+    model_dir = Path(cfg.output.root) / "model"
+    record_path = model_dir / "run_record.json"
+    record = json.loads(record_path.read_text())
+    record["input"] = feeder.close()  # the feeder, not the workers, saw the input
+    record_path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return {"steps": record["optimizer_steps"], "model_dir": str(model_dir), "metrics": record["final_metrics"]}
+
+
+def run_worker() -> int:
+    """``python train.py worker``: one data-parallel rank, started by train_data_parallel or run_probe."""
+    launcher.exit_with_parent()
+    spec = launcher.worker_spec()
+    cfg = load_config_dict(spec["config"])
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    setup_process(cfg)
+    if spec.get("probe"):
+        run_probe_local(cfg, spec["microbatch"], world)
+        return 0
+    encoder = load_encoder(cfg)
+    settings = stream_settings(cfg, encoder, spec["microbatch"], spec["accumulation"], world)
+    pool = ValidationPool(cfg.data.val_max_tokens)
+    connection = launcher.FeederConnection(tuple(spec["address"]), bytes.fromhex(spec["authkey"]), rank, pool)
+    datamodule = StreamingDataModule(
+        connection.batches, pool, settings, rank=rank, pin_memory=resolve_accelerator(cfg) == "gpu",
+        on_teardown=connection.close,
+    )
+    fit(cfg, spec["microbatch"], spec["accumulation"], world, datamodule, encoder)
+    return 0
 
 
 # ----------------------------------------------------------------------------- probe
@@ -224,20 +299,42 @@ def worst_case_batch(microbatch: int, seq_len: int, vocab_size: int, accumulatio
 
 
 def run_probe(cfg: RunConfig, microbatch: int) -> dict:
-    """Two real optimizer steps (the second with AdamW state allocated) on worst-case rows.
+    """Two real optimizer steps (the second with AdamW state allocated) on worst-case rows, on every device.
 
-    Accumulates over two microbatches when the effective batch allows, so gradients are held
-    while the next forward runs, as in training. Reads no stdin, writes no files.
+    With several devices the probe runs in one worker per device under the same data-parallel
+    setup as training; a worker's CUDA out-of-memory error is raised here as one. Reads no stdin,
+    writes no files, leaves no process.
     """
     if not 1 <= microbatch <= EFFECTIVE_BATCH_SIZE:
         raise ConfigError(f"microbatch must lie in 1..{EFFECTIVE_BATCH_SIZE}, not {microbatch}")
     setup_process(cfg)
+    world = world_size(cfg)
+    if world == 1:
+        return run_probe_local(cfg, microbatch, 1)
+    restore_signals = launcher.raise_on_signals()
+    group = launcher.WorkerGroup(world, {"config": as_dict(cfg), "microbatch": microbatch, "probe": True}, BUNDLE_ROOT)
+    try:
+        group.wait()
+    except launcher.WorkerFailed as failure:
+        if "OutOfMemoryError" in str(failure):
+            raise torch.OutOfMemoryError(str(failure)) from None
+        raise
+    finally:
+        group.stop()
+        restore_signals()
+    return {"microbatch": microbatch, "world_size": world}
+
+
+def run_probe_local(cfg: RunConfig, microbatch: int, world: int) -> dict:
+    """The probe in this process: one device, or one rank of ``world``. Accumulates over two
+    microbatches when the effective batch allows, so gradients are held while the next forward
+    runs, as in training."""
     accelerator = resolve_accelerator(cfg)
-    accumulation = 2 if EFFECTIVE_BATCH_SIZE // microbatch >= 2 else 1
-    batch = worst_case_batch(microbatch, cfg.model.max_seq_len, cfg.model.vocab_size, accumulation)
+    accumulation = 2 if EFFECTIVE_BATCH_SIZE // (microbatch * world) >= 2 else 1
+    batch = worst_case_batch(microbatch, cfg.model.max_seq_len, cfg.model.vocab_size, accumulation * world)
     batches = DataLoader([batch] * (PROBE_STEPS * accumulation), batch_size=None)
     trainer = lightning_trainer(
-        cfg, accelerator, max_steps=PROBE_STEPS, accumulate_grad_batches=accumulation,
+        cfg, accelerator, world, max_steps=PROBE_STEPS, accumulate_grad_batches=accumulation,
         limit_val_batches=0, enable_progress_bar=False,
     )
     module = LitGPT(cfg.model, cfg.optim)
@@ -277,6 +374,8 @@ def parse_overrides(tokens: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["worker"]:
+        return run_worker()
     if argv[:1] == ["tokenizer"]:
         import tokenizer
 
@@ -293,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     known, rest = parser.parse_known_args(argv)
     try:
         cfg = load_config(known.config, parse_overrides(rest))
-        world = world_size()
+        world = world_size(cfg)
         microbatch = known.microbatch or (
             EFFECTIVE_BATCH_SIZE // (known.accumulation * world) if known.accumulation else cfg.data.microbatch
         )

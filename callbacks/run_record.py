@@ -89,7 +89,7 @@ class RunRecord(L.Callback):
             "optimizer_steps": trainer.global_step,
             "parameters": sum(p.numel() for p in pl_module.model.parameters()),
             "final_metrics": metrics.last_record if metrics else None,
-            "input": self.stream_stats(),
+            "input": self.stream_stats() if self.stream_stats else None,  # data parallel: the feeder fills it in
             "dataset": dataset_descriptor(self.bundle_root),
             "environment": {
                 "libraries": library_versions(),

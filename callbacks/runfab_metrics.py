@@ -88,7 +88,10 @@ class RunFabMetrics(L.Callback):
         self._interval_flops += self._pending_flops
         self._interval_steps += 1
         self._pending_loss, self._pending_tokens, self._pending_rows, self._pending_flops = self._zero(), 0, 0, 0.0
-        if time.perf_counter() - self._interval_start >= self.interval_seconds:
+        if trainer.world_size > 1:
+            if batch.get("report"):  # the feeder marks the same update on every rank
+                self.report(trainer, pl_module)
+        elif time.perf_counter() - self._interval_start >= self.interval_seconds:
             self.report(trainer, pl_module)
 
     def _flag_nonfinite(self, value: torch.Tensor, step: torch.Tensor) -> None:
@@ -107,6 +110,8 @@ class RunFabMetrics(L.Callback):
                 "Lower optim.lr, raise optim.warmup_steps, or check the input for corrupt token ids."
             )
         record: dict[str, float] = {"step": trainer.global_step, "elapsed_seconds": round(now - self.start_time, 3)}
+        if trainer.world_size > 1:
+            self._sum_over_ranks(pl_module.device)
         if self._interval_steps:
             seconds = max(now - self._interval_start, 1e-9)
             tokens = self._interval_tokens
@@ -129,6 +134,19 @@ class RunFabMetrics(L.Callback):
         self._interval_tokens = self._interval_rows = self._interval_steps = 0
         self._interval_flops = 0.0
         self._interval_start = self._now(pl_module.device)
+
+    def _sum_over_ranks(self, device: torch.device) -> None:
+        """Global interval totals: one small all-reduce, at report time only (every rank reports together)."""
+        totals = torch.stack([
+            self._interval_loss,
+            torch.tensor(float(self._interval_tokens), dtype=torch.float64, device=device),
+            torch.tensor(float(self._interval_rows), dtype=torch.float64, device=device),
+            torch.tensor(self._interval_flops, dtype=torch.float64, device=device),
+        ])
+        torch.distributed.all_reduce(totals)
+        self._interval_loss = totals[0]
+        self._interval_tokens, self._interval_rows = int(totals[1]), int(totals[2])
+        self._interval_flops = float(totals[3])
 
     def _write(self, trainer: L.Trainer, record: dict) -> None:
         record = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in record.items()}

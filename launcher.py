@@ -1,0 +1,285 @@
+"""Data parallelism with the feeder owning stdin: one worker process per device, started here.
+
+Lightning's own ``ddp`` launcher re-runs ``sys.argv``, which under RunFab is RunFab's command,
+and its children would race for stdin. So the process RunFab started stays the feeder: it reads
+and packs the stream, starts ``python train.py worker`` once per rank with LOCAL_RANK,
+NODE_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (Lightning then treats the processes as
+created externally), and sends each rank its share of every update over a local socket. Rank 0's
+metric lines come back on its stdout and are forwarded unchanged. Any worker failing fails the run
+promptly with that worker's error, and no process is left behind.
+
+The wire carries raw tensor bytes behind a JSON header (no pickle): see ``send_item``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+WORKER_SPEC_ENV = "RUNFAB_WORKER_SPEC"
+POLL_SECONDS = 0.2
+STDERR_TAIL_LINES = 40
+
+
+class WorkerFailed(RuntimeError):
+    """A data-parallel worker exited with an error; the message carries the end of its stderr."""
+
+
+class Interrupted(RuntimeError):
+    """The feeder received SIGTERM or SIGINT; its workers are stopped before it exits."""
+
+
+def raise_on_signals():
+    """Turn SIGTERM/SIGINT into Interrupted so ``finally`` blocks stop the workers. Returns a restore function."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def interrupt(signum, frame):
+        raise Interrupted(f"received {signal.Signals(signum).name}; stopping the workers")
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
+
+
+def exit_with_parent() -> None:
+    """A worker whose feeder vanished (even by SIGKILL) exits instead of waiting in a collective."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+# ----------------------------------------------------------------------------- wire format
+
+
+def send_item(conn: Connection, item: object) -> None:
+    """A microbatch (dict of tensors and ints), a held-out document, the end, or an error."""
+    from datamodule import ValidationDocument
+
+    if isinstance(item, dict):
+        tensors = {k: v for k, v in item.items() if torch.is_tensor(v)}
+        header = {
+            "kind": "batch",
+            "tensors": [[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in tensors.items()],
+            "ints": {k: int(v) for k, v in item.items() if not torch.is_tensor(v)},
+        }
+        conn.send_bytes(json.dumps(header).encode())
+        conn.send_bytes(b"".join(v.contiguous().numpy().tobytes() for v in tensors.values()))
+    elif isinstance(item, ValidationDocument):
+        conn.send_bytes(json.dumps({"kind": "validation", "length": len(item.tokens)}).encode())
+        conn.send_bytes(item.tokens.astype(np.int32).tobytes())
+    elif isinstance(item, BaseException):
+        conn.send_bytes(json.dumps({"kind": "error", "message": f"{type(item).__name__}: {item}"}).encode())
+    else:
+        conn.send_bytes(json.dumps({"kind": "end"}).encode())
+
+
+def receive_items(conn: Connection) -> Iterator[dict | np.ndarray]:
+    """Microbatches (dicts) and held-out documents (int32 arrays) until the feeder says it ended."""
+    while True:
+        header = json.loads(conn.recv_bytes())
+        if header["kind"] == "end":
+            return
+        if header["kind"] == "error":
+            raise RuntimeError(f"the feeder stopped: {header['message']}")
+        payload = conn.recv_bytes()
+        if header["kind"] == "validation":
+            yield np.frombuffer(payload, dtype=np.int32).copy()
+            continue
+        batch: dict = dict(header["ints"])
+        offset = 0
+        for name, dtype, shape in header["tensors"]:
+            tensor_dtype = getattr(torch, dtype)
+            count = int(np.prod(shape))
+            size = count * tensor_dtype.itemsize
+            batch[name] = torch.frombuffer(bytearray(payload[offset : offset + size]), dtype=tensor_dtype).view(shape)
+            offset += size
+        yield batch
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+class FeederConnection:
+    """A worker's end of the socket: training microbatches for Lightning, held-out documents into the pool."""
+
+    def __init__(self, address: tuple[str, int], authkey: bytes, rank: int, pool) -> None:
+        self.conn = Client(address, authkey=authkey)
+        self.conn.send_bytes(str(rank).encode())
+        self.pool = pool
+        self._done = False
+
+    def batches(self) -> Iterator[dict]:
+        if self._done:
+            return
+        for item in receive_items(self.conn):
+            if isinstance(item, np.ndarray):
+                self.pool.offer(item)
+            else:
+                yield item
+        self._done = True
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def worker_spec() -> dict:
+    return json.loads(os.environ[WORKER_SPEC_ENV])
+
+
+# ----------------------------------------------------------------------------- feeder side
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerGroup:
+    """Starts one worker per rank, forwards rank 0's stdout, keeps each stderr's tail, stops them all."""
+
+    def __init__(self, world_size: int, spec: dict, bundle_root: Path, command: str = "worker") -> None:
+        self.world_size = world_size
+        port = free_port()
+        self.processes: list[subprocess.Popen] = []
+        self.tails = [deque(maxlen=STDERR_TAIL_LINES) for _ in range(world_size)]
+        self._threads: list[threading.Thread] = []
+        for rank in range(world_size):
+            env = dict(
+                os.environ, LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{WORKER_SPEC_ENV: json.dumps(spec | {"rank": rank})},
+            )
+            process = subprocess.Popen(
+                [sys.executable, str(bundle_root / "train.py"), command], env=env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stderr=subprocess.PIPE,
+                start_new_session=True,  # so a signal to the feeder's group does not race our own shutdown
+            )
+            self.processes.append(process)
+            self._follow(process.stderr, sys.stderr, self.tails[rank])
+        self._follow(self.processes[0].stdout, sys.stdout, None)
+
+    def _follow(self, source, sink, tail: deque | None) -> None:
+        def pump() -> None:
+            for raw in iter(source.readline, b""):
+                line = raw.decode("utf-8", "replace")
+                if tail is not None:
+                    tail.append(line.rstrip("\n"))
+                sink.write(line)
+                sink.flush()
+
+        thread = threading.Thread(target=pump, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def wait(self, feeder_error=lambda: None, on_first_exit=lambda: None) -> None:
+        """Return when every worker exited 0; raise as soon as one fails (or the feeder fails).
+
+        ``on_first_exit`` runs once as soon as any worker has ended (training is over: stop reading).
+        """
+        while True:
+            codes = [p.poll() for p in self.processes]
+            if any(code is not None for code in codes):
+                on_first_exit()
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            error = feeder_error()
+            if error is not None and (failed or all(c is not None for c in codes)):
+                raise error
+            if failed:
+                rank, code = failed[0]
+                time.sleep(POLL_SECONDS)  # let its stderr pump catch up
+                tail = "\n".join(self.tails[rank])
+                raise WorkerFailed(f"worker rank {rank} exited with code {code}:\n{tail}")
+            if all(code == 0 for code in codes):
+                for thread in self._threads:
+                    thread.join(timeout=5)
+                return
+            time.sleep(POLL_SECONDS)
+
+    def stop(self, grace_seconds: float = 5.0) -> None:
+        """SIGTERM every worker still running, then SIGKILL what remains; nothing is left behind."""
+        alive = [p for p in self.processes if p.poll() is None]
+        for p in alive:
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace_seconds
+        for p in alive:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(p, signal.SIGKILL)
+                p.wait()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def serve_feeder(feeder, listener: Listener, world_size: int) -> threading.Thread:
+    """In the background: accept each rank's connection, then stream it that rank's items.
+
+    Accepting happens off the main thread, so a worker that dies before it connects is seen
+    by WorkerGroup.wait instead of hanging the feeder.
+    """
+    thread = threading.Thread(target=_serve, args=(feeder, listener, world_size), name="feeder-server", daemon=True)
+    thread.start()
+    return thread
+
+
+def _serve(feeder, listener: Listener, world_size: int) -> None:
+    connections: dict[int, Connection] = {}
+    try:
+        for _ in range(world_size):
+            conn = listener.accept()
+            connections[int(conn.recv_bytes())] = conn
+    except OSError:
+        return  # the listener was closed: the run is being torn down
+
+    def send(rank: int) -> None:
+        conn = connections[rank]
+        try:
+            for item in feeder.iterate(rank):
+                send_item(conn, item)
+            send_item(conn, None)
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            feeder.stop()  # the worker is gone; WorkerGroup.wait reports why
+        except BaseException as error:
+            feeder.error = error
+            try:
+                send_item(conn, error)
+            except OSError:
+                pass
+
+    threads = [threading.Thread(target=send, args=(rank,), daemon=True) for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def new_listener() -> tuple[Listener, bytes]:
+    authkey = secrets.token_bytes(16)
+    return Listener(("127.0.0.1", 0), authkey=authkey), authkey

@@ -1,0 +1,140 @@
+"""Data parallelism on CPU (gloo): the feeder owns stdin, workers train, results equal one process."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from datamodule import ValidationDocument
+from launcher import receive_items, send_item
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = [
+    "--config", "conf/smoke.yaml", "--model.n_layer", "1", "--model.n_embd", "32", "--model.n_head", "2",
+    "--model.max_seq_len", "64", "--optim.warmup_steps", "1", "--metrics.interval_seconds", "0.2",
+    "--trainer.val_every_steps", "0",
+]
+
+
+def sample_records(n: int | None = None) -> bytes:
+    lines = (ROOT / "data/sample.jsonl").read_bytes().splitlines(keepends=True)
+    return b"".join(lines[:n])
+
+
+def run_train(tmp_path: Path, name: str, args: list[str], stdin: bytes, timeout: float = 240) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path / name
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(out), CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, *args], input=stdin, env=env,
+                            capture_output=True, timeout=timeout, cwd=tmp_path)
+    return result, out
+
+
+def test_the_wire_carries_microbatches_documents_end_and_errors_without_pickle():
+    from multiprocessing import Pipe
+
+    a, b = Pipe()
+    batch = {"input_ids": torch.arange(12).view(3, 4), "cu_seqlens": torch.tensor([0, 5, 12], dtype=torch.int32),
+             "update_target_tokens": 99, "report": 1}
+    send_item(a, batch)
+    send_item(a, ValidationDocument(np.array([7, 8, 9], dtype=np.int32)))
+    send_item(a, None)
+    items = list(receive_items(b))
+    assert torch.equal(items[0]["input_ids"], batch["input_ids"]) and items[0]["input_ids"].dtype == torch.int64
+    assert torch.equal(items[0]["cu_seqlens"], batch["cu_seqlens"]) and items[0]["update_target_tokens"] == 99
+    assert items[1].tolist() == [7, 8, 9]
+    send_item(a, ValueError("no usable record"))
+    with pytest.raises(RuntimeError, match="ValueError: no usable record"):
+        list(receive_items(b))
+
+
+def test_two_workers_reach_the_weights_of_one_process(tmp_path):
+    records = sample_records(600)
+    every_step = ["--trainer.max_steps", "3", "--metrics.interval_seconds", "0"]
+    single, single_out = run_train(tmp_path, "single", [*every_step, "--microbatch", "8"], records)
+    assert single.returncode == 0, single.stderr.decode()[-3000:]
+    parallel, parallel_out = run_train(
+        tmp_path, "parallel", [*every_step, "--microbatch", "4", "--trainer.devices", "2"], records
+    )
+    assert parallel.returncode == 0, parallel.stderr.decode()[-3000:]
+    a = load_file(single_out / "model" / "model.safetensors")
+    b = load_file(parallel_out / "model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    # Gradients summed in another order differ in the last bits, and Adam rescales small gradients,
+    # so allow 1 % of one step (the smoke config's lr is 3e-3); a different batch moves weights ~100x more.
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=3e-5, msg=name)
+    record = json.loads((parallel_out / "model" / "run_record.json").read_text())
+    assert record["world_size"] == 2 and record["batch"]["microbatch"] == 4 and record["optimizer_steps"] == 3
+    assert record["input"]["source"] == "stdin"
+    # Adam hides a wrongly scaled gradient from the weights; the reported global loss and
+    # pre-clip gradient norm of every update do not.
+    steps = {}
+    for run in (single, parallel):
+        lines = [json.loads(line) for line in run.stdout.decode().splitlines()]
+        steps[run is parallel] = [(line["step"], line["loss"], line["grad_norm"]) for line in lines if "loss" in line]
+    assert [s for s, _, _ in steps[True]] == [1, 2, 3] == [s for s, _, _ in steps[False]]
+    for (_, loss_a, norm_a), (_, loss_b, norm_b) in zip(steps[False], steps[True]):
+        assert loss_b == pytest.approx(loss_a, rel=1e-5) and norm_b == pytest.approx(norm_a, rel=1e-4)
+
+
+@pytest.mark.parametrize("records", [130, 391])
+def test_end_of_input_at_any_record_count_ends_every_rank_without_a_hang(tmp_path, records):
+    result, out = run_train(tmp_path, "eoi", ["--trainer.max_steps", "-1", "--optim.schedule", "constant",
+                                              "--microbatch", "4", "--trainer.devices", "2"],
+                            sample_records(records), timeout=180)
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    record = json.loads((out / "model" / "run_record.json").read_text())
+    assert record["input"]["end_of_input"] and record["optimizer_steps"] == record["input"]["updates"] > 0
+
+
+def test_a_worker_that_raises_fails_the_run_with_its_error(tmp_path):
+    start = time.monotonic()
+    result, out = run_train(tmp_path, "raises", ["--trainer.precision", "no-such-precision", "--trainer.devices", "2",
+                                                 "--microbatch", "4"], sample_records(200), timeout=120)
+    assert result.returncode != 0 and time.monotonic() - start < 90
+    stderr = result.stderr.decode()
+    assert "worker rank" in stderr and "no-such-precision" in stderr
+    assert not (out / "model").exists()
+
+
+def _workers_of(process: psutil.Process) -> list[psutil.Process]:
+    return [c for c in process.children(recursive=True) if "worker" in c.cmdline()]
+
+
+@pytest.mark.parametrize("fault", ["kill-worker", "sigterm-feeder"])
+def test_a_killed_worker_or_a_terminated_feeder_stops_everything_promptly(tmp_path, fault):
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+    args = [*TINY, "--trainer.max_steps", "100000", "--optim.schedule", "constant", "--microbatch", "4",
+            "--trainer.devices", "2"]
+    records = tmp_path / "records.jsonl"
+    records.write_bytes(sample_records() * 20)
+    with records.open("rb") as stdin:
+        feeder = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], stdin=stdin, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+        assert feeder.stdout.readline()  # training is under way: a metric line arrived
+        handle = psutil.Process(feeder.pid)
+        workers = _workers_of(handle)
+        assert len(workers) == 2
+        start = time.monotonic()
+        if fault == "kill-worker":
+            workers[1].kill()
+        else:
+            feeder.send_signal(signal.SIGTERM)
+        _, stderr = feeder.communicate(timeout=60)
+    assert feeder.returncode != 0 and time.monotonic() - start < 30
+    expected = "worker rank 1 exited" if fault == "kill-worker" else "SIGTERM"
+    assert expected in stderr.decode()
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive
