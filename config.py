@@ -45,6 +45,7 @@ class MetricsConfig:
 @dataclass
 class OutputConfig:
     root: str = "output"  # $RUNFABRIC_OUTPUT in the presets
+    budget_bytes: int = 3 << 30  # RunFab keeps all output in 3 GiB of RAM: model, checkpoints, caches
 
 
 @dataclass

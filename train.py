@@ -15,12 +15,15 @@ import functools
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 
 from callbacks.export import ExportModel
@@ -151,10 +154,28 @@ def load_encoder(cfg: RunConfig) -> TextEncoder:
     return encoder
 
 
+def check_output_budget(cfg: RunConfig) -> None:
+    """Refuse, before any training, a run whose deliverables cannot fit RunFab's output space.
+
+    The export is fp32 safetensors (4 bytes a parameter); a Lightning checkpoint holds weights
+    and AdamW's two moments (12 bytes a parameter), twice while the newest replaces the last.
+    """
+    c = cfg.model
+    parameters = c.vocab_size * c.n_embd + c.max_seq_len * c.n_embd + c.n_layer * (12 * c.n_embd**2 + 4 * c.n_embd)
+    need = 4 * parameters + (2 * 12 * parameters if cfg.trainer.checkpoint_every_steps > 0 else 0)
+    if need > cfg.output.budget_bytes:
+        raise ConfigError(
+            f"the output would need about {need / 2**30:.2f} GiB (model export"
+            f"{' and two checkpoints' if cfg.trainer.checkpoint_every_steps > 0 else ''}) but output.budget_bytes "
+            f"allows {cfg.output.budget_bytes / 2**30:.2f} GiB; disable trainer.checkpoint_every_steps or shrink the model"
+        )
+
+
 def run_training(cfg: RunConfig, microbatch: int, accumulation: int, stdin=None) -> dict:
     """Validate, then train in this process (one device) or through data-parallel workers."""
     world = world_size(cfg)
     check_batch(microbatch, accumulation, world)
+    check_output_budget(cfg)
     setup_process(cfg)
     encoder = load_encoder(cfg)
     settings = stream_settings(cfg, encoder, microbatch, accumulation, world)
@@ -225,10 +246,70 @@ def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodu
     log.info("model: %d parameters; %s on %s; microbatch %d x accumulation %d x %d device(s)",
              sum(p.numel() for p in module.model.parameters()), trainer.precision, accelerator,
              microbatch, accumulation, world)
-    with contextlib.redirect_stdout(sys.stderr):  # Lightning's progress bar and tables default to stdout
-        trainer.fit(module, datamodule=datamodule)
+    stop = GracefulStop(trainer)
+    try:
+        with stop, contextlib.redirect_stdout(sys.stderr):  # Lightning's bar and tables default to stdout
+            trainer.fit(module, datamodule=datamodule)
+    except SIGTERMException:  # Lightning's own SIGTERM handling ends fit by exception: export here
+        stop.export_partial(module, "SIGTERM")
+    except torch.OutOfMemoryError as error:
+        raise torch.OutOfMemoryError(
+            f"CUDA ran out of memory at optimizer step {trainer.global_step} with microbatch {microbatch} "
+            f"(x accumulation {accumulation} x {world} device(s)), after the probe had passed. Rows with many short "
+            "documents or a fragmented allocator can need more than the probe's worst case: rerun with a smaller "
+            "microbatch, or set model.activation_checkpointing: true. Original error: " + str(error)
+        ) from error
+    if stop.signal_name is not None:
+        raise launcher.Interrupted(
+            f"received {stop.signal_name}: stopped after optimizer step {trainer.global_step}; "
+            f"the model trained so far is in {model_dir} (run_record.json status: partial)"
+        )
     log.info("finished: %d optimizer steps; model in %s", trainer.global_step, model_dir)
     return {"steps": trainer.global_step, "model_dir": str(model_dir), "metrics": metrics.last_record}
+
+
+class GracefulStop:
+    """SIGTERM/SIGINT during a single-process fit: finish the current step, then export what was
+    trained (marked partial in the run record) and let the caller exit non-zero.
+
+    Data-parallel workers are not stopped this way: ranks must stop at the same step, so the
+    feeder stops them all instead (launcher.raise_on_signals).
+    """
+
+    def __init__(self, trainer: L.Trainer) -> None:
+        self.trainer = trainer
+        self.signal_name: str | None = None
+        self._previous: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+        log.warning("%s received: stopping after this step and exporting the model trained so far", self.signal_name)
+        self.trainer.should_stop = True
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, RunRecord):
+                callback.status = f"partial: {self.signal_name}"
+
+    def export_partial(self, module: LitGPT, signal_name: str) -> None:
+        """Export and record after a fit that ended by exception (on_train_end never ran)."""
+        self.signal_name = self.signal_name or signal_name
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, RunRecord):
+                callback.status = f"partial: {self.signal_name}"
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, ExportModel):
+                callback.export_now(self.trainer, module)
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, RunRecord):
+                callback.write(self.trainer, module)
+
+    def __enter__(self) -> GracefulStop:
+        if self.trainer.world_size == 1 and threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 # ----------------------------------------------------------------------------- data parallel
@@ -380,11 +461,19 @@ def main(argv: list[str] | None = None) -> int:
         import tokenizer
 
         return tokenizer.main(argv[1:])
+    if argv[:1] == ["package"]:
+        import bundle
+
+        return bundle.main(argv[1:])
+    if argv[:1] == ["check"]:
+        import contract_check
+
+        return contract_check.main(argv[1:])
     command = argv.pop(0) if argv[:1] in (["fit"], ["probe"]) else "fit"
     parser = argparse.ArgumentParser(
         prog="train.py",
         description="Pretrain the GPT decoder on NDJSON records from stdin (or the bundled sample). "
-        "Subcommands: fit (default), probe, tokenizer. Any --section.key VALUE overrides the config.",
+        "Subcommands: fit (default), probe, tokenizer, package, check. Any --section.key VALUE overrides the config.",
     )
     parser.add_argument("--config", help=f"YAML config of the bundle (default: $RUNFAB_CONFIG or conf/config.yaml)")
     parser.add_argument("--microbatch", type=int, help="rows per microbatch (default: data.microbatch)")
