@@ -138,3 +138,15 @@ def test_a_killed_worker_or_a_terminated_feeder_stops_everything_promptly(tmp_pa
     assert expected in stderr.decode()
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive
+
+
+def test_the_probe_runs_on_every_device_under_the_training_setup(tmp_path):
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "probe", *TINY, "--trainer.devices", "2", "--microbatch", "4"],
+        stdin=subprocess.DEVNULL, env=env, capture_output=True, timeout=180, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    stderr = result.stderr.decode()
+    assert stderr.count("probe: {'microbatch': 4, 'steps': 2}") == 2  # one line per rank, two optimizer steps each
+    assert result.stdout == b"" and not (tmp_path / "out").exists()
