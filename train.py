@@ -15,9 +15,7 @@ import functools
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 import warnings
 from pathlib import Path
 
@@ -26,10 +24,11 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 
+import launcher
 from callbacks.export import ExportModel
+from callbacks.graceful_stop import GracefulStop
 from callbacks.run_record import RunRecord, sha256_file
 from callbacks.runfab_metrics import NonFiniteLossError, RunFabMetrics
-import launcher
 from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, load_config, load_config_dict
 from datamodule import (
     StreamingDataModule, StreamSettings, UnusableInputError, UpdateFeeder, ValidationPool, open_input, summary_line,
@@ -217,10 +216,12 @@ def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodu
         cfg.metrics.interval_seconds, stream=sys.stdout,
         flops=functools.partial(training_flops, cfg.model) if on_gpu else None, peak_flops=cfg.metrics.peak_flops,
     )
+    stop = GracefulStop()
     callbacks: list[L.Callback] = [
         metrics,
         ExportModel(model_dir, tokenizer_path),
         RunRecord(model_dir, BUNDLE_ROOT, static, input_summary),
+        stop,
     ]
     every = cfg.trainer.checkpoint_every_steps
     if every > 0:
@@ -246,12 +247,11 @@ def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodu
     log.info("model: %d parameters; %s on %s; microbatch %d x accumulation %d x %d device(s)",
              sum(p.numel() for p in module.model.parameters()), trainer.precision, accelerator,
              microbatch, accumulation, world)
-    stop = GracefulStop(trainer)
     try:
-        with stop, contextlib.redirect_stdout(sys.stderr):  # Lightning's bar and tables default to stdout
+        with contextlib.redirect_stdout(sys.stderr):  # Lightning's bar and tables default to stdout
             trainer.fit(module, datamodule=datamodule)
-    except SIGTERMException:  # Lightning's own SIGTERM handling ends fit by exception: export here
-        stop.export_partial(module, "SIGTERM")
+    except SIGTERMException:
+        pass  # GracefulStop exported the model trained so far; Interrupted is raised below
     except torch.OutOfMemoryError as error:
         raise torch.OutOfMemoryError(
             f"CUDA ran out of memory at optimizer step {trainer.global_step} with microbatch {microbatch} "
@@ -266,50 +266,6 @@ def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodu
         )
     log.info("finished: %d optimizer steps; model in %s", trainer.global_step, model_dir)
     return {"steps": trainer.global_step, "model_dir": str(model_dir), "metrics": metrics.last_record}
-
-
-class GracefulStop:
-    """SIGTERM/SIGINT during a single-process fit: finish the current step, then export what was
-    trained (marked partial in the run record) and let the caller exit non-zero.
-
-    Data-parallel workers are not stopped this way: ranks must stop at the same step, so the
-    feeder stops them all instead (launcher.raise_on_signals).
-    """
-
-    def __init__(self, trainer: L.Trainer) -> None:
-        self.trainer = trainer
-        self.signal_name: str | None = None
-        self._previous: dict = {}
-
-    def _handle(self, signum, frame) -> None:
-        self.signal_name = signal.Signals(signum).name
-        log.warning("%s received: stopping after this step and exporting the model trained so far", self.signal_name)
-        self.trainer.should_stop = True
-        for callback in self.trainer.callbacks:
-            if isinstance(callback, RunRecord):
-                callback.status = f"partial: {self.signal_name}"
-
-    def export_partial(self, module: LitGPT, signal_name: str) -> None:
-        """Export and record after a fit that ended by exception (on_train_end never ran)."""
-        self.signal_name = self.signal_name or signal_name
-        for callback in self.trainer.callbacks:
-            if isinstance(callback, RunRecord):
-                callback.status = f"partial: {self.signal_name}"
-        for callback in self.trainer.callbacks:
-            if isinstance(callback, ExportModel):
-                callback.export_now(self.trainer, module)
-        for callback in self.trainer.callbacks:
-            if isinstance(callback, RunRecord):
-                callback.write(self.trainer, module)
-
-    def __enter__(self) -> GracefulStop:
-        if self.trainer.world_size == 1 and threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 # ----------------------------------------------------------------------------- data parallel
