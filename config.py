@@ -44,7 +44,7 @@ class MetricsConfig:
 
 @dataclass
 class OutputConfig:
-    root: str = "output"  # $RUNFABRIC_OUTPUT in the presets
+    root: str = "${oc.env:RUNFABRIC_OUTPUT,output}"  # RunFab's output root; ./output when unset
     budget_bytes: int = 3 << 30  # RunFab keeps all output in 3 GiB of RAM: model, checkpoints, caches
 
 

@@ -425,11 +425,15 @@ def main(argv: list[str] | None = None) -> int:
         import contract_check
 
         return contract_check.main(argv[1:])
+    if argv[:1] == ["emulate"]:
+        import emulate
+
+        return emulate.main(argv[1:])
     command = argv.pop(0) if argv[:1] in (["fit"], ["probe"]) else "fit"
     parser = argparse.ArgumentParser(
         prog="train.py",
         description="Pretrain the GPT decoder on NDJSON records from stdin (or the bundled sample). "
-        "Subcommands: fit (default), probe, tokenizer, package, check. Any --section.key VALUE overrides the config.",
+        "Subcommands: fit (default), probe, tokenizer, package, check, emulate. Any --section.key VALUE overrides the config.",
     )
     parser.add_argument("--config", help=f"YAML config of the bundle (default: $RUNFAB_CONFIG or conf/config.yaml)")
     parser.add_argument("--microbatch", type=int, help="rows per microbatch (default: data.microbatch)")

@@ -1,0 +1,57 @@
+"""The local RunFab emulation: probes, the chosen split, the budgets' watchdog, the report."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import emulate
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = """\
+model: {vocab_size: 8192, n_layer: 1, n_head: 2, n_embd: 32, max_seq_len: 64}
+optim: {warmup_steps: 1, decay_steps: 10}
+trainer: {max_steps: 4, val_every_steps: 2}
+metrics: {interval_seconds: 0.2}
+"""
+
+
+def test_candidates_are_the_divisors_of_the_batch_per_gpu():
+    assert emulate.candidates(32, 1) == [1, 2, 4, 8, 16, 32]
+    assert emulate.candidates(32, 4) == [1, 2, 4, 8]
+
+
+def test_emulation_probes_takes_the_largest_fit_trains_and_reports(tmp_path, monkeypatch):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    monkeypatch.setenv("RUNFAB_CONFIG", str(config))
+    records = tmp_path / "records.jsonl"
+    records.write_bytes((ROOT / "data/sample.jsonl").read_bytes())
+    out, log = io.StringIO(), io.StringIO()
+    with records.open("rb") as stdin:
+        result = emulate.emulate(ROOT, tmp_path / "report", False, None, [2, 4], out, log, stdin=stdin)
+    assert [p["microbatch"] for p in result.probes] == [2, 4] and all(p["fits"] for p in result.probes)
+    assert (result.microbatch, result.accumulation) == (4, 8)
+    assert result.train_exit_code == 0 and result.usage.exceeded is None
+    assert 0 < result.usage.peak_rss_bytes < emulate.RAM_BUDGET
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert lines and lines[-1]["step"] == 4 and result.metric_lines == len(lines)
+    report = tmp_path / "report"
+    summary = json.loads((report / "summary.json").read_text())
+    assert summary["microbatch"] == 4 and "model.safetensors" in summary["model_files"]
+    assert "<polyline" in (report / "loss.svg").read_text() and "val_loss" in (report / "loss.svg").read_text()
+    assert "<polyline" in (report / "throughput.svg").read_text()
+
+
+def test_a_run_over_a_budget_is_stopped_and_named(tmp_path, monkeypatch):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY.replace("max_steps: 4", "max_steps: 100000").replace("decay_steps: 10", "decay_steps: 100000"))
+    monkeypatch.setenv("RUNFAB_CONFIG", str(config))
+    monkeypatch.setattr(emulate, "RAM_BUDGET", 64 << 20)
+    records = tmp_path / "records.jsonl"
+    records.write_bytes((ROOT / "data/sample.jsonl").read_bytes())
+    with records.open("rb") as stdin:
+        result = emulate.emulate(ROOT, tmp_path / "report", False, None, [4], io.StringIO(), io.StringIO(), stdin=stdin)
+    assert result.usage.exceeded is not None and result.usage.exceeded.startswith("RAM")
+    assert result.train_exit_code != 0
