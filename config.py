@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -25,7 +26,8 @@ CONFIG_ENV = "RUNFAB_CONFIG"
 @dataclass
 class TrainerConfig:
     max_steps: int = 2000
-    max_time: str | None = None  # "DD:HH:MM:SS"
+    max_time: str | None = None  # "DD:HH:MM:SS": the whole training job, export included
+    export_reserve_seconds: int = 60  # kept out of max_time's training loop for the export and run record
     precision: str | None = None  # None: bf16-mixed on CUDA, 32-true on CPU
     accelerator: str = "auto"
     val_every_steps: int = 250  # 0 disables validation
@@ -106,12 +108,35 @@ def check_config(cfg: RunConfig) -> None:
         problems.append("optim.decay_steps must exceed optim.warmup_steps for the cosine schedule")
     if cfg.trainer.max_steps < 1 and cfg.trainer.max_steps != -1:
         problems.append("trainer.max_steps must be positive, or -1 to train until the input ends")
+    if cfg.trainer.max_time is not None:
+        try:
+            training_time_limit(cfg)
+        except ValueError as error:
+            problems.append(str(error))
     if not 0 <= cfg.data.val_fraction < 1:
         problems.append("data.val_fraction must lie in [0, 1)")
     if cfg.metrics.interval_seconds < 0:
         problems.append("metrics.interval_seconds must be >= 0 (0 reports every update)")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def training_time_limit(cfg: RunConfig) -> timedelta | None:
+    """``trainer.max_time`` less the export reserve: what the training loop itself may use."""
+    if cfg.trainer.max_time is None:
+        return None
+    try:
+        days, hours, minutes, seconds = (int(part) for part in cfg.trainer.max_time.split(":"))
+    except ValueError:
+        raise ValueError(f'trainer.max_time must look like "DD:HH:MM:SS", not {cfg.trainer.max_time!r}') from None
+    total = timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
+    limit = total - timedelta(seconds=cfg.trainer.export_reserve_seconds)
+    if limit <= timedelta(0):
+        raise ValueError(
+            f"trainer.max_time ({cfg.trainer.max_time}) leaves no training time after the "
+            f"{cfg.trainer.export_reserve_seconds} s kept for the export (trainer.export_reserve_seconds)"
+        )
+    return limit
 
 
 def as_dict(cfg: RunConfig) -> dict:

@@ -29,7 +29,9 @@ from callbacks.export import ExportModel
 from callbacks.graceful_stop import GracefulStop
 from callbacks.run_record import RunRecord, sha256_file
 from callbacks.runfab_metrics import NonFiniteLossError, RunFabMetrics
-from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, load_config, load_config_dict
+from config import (
+    BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, load_config, load_config_dict, training_time_limit,
+)
 from datamodule import (
     StreamingDataModule, StreamSettings, UnusableInputError, UpdateFeeder, ValidationPool, open_input, summary_line,
 )
@@ -231,7 +233,7 @@ def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodu
     progress = cfg.trainer.progress_bar if cfg.trainer.progress_bar is not None else sys.stderr.isatty()
     trainer = lightning_trainer(
         cfg, accelerator, world,
-        max_steps=cfg.trainer.max_steps, max_time=cfg.trainer.max_time,
+        max_steps=cfg.trainer.max_steps, max_time=training_time_limit(cfg),
         accumulate_grad_batches=accumulation,
         val_check_interval=cfg.trainer.val_every_steps * accumulation if validate else None,
         limit_val_batches=(cfg.trainer.val_batches or 1.0) if validate else 0,

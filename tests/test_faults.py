@@ -47,3 +47,32 @@ def test_an_output_that_cannot_fit_the_budget_is_refused_before_training():
         train.check_output_budget(cfg)
     assert "checkpoint" in str(error.value)
     train.check_output_budget(load_config("conf/config.yaml"))  # the export alone (0.5 GB) fits
+
+
+def test_max_time_keeps_the_export_reserve_out_of_the_training_loop():
+    from datetime import timedelta
+
+    from config import ConfigError, training_time_limit
+
+    cfg = load_config("conf/smoke.yaml", ["trainer.max_time=00:01:00:00", "trainer.export_reserve_seconds=90"])
+    assert training_time_limit(cfg) == timedelta(minutes=58, seconds=30)
+    assert training_time_limit(load_config("conf/smoke.yaml")) is None
+    with pytest.raises(ConfigError, match="leaves no training time"):
+        load_config("conf/smoke.yaml", ["trainer.max_time=00:00:00:30"])
+    with pytest.raises(ConfigError, match="DD:HH:MM:SS"):
+        load_config("conf/smoke.yaml", ["trainer.max_time=an hour"])
+
+
+def test_max_time_stops_training_and_the_model_is_still_exported(tmp_path):
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+    records = (ROOT / "data/sample.jsonl").read_bytes() * 20
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *ARGS, "--trainer.max_time", "00:00:00:12",
+         "--trainer.export_reserve_seconds", "4"],
+        input=records, env=env, capture_output=True, timeout=120, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    record = json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())
+    assert record["status"] == "completed" and record["optimizer_steps"] >= 1
+    lines = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    assert lines[-1]["elapsed_seconds"] <= 8.5  # 12 s less the 4 s reserve; the clock starts before the first step
