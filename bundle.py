@@ -445,8 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                f"{len(data):,} bytes compressed (limit {mib(LIMITS.zip_bytes)})")
     if args.dry_run:
         for rel in files:
-            print(f"{(root / rel).stat().st_size:>12,}  {rel}")
-        print(f"{expanded:>12,}  total: {summary}")
+            print(f"{(root / rel).stat().st_size:>12,}  {rel}", file=sys.stdout)
+        print(f"{expanded:>12,}  total: {summary}", file=sys.stdout)
         print("package: dry run, nothing written", file=sys.stderr)
     else:
         print(f"package: wrote {path}: {summary}, sha256 {hashlib.sha256(data).hexdigest()}", file=sys.stderr)

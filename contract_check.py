@@ -989,7 +989,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print("\n" + summary(results), flush=True)
+    print("\n" + summary(results), file=sys.stdout, flush=True)
     return 0 if all(result.passed for result in results) else 1
 
 

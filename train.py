@@ -36,7 +36,7 @@ from datamodule import (
     StreamingDataModule, StreamSettings, UnusableInputError, UpdateFeeder, ValidationPool, open_input, summary_line,
 )
 from lit_module import LitGPT
-from model import IGNORE_INDEX, training_flops
+from model import GPT, IGNORE_INDEX, count_parameters, training_flops
 from tokenizer import TextEncoder
 
 EFFECTIVE_BATCH_SIZE = 32
@@ -161,8 +161,8 @@ def check_output_budget(cfg: RunConfig) -> None:
     The export is fp32 safetensors (4 bytes a parameter); a Lightning checkpoint holds weights
     and AdamW's two moments (12 bytes a parameter), twice while the newest replaces the last.
     """
-    c = cfg.model
-    parameters = c.vocab_size * c.n_embd + c.max_seq_len * c.n_embd + c.n_layer * (12 * c.n_embd**2 + 4 * c.n_embd)
+    with torch.device("meta"):  # the real parameter count, without allocating anything
+        parameters = count_parameters(GPT(cfg.model))
     need = 4 * parameters + (2 * 12 * parameters if cfg.trainer.checkpoint_every_steps > 0 else 0)
     if need > cfg.output.budget_bytes:
         raise ConfigError(
