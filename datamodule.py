@@ -372,11 +372,12 @@ def split_update(update: list[Row], world_size: int, microbatch: int, stats: Str
     Rank r gets rows [r*A*M, (r+1)*A*M): every rank receives the same number of microbatches.
     """
     batches = [collate_rows(update[i : i + microbatch]) for i in range(0, len(update), microbatch)]
-    update_tokens = sum(int((b["targets"] != IGNORE_INDEX).sum()) for b in batches)
+    for b in batches:
+        b["target_tokens"] = int((b["targets"] != IGNORE_INDEX).sum())
+    update_tokens = sum(b["target_tokens"] for b in batches)
     stats.update_target_tokens += update_tokens
     for b in batches:
         b["update_target_tokens"] = update_tokens
-        b["target_tokens"] = int((b["targets"] != IGNORE_INDEX).sum())
     per_rank = len(batches) // world_size
     return [batches[r * per_rank : (r + 1) * per_rank] for r in range(world_size)]
 

@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from datamodule import ValidationDocument
+
 log = logging.getLogger(__name__)
 
 WORKER_SPEC_ENV = "RUNFAB_WORKER_SPEC"
@@ -75,8 +77,6 @@ def exit_with_parent() -> None:
 
 def send_item(conn: Connection, item: object) -> None:
     """A microbatch (dict of tensors and ints), a held-out document, the end, or an error."""
-    from datamodule import ValidationDocument
-
     if isinstance(item, dict):
         tensors = {k: v for k, v in item.items() if torch.is_tensor(v)}
         header = {

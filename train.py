@@ -247,7 +247,7 @@ def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodu
         use_compile_cache(Path(cfg.output.root) / "data" / "compile-cache")
         module.model.compile_trunk()
     log.info("model: %d parameters; %s on %s; microbatch %d x accumulation %d x %d device(s)",
-             sum(p.numel() for p in module.model.parameters()), trainer.precision, accelerator,
+             count_parameters(module.model), trainer.precision, accelerator,
              microbatch, accumulation, world)
     try:
         with contextlib.redirect_stdout(sys.stderr):  # Lightning's bar and tables default to stdout

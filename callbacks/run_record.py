@@ -18,6 +18,8 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from model import count_parameters
+
 log = logging.getLogger(__name__)
 
 LIBRARIES = ("torch", "lightning", "transformers", "tokenizers", "tiktoken", "safetensors", "torchmetrics", "omegaconf", "numpy")
@@ -87,7 +89,7 @@ class RunRecord(L.Callback):
             "precision": trainer.precision,
             "world_size": trainer.world_size,
             "optimizer_steps": trainer.global_step,
-            "parameters": sum(p.numel() for p in pl_module.model.parameters()),
+            "parameters": count_parameters(pl_module.model),
             "final_metrics": metrics.last_record if metrics else None,
             "input": self.stream_stats() if self.stream_stats else None,  # data parallel: the feeder fills it in
             "dataset": dataset_descriptor(self.bundle_root),
