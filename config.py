@@ -14,6 +14,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from callbacks.observe import ObserveConfig
 from datamodule import DataConfig
 from lit_module import OptimConfig
 from model import GPTConfig
@@ -36,6 +37,9 @@ class TrainerConfig:
     checkpoint_every_steps: int = 0  # 0: no intermediate checkpoints
     compile: bool | None = None  # torch.compile the model trunk; None: on CUDA only
     devices: int | None = None  # data-parallel processes; None: every visible GPU (1 on CPU)
+    worker_processes: bool | None = None  # None: only with several devices; true: one device trains in a worker too
+    memory_headroom_gib: float = 2.0  # GPU memory the allocator leaves free, in the probe and in training alike
+    cuda_alloc_conf: str | None = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF unless the platform set one
 
 
 @dataclass
@@ -58,6 +62,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
 
@@ -115,8 +120,11 @@ def check_config(cfg: RunConfig) -> None:
             problems.append(str(error))
     if not 0 <= cfg.data.val_fraction < 1:
         problems.append("data.val_fraction must lie in [0, 1)")
+    if cfg.trainer.memory_headroom_gib < 0:
+        problems.append("trainer.memory_headroom_gib must be >= 0")
     if cfg.metrics.interval_seconds < 0:
         problems.append("metrics.interval_seconds must be >= 0 (0 reports every update)")
+    problems.extend(cfg.observe.problems())
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 

@@ -71,6 +71,7 @@ class StreamStats:
     update_target_tokens: int = 0
     tail_tokens_dropped: int = 0
     end_of_input: bool = False
+    training_wait_seconds: float = 0.0  # time training sat waiting for its next microbatch (after the first)
     fingerprint: str = ""
     _sha: object = field(default_factory=hashlib.sha256, repr=False)
 
@@ -95,6 +96,7 @@ class StreamStats:
             "update_target_tokens": self.update_target_tokens,
             "tail_tokens_dropped": self.tail_tokens_dropped,
             "end_of_input": self.end_of_input,
+            "training_wait_seconds": round(self.training_wait_seconds, 3),
             "input_sha256": self.fingerprint,
         }
 
@@ -523,8 +525,16 @@ class UpdateFeeder:
     def iterate(self, rank: int = 0) -> Iterator[dict | ValidationDocument]:
         """The rank's items; the stream is consumed once, so a second pass yields nothing."""
         self.start()
+        first = True
         while not self._finished[rank]:
-            item = self.queues[rank].get()
+            try:
+                item = self.queues[rank].get_nowait()
+            except queue.Empty:  # training is ahead of the input: time it (the GPU may starve meanwhile)
+                waited_from = time.perf_counter()
+                item = self.queues[rank].get()
+                if not first and rank == 0:
+                    self.stats.training_wait_seconds += time.perf_counter() - waited_from
+            first = False
             if item is _END:
                 self._finished[rank] = True
                 return

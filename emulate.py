@@ -7,8 +7,9 @@
    ``RUNFABRIC_OUTPUT`` set and TMPDIR in the sandbox, while a watchdog samples host memory of
    the whole process tree, the size of TMPDIR and of the output, and stops the run (as the
    platform would) when one goes over RunFab's budget: 8 GiB RAM, 256 MiB /tmp, 3 GiB output.
-4. Write a summary and SVG plots of loss and throughput over ``elapsed_seconds`` from the metric
-   lines, as the platform's graphs show them.
+4. Write a summary, SVG plots of loss and throughput over ``elapsed_seconds`` from the metric
+   lines, as the platform's graphs show them, and ``report.html``: report.py's page of the
+   emulated run's output root, written before the sandbox is removed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import TextIO
 
 import contract_check
+import report as run_report
 
 RAM_BUDGET = 8 << 30
 TMP_BUDGET = 256 << 20
@@ -138,55 +140,24 @@ def run_training(sandbox: contract_check.Sandbox, microbatch: int, accumulation:
     return code, time.monotonic() - start, lines
 
 
-# ----------------------------------------------------------------------------- plots
+# ----------------------------------------------------------------------------- report
+
+PLOT_FILES = ("loss", "throughput")  # the platform's two graphs, as SVG files of their own
 
 
-def svg_chart(series: dict[str, list[tuple[float, float]]], title: str, y_label: str, from_zero: bool = False) -> str:
-    """A self-contained line chart (no plotting library, opens in any browser)."""
-    width, height, left, bottom, top, right = 720, 360, 70, 40, 30, 20
-    points = [p for values in series.values() for p in values]
-    if not points:
-        return f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="60"><text x="10" y="30">{title}: no data</text></svg>'
-    x_max = max(x for x, _ in points) or 1.0
-    y_min, y_max = min(y for _, y in points), max(y for _, y in points)
-    if from_zero:
-        y_min = min(0.0, y_min)
-    if y_max == y_min:
-        y_min, y_max = y_min - 1, y_max + 1
+def write_report(output_root: Path, folder: Path) -> Path:
+    """report.html of the emulated run, and its loss and throughput plots as SVG files.
 
-    def place(x: float, y: float) -> str:
-        px = left + (width - left - right) * x / x_max
-        py = height - bottom - (height - top - bottom) * (y - y_min) / (y_max - y_min)
-        return f"{px:.1f},{py:.1f}"
-
-    colors = ["#1f77b4", "#d62728", "#2ca02c"]
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">',
-             f'<text x="{width / 2}" y="18" text-anchor="middle" font-size="14">{title}</text>',
-             f'<line x1="{left}" y1="{height - bottom}" x2="{width - right}" y2="{height - bottom}" stroke="black"/>',
-             f'<line x1="{left}" y1="{top}" x2="{left}" y2="{height - bottom}" stroke="black"/>',
-             f'<text x="{width / 2}" y="{height - 8}" text-anchor="middle">elapsed_seconds (0 to {x_max:.0f})</text>',
-             f'<text x="12" y="{height / 2}" transform="rotate(-90 12 {height / 2})" text-anchor="middle">{y_label}</text>',
-             f'<text x="{left - 4}" y="{top + 4}" text-anchor="end">{y_max:.4g}</text>',
-             f'<text x="{left - 4}" y="{height - bottom}" text-anchor="end">{y_min:.4g}</text>']
-    for i, (name, values) in enumerate(series.items()):
-        color = colors[i % len(colors)]
-        if len(values) > 1:
-            parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{" ".join(place(*p) for p in values)}"/>')
-        parts.extend(f'<circle cx="{place(*p).split(",")[0]}" cy="{place(*p).split(",")[1]}" r="2.5" fill="{color}"/>' for p in values)
-        parts.append(f'<text x="{width - right - 4}" y="{top + 14 * (i + 1)}" text-anchor="end" fill="{color}">{name}</text>')
-    parts.append("</svg>")
-    return "\n".join(parts)
-
-
-def write_plots(metrics_path: Path, report: Path) -> None:
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-
-    def series(key: str) -> list[tuple[float, float]]:
-        return [(r["elapsed_seconds"], r[key]) for r in records if key in r and "elapsed_seconds" in r]
-
-    (report / "loss.svg").write_text(svg_chart({"loss": series("loss"), "val_loss": series("val_loss")}, "Loss", "loss"))
-    (report / "throughput.svg").write_text(
-        svg_chart({"tokens_per_second": series("tokens_per_second")}, "Throughput", "target tokens / s", from_zero=True))
+    The metric lines are the trainer's own ``run/metrics.jsonl`` when it wrote one, else the
+    stdout lines this emulation saved in ``folder``.
+    """
+    written = output_root / run_report.METRICS_FILE
+    metrics = written if written.is_file() else folder / "metrics.jsonl"
+    lines = run_report.read_metrics(metrics)
+    for plot in run_report.PLOTS:
+        if plot.slug in PLOT_FILES:
+            (folder / f"{plot.slug}.svg").write_text(run_report.plot_svg(plot, lines, standalone=True))
+    return run_report.write_report(output_root, folder / "report.html", metrics)
 
 
 # ----------------------------------------------------------------------------- command
@@ -221,14 +192,14 @@ def emulate(bundle: Path, report: Path, cuda: bool, gpus: int | None, microbatch
         result.train_exit_code, result.train_seconds, result.metric_lines = code, round(seconds, 1), lines
         model = sandbox.output / "model"
         result_files = sorted(p.name for p in model.iterdir()) if model.is_dir() else []
-    write_plots(report / "metrics.jsonl", report)
+        page = write_report(sandbox.output, report)
     summary = asdict(result) | {"model_files": result_files}
     (report / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     u = result.usage
     print(f"emulate: exit {code} after {result.train_seconds} s, {lines} metric lines; peaks: RAM "
           f"{u.peak_rss_bytes / 2**30:.2f} GiB, /tmp {u.peak_tmp_bytes / 2**20:.1f} MiB, output "
-          f"{u.peak_output_bytes / 2**20:.1f} MiB{'; STOPPED: ' + u.exceeded if u.exceeded else ''}; report in {report}",
-          file=log)
+          f"{u.peak_output_bytes / 2**20:.1f} MiB{'; STOPPED: ' + u.exceeded if u.exceeded else ''}; "
+          f"report {page}, summary and plots in {report}", file=log)
     return result
 
 

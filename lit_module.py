@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import lightning as L
 import torch
+from torch.profiler import record_function
 from torchmetrics.aggregation import MeanMetric
 
 from model import GPT, GPTConfig
@@ -56,11 +57,30 @@ class LitGPT(L.LightningModule):
         self.last_grad_norm: torch.Tensor | None = None
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
-        loss_sum = self.model.loss_sum(batch)
+        with record_function("forward"):  # markers name the phases in profiler traces and memory snapshots
+            loss_sum = self.model.loss_sum(batch)
         # Lightning divides the returned loss by accumulate_grad_batches and DDP averages gradients
         # over ranks; multiplying both back makes the update's gradient the exact per-token mean.
         scale = self.trainer.accumulate_grad_batches * self.trainer.world_size / batch["update_target_tokens"]
         return {"loss": loss_sum * scale, "loss_sum": loss_sum.detach(), "target_tokens": batch["target_tokens"]}
+
+    def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
+        with record_function("backward"):
+            super().backward(loss, *args, **kwargs)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self._step_marker = record_function("optimizer_step")  # clipping and the AdamW step
+        self._step_marker.__enter__()
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        marker, self._step_marker = getattr(self, "_step_marker", None), None
+        if marker is not None:
+            marker.__exit__(None, None, None)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer) -> None:
+        with record_function("zero_grad"):
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         loss_sum = self.model.loss_sum(batch)

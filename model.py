@@ -185,11 +185,16 @@ class GPT(nn.Module):
         """Final-LayerNorm hidden states [B, T, d].
 
         ``positions`` None means one document per row; ``cu_seqlens`` (document offsets in the
-        flattened rows, see document_offsets) may come with the batch to spare a device sync.
+        flattened rows, see document_offsets) may come with the batch to spare a device sync, and
+        then also tells, from its shape alone, when every row is one document.
         Training runs the compiled trunk once ``compile_trunk`` was called; evaluation stays eager.
         """
         if input_ids.shape[1] > self.config.max_seq_len:
             raise ValueError(f"sequence length {input_ids.shape[1]} exceeds max_seq_len {self.config.max_seq_len}")
+        if cu_seqlens is not None and cu_seqlens.shape[0] == input_ids.shape[0] + 1:
+            # As many documents as rows, and every row starts one: each row is a single document
+            # with positions 0..T-1, plain causal attention, which fused SDPA does fastest.
+            positions = cu_seqlens = None
         if self._compiled_trunk is not None and self.training:
             if cu_seqlens is not None:
                 torch._dynamo.mark_dynamic(cu_seqlens, 0)  # document counts vary: one graph for all
@@ -259,8 +264,11 @@ VOCAB_ALIGNMENT = 128  # padded vocabulary keeps the head's matmuls on the align
 def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, dtype: torch.dtype):
     """Summed loss of one chunk and d(loss)/d(logits) = softmax - one-hot (zero for ignored targets).
 
+    ``logits`` come in the matmul's dtype and are widened here to at least fp32, where the
+    compiled version fuses the widening into the softmax instead of storing an fp32 copy.
     Columns past ``vocab_size`` are padding: -inf logits, so they take no probability.
     """
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     logits[:, vocab_size:] = float("-inf")
     valid = targets != IGNORE_INDEX
     safe = torch.where(valid, targets, 0)[:, None]
@@ -297,7 +305,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             loss = torch.zeros((), dtype=exact, device=hidden.device)
             for start in range(0, hidden.shape[0], chunk_tokens):
                 h = hidden[start : start + chunk_tokens].to(dtype)
-                logits = (h @ w.t()).to(exact)
+                logits = h @ w.t()
                 chunk_loss, grad_logits = chunk_fn(logits, targets[start : start + chunk_tokens], vocab, dtype)
                 loss += chunk_loss
                 grad_hidden[start : start + chunk_tokens] = (grad_logits @ w).to(hidden.dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ import warnings
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
@@ -27,13 +29,15 @@ from torch.utils.data import DataLoader
 import launcher
 from callbacks.export import ExportModel
 from callbacks.graceful_stop import GracefulStop
+from callbacks.observe import ObservationWindows
 from callbacks.run_record import RunRecord, sha256_file
 from callbacks.runfab_metrics import NonFiniteLossError, RunFabMetrics
 from config import (
     BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, load_config, load_config_dict, training_time_limit,
 )
 from datamodule import (
-    StreamingDataModule, StreamSettings, UnusableInputError, UpdateFeeder, ValidationPool, open_input, summary_line,
+    Row, StreamingDataModule, StreamSettings, UnusableInputError, UpdateFeeder, ValidationPool, collate_rows, open_input,
+    summary_line,
 )
 from lit_module import LitGPT
 from model import GPT, IGNORE_INDEX, count_parameters, training_flops
@@ -41,7 +45,7 @@ from tokenizer import TextEncoder
 
 EFFECTIVE_BATCH_SIZE = 32
 
-PROBE_STEPS = 2
+PROBE_PASSES = 2  # over the probe batches: the second pass runs with the optimizer state allocated
 USER_ERRORS = (
     ConfigError, UnusableInputError, NonFiniteLossError, FileNotFoundError, launcher.WorkerFailed, launcher.Interrupted,
 )
@@ -70,6 +74,11 @@ def world_size(cfg: RunConfig) -> int:
     if cfg.trainer.devices is not None:
         return cfg.trainer.devices
     return max(1, torch.cuda.device_count()) if resolve_accelerator(cfg) == "gpu" else 1
+
+
+def local_device() -> int:
+    """This process's CUDA index: its local rank in a worker (set by launcher.py), else 0."""
+    return int(os.environ.get("LOCAL_RANK", 0))
 
 
 def check_batch(microbatch: int, accumulation: int, world: int) -> None:
@@ -125,11 +134,86 @@ def lightning_trainer(cfg: RunConfig, accelerator: str, world: int, **overrides)
     return L.Trainer(**arguments)
 
 
-def use_compile_cache(folder: Path) -> None:
-    """Inductor and Triton caches go to the output's disposable data/ folder: RunFab's /tmp holds 256 MiB."""
+def prepare_compile(folder: Path, world: int) -> None:
+    """Inductor and Triton caches go to the output's disposable data/ folder (RunFab's /tmp holds
+    256 MiB), and compilation uses few subprocesses: RunFab has 2 cores and 8 GiB for the whole
+    job, and each compile worker holds a few hundred MB of RAM."""
     folder.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder / "inductor"))
     os.environ.setdefault("TRITON_CACHE_DIR", str(folder / "triton"))
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.compile_threads = 1 if world > 1 else min(2, len(os.sched_getaffinity(0)))
+
+
+# ----------------------------------------------------------------------------- GPU memory limits
+#
+# Training and the probe run under the same allocator settings and the same cap, so a probe that
+# fits means training fits. A platform may limit memory in two ways, and both reach every worker:
+# PYTORCH_CUDA_ALLOC_CONF in the environment (inherited by the workers as is, and then ours is not
+# applied), and torch.cuda.set_per_process_memory_fraction called in this process before a hook
+# (read here and handed to the workers, which apply the smaller of it and our headroom cap).
+# Host limits (cgroups, rlimits) apply to the whole process tree by themselves.
+
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def use_allocator_settings(cfg: RunConfig) -> None:
+    """Our allocator settings, unless the platform chose its own; set before CUDA starts, inherited by workers."""
+    if not cfg.trainer.cuda_alloc_conf or ALLOC_CONF_ENV in os.environ:
+        return
+    if torch.cuda.is_initialized():
+        log.warning("CUDA was initialized before train.py could set %s=%s; the allocator keeps its settings",
+                    ALLOC_CONF_ENV, cfg.trainer.cuda_alloc_conf)
+        return
+    os.environ[ALLOC_CONF_ENV] = cfg.trainer.cuda_alloc_conf
+
+
+def platform_memory_fraction() -> float | None:
+    """The GPU memory fraction the platform set in this process before calling a hook, if any.
+
+    Only read when CUDA is already initialized: asking would otherwise initialize it.
+    """
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is None or not torch.cuda.is_initialized():
+        return None
+    fraction = min(getter(i) for i in range(torch.cuda.device_count()))
+    return fraction if fraction < 1 else None
+
+
+def limit_gpu_memory(cfg: RunConfig, device: int, platform_fraction: float | None) -> float:
+    """Cap this process's allocator on ``device`` at its memory less the headroom (and at the platform's fraction)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = 1.0 - cfg.trainer.memory_headroom_gib * 2**30 / total
+    if platform_fraction is not None:
+        fraction = min(fraction, platform_fraction)
+    if fraction <= 0:
+        raise ConfigError(f"trainer.memory_headroom_gib ({cfg.trainer.memory_headroom_gib}) leaves no memory on "
+                          f"a {total / 2**30:.1f} GiB GPU")
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    log.info("GPU %d: allocator capped at %.1f of %.1f GiB (headroom %.1f GiB, platform fraction %s, %s=%s)",
+             device, fraction * total / 2**30, total / 2**30, cfg.trainer.memory_headroom_gib, platform_fraction,
+             ALLOC_CONF_ENV, os.environ.get(ALLOC_CONF_ENV))
+    return fraction
+
+
+def experiment_loggers(cfg: RunConfig, folder: Path) -> list:
+    """Lightning loggers named in ``observe.loggers``; they receive the metric lines, never stdout."""
+    loggers = []
+    for name in cfg.observe.loggers:
+        if name == "csv":
+            loggers.append(L.pytorch.loggers.CSVLogger(folder, name="csv"))
+        elif name == "tensorboard":
+            if not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
+                raise ConfigError("observe.loggers has tensorboard, which is not installed: pip install tensorboard")
+            loggers.append(L.pytorch.loggers.TensorBoardLogger(folder, name="tensorboard"))
+        elif name == "wandb":
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError("observe.loggers has wandb, which is not installed: pip install wandb, then wandb login")
+            os.environ.setdefault("WANDB_CONSOLE", "off")  # W&B must not wrap stdout, which carries RunFab's lines
+            loggers.append(L.pytorch.loggers.WandbLogger(save_dir=folder, project=os.environ.get("WANDB_PROJECT", "runfab")))
+    return loggers
 
 
 # ----------------------------------------------------------------------------- training
@@ -178,32 +262,37 @@ def run_training(cfg: RunConfig, microbatch: int, accumulation: int, stdin=None)
     check_batch(microbatch, accumulation, world)
     check_output_budget(cfg)
     setup_process(cfg)
+    use_allocator_settings(cfg)
+    platform_fraction = platform_memory_fraction()
+    in_workers = world > 1 or bool(cfg.trainer.worker_processes)
     encoder = load_encoder(cfg)
     settings = stream_settings(cfg, encoder, microbatch, accumulation, world)
     feeder = UpdateFeeder(
         lambda: open_input(bundle_path(cfg.data.sample_path), stdin), settings, encoder.encode_batch,
         ValidationPool(cfg.data.val_max_tokens), report_every=cfg.metrics.interval_seconds if world > 1 else None,
     )
-    if world > 1:
-        result = train_data_parallel(cfg, microbatch, accumulation, world, feeder)
+    if in_workers:
+        result = train_data_parallel(cfg, microbatch, accumulation, world, feeder, platform_fraction)
     else:
         datamodule = StreamingDataModule(
             feeder.iterate, feeder.pool, settings, pin_memory=resolve_accelerator(cfg) == "gpu", on_teardown=feeder.stop
         )
-        result = fit(cfg, microbatch, accumulation, world, datamodule, encoder, feeder.close)
+        result = fit(cfg, microbatch, accumulation, world, datamodule, encoder, feeder.close, platform_fraction)
     result["input"] = feeder.close()
     log.info(summary_line(feeder.stats))
     return result
 
 
 def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodule: StreamingDataModule,
-        encoder: TextEncoder, input_summary=None) -> dict:
+        encoder: TextEncoder, input_summary=None, platform_fraction: float | None = None) -> dict:
     """Build module, callbacks and Trainer, and fit: the same in a single process and in each worker.
 
     Export and the run record happen in callbacks, on global rank 0.
     """
     accelerator = resolve_accelerator(cfg)
     on_gpu = accelerator == "gpu"
+    if on_gpu:
+        limit_gpu_memory(cfg, local_device(), platform_fraction)
     model_dir = Path(cfg.output.root) / "model"
     tokenizer_path = bundle_path(cfg.data.tokenizer)
     static = {
@@ -214,12 +303,16 @@ def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodu
         "tokenizer": {"path": cfg.data.tokenizer, "sha256": sha256_file(tokenizer_path),
                       "vocab_size": encoder.vocab_size, "eos_id": encoder.eos_id, "backend": encoder.backend},
     }
+    run_dir = Path(cfg.output.root) / "run"
     metrics = RunFabMetrics(
         cfg.metrics.interval_seconds, stream=sys.stdout,
         flops=functools.partial(training_flops, cfg.model) if on_gpu else None, peak_flops=cfg.metrics.peak_flops,
+        warmup_updates=cfg.observe.warmup_updates, observed_updates=cfg.observe.observed_updates(),
+        log_path=run_dir / "metrics.jsonl",
     )
     stop = GracefulStop()
     callbacks: list[L.Callback] = [
+        ObservationWindows(cfg.observe, run_dir),  # before the metrics: writing a trace counts as observed time
         metrics,
         ExportModel(model_dir, tokenizer_path),
         RunRecord(model_dir, BUNDLE_ROOT, static, input_summary),
@@ -241,10 +334,11 @@ def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodu
         enable_progress_bar=progress,
         default_root_dir=cfg.output.root,
         callbacks=callbacks,
+        logger=experiment_loggers(cfg, run_dir / "logs") or False,
     )
     module = LitGPT(cfg.model, cfg.optim)
     if cfg.trainer.compile if cfg.trainer.compile is not None else on_gpu:
-        use_compile_cache(Path(cfg.output.root) / "data" / "compile-cache")
+        prepare_compile(Path(cfg.output.root) / "data" / "compile-cache", world)
         module.model.compile_trunk()
     log.info("model: %d parameters; %s on %s; microbatch %d x accumulation %d x %d device(s)",
              count_parameters(module.model), trainer.precision, accelerator,
@@ -273,11 +367,12 @@ def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodu
 # ----------------------------------------------------------------------------- data parallel
 
 
-def train_data_parallel(cfg: RunConfig, microbatch: int, accumulation: int, world: int, feeder: UpdateFeeder) -> dict:
+def train_data_parallel(cfg: RunConfig, microbatch: int, accumulation: int, world: int, feeder: UpdateFeeder,
+                        platform_fraction: float | None = None) -> dict:
     """This process feeds; ``world`` workers train. Waits for all, or fails with the first failure."""
     listener, authkey = launcher.new_listener()
     spec = {"config": as_dict(cfg), "microbatch": microbatch, "accumulation": accumulation,
-            "address": list(listener.address), "authkey": authkey.hex()}
+            "address": list(listener.address), "authkey": authkey.hex(), "platform_memory_fraction": platform_fraction}
     restore_signals = launcher.raise_on_signals()
     group = launcher.WorkerGroup(world, spec, BUNDLE_ROOT)
     try:
@@ -303,8 +398,9 @@ def run_worker() -> int:
     cfg = load_config_dict(spec["config"])
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     setup_process(cfg)
+    platform_fraction = spec.get("platform_memory_fraction")
     if spec.get("probe"):
-        run_probe_local(cfg, spec["microbatch"], world)
+        run_probe_local(cfg, spec["microbatch"], world, platform_fraction)
         return 0
     encoder = load_encoder(cfg)
     settings = stream_settings(cfg, encoder, spec["microbatch"], spec["accumulation"], world)
@@ -314,27 +410,28 @@ def run_worker() -> int:
         connection.batches, pool, settings, rank=rank, pin_memory=resolve_accelerator(cfg) == "gpu",
         on_teardown=connection.close,
     )
-    fit(cfg, spec["microbatch"], spec["accumulation"], world, datamodule, encoder)
+    fit(cfg, spec["microbatch"], spec["accumulation"], world, datamodule, encoder, platform_fraction=platform_fraction)
     return 0
 
 
 # ----------------------------------------------------------------------------- probe
 
 
-def worst_case_batch(microbatch: int, seq_len: int, vocab_size: int, accumulation: int) -> dict:
-    """Full-length rows, one document spanning each: the most attention work and memory a row can need."""
-    tokens = torch.randint(0, vocab_size, (microbatch, seq_len))
-    targets = torch.cat([tokens[:, 1:], torch.full((microbatch, 1), IGNORE_INDEX)], dim=1)
-    target_tokens = microbatch * (seq_len - 1)
-    return {
-        "input_ids": tokens,
-        "positions": torch.arange(seq_len).expand(microbatch, seq_len).contiguous(),
-        "targets": targets,
-        "cu_seqlens": torch.arange(0, microbatch * seq_len + 1, seq_len, dtype=torch.int32),
-        "attention_pairs": microbatch * seq_len**2,
-        "target_tokens": target_tokens,
-        "update_target_tokens": target_tokens * accumulation,
-    }
+def probe_batches(microbatch: int, seq_len: int, vocab_size: int, update_microbatches: int) -> list[dict]:
+    """Full rows through both attention paths training takes: one document per row (fused causal
+    SDPA, the most attention work) and two documents per row (the varlen kernel), built by the
+    training collate so they are what training sees."""
+    rng = np.random.default_rng(0)
+    whole = np.arange(seq_len, dtype=np.int32)
+    halves = np.concatenate([np.arange(seq_len // 2), np.arange(seq_len - seq_len // 2)]).astype(np.int32)
+    batches = []
+    for positions in (whole, halves):
+        rows = [Row(rng.integers(0, vocab_size, seq_len, dtype=np.int32), positions) for _ in range(microbatch)]
+        batch = collate_rows(rows)
+        batch["target_tokens"] = int((batch["targets"] != IGNORE_INDEX).sum())
+        batch["update_target_tokens"] = batch["target_tokens"] * update_microbatches
+        batches.append(batch)
+    return batches
 
 
 def run_probe(cfg: RunConfig, microbatch: int) -> dict:
@@ -347,11 +444,14 @@ def run_probe(cfg: RunConfig, microbatch: int) -> dict:
     if not 1 <= microbatch <= EFFECTIVE_BATCH_SIZE:
         raise ConfigError(f"microbatch must lie in 1..{EFFECTIVE_BATCH_SIZE}, not {microbatch}")
     setup_process(cfg)
+    use_allocator_settings(cfg)
+    platform_fraction = platform_memory_fraction()
     world = world_size(cfg)
-    if world == 1:
-        return run_probe_local(cfg, microbatch, 1)
+    if world == 1 and not cfg.trainer.worker_processes:
+        return run_probe_local(cfg, microbatch, 1, platform_fraction)
     restore_signals = launcher.raise_on_signals()
-    group = launcher.WorkerGroup(world, {"config": as_dict(cfg), "microbatch": microbatch, "probe": True}, BUNDLE_ROOT)
+    spec = {"config": as_dict(cfg), "microbatch": microbatch, "probe": True, "platform_memory_fraction": platform_fraction}
+    group = launcher.WorkerGroup(world, spec, BUNDLE_ROOT)
     try:
         group.wait()
     except launcher.WorkerFailed as failure:
@@ -364,19 +464,27 @@ def run_probe(cfg: RunConfig, microbatch: int) -> dict:
     return {"microbatch": microbatch, "world_size": world}
 
 
-def run_probe_local(cfg: RunConfig, microbatch: int, world: int) -> dict:
+def run_probe_local(cfg: RunConfig, microbatch: int, world: int, platform_fraction: float | None = None,
+                    compiled: bool = False) -> dict:
     """The probe in this process: one device, or one rank of ``world``. Accumulates over two
     microbatches when the effective batch allows, so gradients are held while the next forward
-    runs, as in training."""
+    runs, as in training. The GPU memory cap is training's (limit_gpu_memory).
+
+    It runs eager, to stay far inside RunFab's 120 s; ``compiled`` exists for the benchmark's
+    proof that the compiled model training runs needs no more memory than this."""
     accelerator = resolve_accelerator(cfg)
+    if accelerator == "gpu":
+        limit_gpu_memory(cfg, local_device(), platform_fraction)
     accumulation = 2 if EFFECTIVE_BATCH_SIZE // (microbatch * world) >= 2 else 1
-    batch = worst_case_batch(microbatch, cfg.model.max_seq_len, cfg.model.vocab_size, accumulation * world)
-    batches = DataLoader([batch] * (PROBE_STEPS * accumulation), batch_size=None)
+    kinds = probe_batches(microbatch, cfg.model.max_seq_len, cfg.model.vocab_size, accumulation * world)
+    batches = DataLoader(kinds * PROBE_PASSES, batch_size=None)
     trainer = lightning_trainer(
-        cfg, accelerator, world, max_steps=PROBE_STEPS, accumulate_grad_batches=accumulation,
+        cfg, accelerator, world, max_steps=len(kinds) * PROBE_PASSES // accumulation, accumulate_grad_batches=accumulation,
         limit_val_batches=0, enable_progress_bar=False,
     )
     module = LitGPT(cfg.model, cfg.optim)
+    if compiled:
+        module.model.compile_trunk()
     if accelerator == "gpu":
         torch.cuda.reset_peak_memory_stats()
     with contextlib.redirect_stdout(sys.stderr):
@@ -431,11 +539,15 @@ def main(argv: list[str] | None = None) -> int:
         import emulate
 
         return emulate.main(argv[1:])
+    if argv[:1] == ["report"]:
+        import report
+
+        return report.main(argv[1:])
     command = argv.pop(0) if argv[:1] in (["fit"], ["probe"]) else "fit"
     parser = argparse.ArgumentParser(
         prog="train.py",
         description="Pretrain the GPT decoder on NDJSON records from stdin (or the bundled sample). "
-        "Subcommands: fit (default), probe, tokenizer, package, check, emulate. Any --section.key VALUE overrides the config.",
+        "Subcommands: fit (default), probe, tokenizer, package, check, emulate, report. Any --section.key VALUE overrides the config.",
     )
     parser.add_argument("--config", help=f"YAML config of the bundle (default: $RUNFAB_CONFIG or conf/config.yaml)")
     parser.add_argument("--microbatch", type=int, help="rows per microbatch (default: data.microbatch)")

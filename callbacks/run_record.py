@@ -18,6 +18,8 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from callbacks.observe import ObservationWindows
+from callbacks.runfab_metrics import RunFabMetrics
 from model import count_parameters
 
 log = logging.getLogger(__name__)
@@ -80,7 +82,8 @@ class RunRecord(L.Callback):
 
     def build(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
         gpu = torch.cuda.get_device_name(pl_module.device) if pl_module.device.type == "cuda" else None
-        metrics = next((c for c in trainer.callbacks if hasattr(c, "last_record")), None)
+        metrics = next((c for c in trainer.callbacks if isinstance(c, RunFabMetrics)), None)
+        observer = next((c for c in trainer.callbacks if isinstance(c, ObservationWindows)), None)
         return {
             "status": self.status,
             "started_unix": round(self.started, 3),
@@ -91,6 +94,8 @@ class RunRecord(L.Callback):
             "optimizer_steps": trainer.global_step,
             "parameters": count_parameters(pl_module.model),
             "final_metrics": metrics.last_record if metrics else None,
+            "summary": metrics.summary(trainer, pl_module) if metrics else None,
+            "observations": observer.files if observer else [],
             "input": self.stream_stats() if self.stream_stats else None,  # data parallel: the feeder fills it in
             "dataset": dataset_descriptor(self.bundle_root),
             "environment": {

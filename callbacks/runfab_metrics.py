@@ -1,7 +1,9 @@
 """RunFab's graph feed: one JSON object per line on stdout, every few seconds and once at the end.
 
 Per-step values stay on the device and are summed there; the host reads them (one sync)
-only when it reports, so the metrics cost nothing between reports.
+only when it reports, so the metrics cost nothing between reports. Warmup updates and observed
+updates (profiler, memory snapshot) are reported in intervals of their own, flagged, and left out
+of the run summary, which gives the throughput of the normal region only.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from pathlib import Path
 from typing import TextIO
 
 import lightning as L
@@ -32,14 +35,30 @@ class RunFabMetrics(L.Callback):
     def __init__(
         self, interval_seconds: float = 5.0, stream: TextIO | None = None,
         flops: Callable[[int, int], float] | None = None, peak_flops: float | None = None,
+        warmup_updates: int = 0, observed_updates: Collection[int] = (), log_path: Path | None = None,
     ) -> None:
-        """``flops(tokens, attention_pairs)`` and ``peak_flops`` (per device) add ``mfu`` to the lines."""
+        """``flops(tokens, attention_pairs)`` and ``peak_flops`` (per device) add ``mfu`` to the lines.
+
+        Each line also goes to ``log_path`` (the run's metrics.jsonl) and to the trainer's loggers.
+        """
         self.interval_seconds = interval_seconds
         self.stream = stream if stream is not None else sys.stdout
         self.flops = flops
         self.peak_flops = peak_flops
+        self.warmup_updates = warmup_updates
+        self.observed_updates = frozenset(observed_updates)
+        self.log_path = Path(log_path) if log_path is not None else None
+        self._log_file: TextIO | None = None
         self.lines_written = 0
         self.last_record: dict = {}
+        self.normal = {"seconds": 0.0, "target_tokens": 0, "flops": 0.0, "updates": 0, "first_update": None,
+                       "last_update": None}
+
+    def phase(self, update: int) -> str:
+        """warmup, observed or normal: updates of different phases are never reported together."""
+        if update <= self.warmup_updates:
+            return "warmup"
+        return "observed" if update in self.observed_updates else "normal"
 
     # -- state ------------------------------------------------------------------------------
 
@@ -52,9 +71,13 @@ class RunFabMetrics(L.Callback):
         self._interval_flops = 0.0
         self._first_bad_step = torch.full((), -1, dtype=torch.long, device=device)
         self._steps_seen = trainer.global_step
+        self._interval_phase = self.phase(trainer.global_step + 1)
         self.total_tokens = 0
         self.start_time: float | None = None
         self._interval_start = 0.0
+        if self.log_path is not None and trainer.is_global_zero:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = self.log_path.open("w")
 
     def _now(self, device: torch.device) -> float:
         if device.type == "cuda":
@@ -88,7 +111,10 @@ class RunFabMetrics(L.Callback):
         self._interval_flops += self._pending_flops
         self._interval_steps += 1
         self._pending_loss, self._pending_tokens, self._pending_rows, self._pending_flops = self._zero(), 0, 0, 0.0
-        if trainer.world_size > 1:
+        self._interval_phase = self.phase(trainer.global_step)
+        if self.phase(trainer.global_step + 1) != self._interval_phase:
+            self.report(trainer, pl_module)  # a phase boundary: the same update on every rank
+        elif trainer.world_size > 1:
             if batch.get("report"):  # the feeder marks the same update on every rank
                 self.report(trainer, pl_module)
         elif time.perf_counter() - self._interval_start >= self.interval_seconds:
@@ -124,6 +150,10 @@ class RunFabMetrics(L.Callback):
             }
             if self.flops is not None and self.peak_flops:
                 record["mfu"] = self._interval_flops / seconds / (self.peak_flops * trainer.world_size)
+            if self._interval_phase == "normal":
+                self._count_normal(trainer.global_step, seconds, tokens)
+            else:
+                record[self._interval_phase] = 1
             self.total_tokens += tokens
         if pl_module.device.type == "cuda":
             record["peak_allocated_gib"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
@@ -134,6 +164,36 @@ class RunFabMetrics(L.Callback):
         self._interval_tokens = self._interval_rows = self._interval_steps = 0
         self._interval_flops = 0.0
         self._interval_start = self._now(pl_module.device)
+
+    def _count_normal(self, last_update: int, seconds: float, tokens: int) -> None:
+        normal = self.normal
+        if normal["first_update"] is None:
+            normal["first_update"] = last_update - self._interval_steps + 1
+        normal["last_update"] = last_update
+        normal["seconds"] += seconds
+        normal["target_tokens"] += tokens
+        normal["flops"] += self._interval_flops
+        normal["updates"] += self._interval_steps
+
+    def summary(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
+        """The run's figures over the normal region: warmup, observed updates and validation left out."""
+        normal, world = self.normal, trainer.world_size
+        seconds = normal["seconds"]
+        result: dict = {
+            "tokens_per_second_per_gpu": normal["target_tokens"] / seconds / world if seconds else None,
+            "tokens_per_second": normal["target_tokens"] / seconds if seconds else None,
+            "mfu": (normal["flops"] / seconds / (self.peak_flops * world)
+                    if seconds and self.flops is not None and self.peak_flops else None),
+            "normal_region": {k: normal[k] for k in ("first_update", "last_update", "updates", "seconds", "target_tokens")},
+            "excluded_updates": {"warmup": min(self.warmup_updates, trainer.global_step),
+                                 "observed": sorted(u for u in self.observed_updates if u <= trainer.global_step)},
+            "total_target_tokens": self.total_tokens,
+            "world_size": world,
+        }
+        if pl_module.device.type == "cuda":
+            result["peak_allocated_gib"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
+            result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(pl_module.device) / 2**30
+        return result
 
     def _sum_over_ranks(self, device: torch.device) -> None:
         """Global interval totals: one small all-reduce, at report time only (every rank reports together)."""
@@ -159,6 +219,11 @@ class RunFabMetrics(L.Callback):
             raise ValueError(f"metrics line of {len(line)} characters exceeds RunFab's 8,192")
         self.stream.write(line + "\n")
         self.stream.flush()
+        if self._log_file is not None:
+            self._log_file.write(line + "\n")
+            self._log_file.flush()
+        for logger in getattr(trainer, "loggers", ()):
+            logger.log_metrics({k: v for k, v in record.items() if k != "step"}, step=record["step"])
         self.lines_written += 1
         self.last_record = record
         shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items())
@@ -185,3 +250,6 @@ class RunFabMetrics(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if self.start_time is not None:
             self.report(trainer, pl_module)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None

@@ -1,20 +1,31 @@
 """Throughput, MFU and memory of the real Lightning trainer against a plain PyTorch loop, in one job.
 
 Both runs read the same synthetic records through the same data pipeline, build the same model
-(compiled trunk, varlen attention, chunked loss), optimizer and loss normalization; the Lightning
-run is `train.py` itself, fed on stdin as RunFab feeds it. Throughput is target tokens over wall
-seconds of the normal region (after the warmup updates), GPU synchronized.
+(compiled trunk, varlen attention or SDPA for one-document rows, chunked loss), optimizer and
+loss normalization; the Lightning run is `train.py` itself, fed on stdin as RunFab feeds it.
+Throughput is target tokens over wall seconds of the normal region (after the warmup updates),
+GPU synchronized; the Lightning figures come from the run record's summary.
 
-Usage (on a GPU machine): python scripts/benchmark.py [--layouts realistic one-doc] [--steps 40] [--warmup 10]
+Extra runs, in the same job:
+  --observe       a Lightning run with a profiler window and a memory snapshot (issue 6): its normal
+                  region excludes the observed updates, so its throughput must match the plain run's.
+  --workers       a Lightning run through the data-parallel worker path on the same device(s), and
+                  the peak host memory (RSS and PSS summed over the process tree) of both paths.
+  --memory-sweep  the probe (eager, as RunFab runs it) and the same probe compiled, at every
+                  candidate microbatch: compiled peak memory must not exceed eager.
+
+Usage (on a GPU machine): python scripts/benchmark.py [--layouts realistic one-doc] [--microbatch 32]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +36,7 @@ import torch  # noqa: E402
 
 import train  # noqa: E402
 from config import load_config  # noqa: E402
+from contract_check import process_table  # noqa: E402
 from datamodule import UpdateFeeder, ValidationPool  # noqa: E402
 from lit_module import LitGPT  # noqa: E402
 from model import training_flops  # noqa: E402
@@ -35,44 +47,91 @@ LAYOUTS = {
     # One document spanning each 4096-token row (4095 tokens + EOS): nanoGPT's benchmark work.
     "one-doc": ["--mean-tokens", "4095", "--sigma", "0"],
 }
+OBSERVED = ["--observe.profile_update", "15", "--observe.profile_updates", "2", "--observe.memory_update", "18"]
 
 
 def records_command(layout: str, docs: int) -> list[str]:
     return [sys.executable, str(ROOT / "scripts/synthetic_records.py"), "--docs", str(docs), *LAYOUTS[layout]]
 
 
-def run_lightning(layout: str, args, out: Path) -> dict:
-    """`python train.py` with the records on stdin; figures from its own metric lines."""
-    env = dict(os.environ, RUNFABRIC_OUTPUT=str(out / f"lightning-{layout}"))
+# ----------------------------------------------------------------------------- host memory
+
+
+def tree_memory(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) in bytes summed over a process and its descendants. PSS shares each shared page
+    among the processes mapping it, which is what a memory cgroup charges once; RSS counts it in each."""
+    table = process_table()
+    family, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [child for child, (ppid, *_rest) in table.items() if ppid == parent and child not in family]
+        family.update(children)
+        frontier.extend(children)
+    rss = pss = 0
+    for member in family:
+        try:
+            for line in Path(f"/proc/{member}/smaps_rollup").read_text().splitlines():
+                if line.startswith(("Rss:", "Pss:")):
+                    value = int(line.split()[1]) * 1024
+                    rss, pss = (rss + value, pss) if line.startswith("Rss:") else (rss, pss + value)
+        except (OSError, ValueError):
+            continue
+    return rss, pss
+
+
+class MemorySampler(threading.Thread):
+    """Peak tree RSS and PSS of a process, sampled every half second until it ends."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        super().__init__(daemon=True)
+        self.process = process
+        self.peak_rss = self.peak_pss = 0
+
+    def run(self) -> None:
+        while self.process.poll() is None:
+            rss, pss = tree_memory(self.process.pid)
+            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+            time.sleep(0.5)
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def run_lightning(layout: str, args, out: Path, name: str = "lightning", extra: tuple[str, ...] = ()) -> dict:
+    """`python train.py` with the records on stdin; figures from its run record's summary."""
+    output = out / f"{name}-{layout}"
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(output))
     overrides = [
         "--microbatch", str(args.microbatch), "--trainer.max_steps", str(args.steps), "--trainer.val_every_steps", "0",
         "--data.val_fraction", "0", "--metrics.interval_seconds", "1", "--optim.warmup_steps", "5",
+        "--observe.warmup_updates", str(args.warmup), *extra,
     ]
     generator = subprocess.Popen(records_command(layout, args.docs), stdout=subprocess.PIPE)
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *overrides], stdin=generator.stdout, env=env,
-        capture_output=True, text=True,
-    )
+    started = time.perf_counter()
+    process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *overrides], stdin=generator.stdout, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sampler = MemorySampler(process)
+    sampler.start()
+    stdout, stderr = process.communicate()
+    sampler.join()
     generator.kill()
-    if result.returncode:
-        raise RuntimeError(f"train.py failed:\n{result.stderr[-4000:]}")
-    lines = [json.loads(line) for line in result.stdout.splitlines()]
-    intervals = [line for line in lines if "tokens_per_second" in line]
-    tokens = seconds = flops_seconds = 0.0
-    previous = None
-    for line in intervals:
-        if previous is not None and previous["step"] >= args.warmup:
-            duration = line["elapsed_seconds"] - previous["elapsed_seconds"]
-            tokens += line["tokens_per_second"] * duration
-            flops_seconds += line["mfu"] * duration
-            seconds += duration
-        previous = line
+    if process.returncode:
+        raise RuntimeError(f"train.py {' '.join(extra)} failed:\n{stderr[-4000:]}")
+    record = json.loads((output / "model/run_record.json").read_text())
+    summary = record["summary"]
     return {
-        "tokens_per_second": tokens / seconds,
-        "mfu": flops_seconds / seconds,
-        "peak_allocated_gib": intervals[-1]["peak_allocated_gib"],
-        "peak_reserved_gib": intervals[-1]["peak_reserved_gib"],
-        "measured_seconds": seconds,
+        "tokens_per_second": summary["tokens_per_second"],
+        "mfu": summary["mfu"],
+        "peak_allocated_gib": summary["peak_allocated_gib"],
+        "peak_reserved_gib": summary["peak_reserved_gib"],
+        "measured_seconds": summary["normal_region"]["seconds"],
+        "normal_updates": summary["normal_region"]["updates"],
+        "data_wait_seconds": record["input"]["training_wait_seconds"],
+        "process_seconds": time.perf_counter() - started,
+        "peak_host_rss_gib": sampler.peak_rss / 2**30,
+        "peak_host_pss_gib": sampler.peak_pss / 2**30,
+        "observations": {f: (output / "run" / f).stat().st_size for f in record["observations"]},
+        "metric_lines": len(stdout.splitlines()),
     }
 
 
@@ -115,41 +174,93 @@ def run_plain(layout: str, args) -> dict:
     seconds = time.perf_counter() - start
     feeder.stop()
     generator.kill()
-    return {
+    result = {
         "tokens_per_second": tokens / seconds,
         "mfu": flops / seconds / cfg.metrics.peak_flops,
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
         "measured_seconds": seconds,
     }
+    del lit, optimizer
+    release_gpu()
+    return result
+
+
+def release_gpu() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()
+
+
+def memory_sweep() -> list[dict]:
+    """The probe at each candidate microbatch, eager (what RunFab runs) and compiled (what training runs)."""
+    cfg = load_config()
+    rows = []
+    for microbatch in (1, 2, 4, 8, 16, 32):
+        row = {"microbatch": microbatch}
+        for compiled in (False, True):
+            started = time.perf_counter()
+            result = train.run_probe_local(cfg, microbatch, 1, compiled=compiled)
+            name = "compiled" if compiled else "eager"
+            row[f"{name}_peak_allocated_gib"] = result["peak_allocated_gib"]
+            row[f"{name}_seconds"] = time.perf_counter() - started
+            release_gpu()
+        row["compiled_over_eager"] = row["compiled_peak_allocated_gib"] / row["eager_peak_allocated_gib"]
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def print_table(results: dict, args) -> None:
+    tokens_per_microbatch = 4096 * args.microbatch
+    print(f"\n{torch.cuda.get_device_name()}  microbatch {args.microbatch}  steps {args.steps} (warmup {args.warmup})")
+    print(f"{'layout':<10} {'run':<18} {'tokens/s':>10} {'MFU':>7} {'peak alloc GiB':>15} {'MiB/token':>10} "
+          f"{'/plain':>7} {'data wait':>10} {'host RSS/PSS GiB':>17}")
+    for layout, runs in results.items():
+        for name, r in runs.items():
+            ratio = r["tokens_per_second"] / runs["plain"]["tokens_per_second"]
+            per_token = r["peak_allocated_gib"] * 1024 / tokens_per_microbatch
+            wait = f"{r['data_wait_seconds']:.2f} s" if "data_wait_seconds" in r else "-"
+            host = f"{r['peak_host_rss_gib']:.2f}/{r['peak_host_pss_gib']:.2f}" if "peak_host_rss_gib" in r else "-"
+            print(f"{layout:<10} {name:<18} {r['tokens_per_second']:>10,.0f} {r['mfu']:>7.1%} "
+                  f"{r['peak_allocated_gib']:>15.2f} {per_token:>10.3f} {ratio:>7.3f} {wait:>10} {host:>17}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    parser.add_argument("--microbatch", type=int, default=8)
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--microbatch", type=int, default=32, help="32 x 1 is what RunFab picks on an H200")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--docs", type=int, default=60_000)
+    parser.add_argument("--observe", action="store_true", help="add a run with a profiler window and a memory snapshot")
+    parser.add_argument("--workers", action="store_true", help="add a run through the data-parallel worker path")
+    parser.add_argument("--memory-sweep", action="store_true", help="compiled against eager probe peaks")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(args.out / "compile-cache" / "inductor"))
-    os.environ.setdefault("TRITON_CACHE_DIR", str(args.out / "compile-cache" / "triton"))
-    results = {}
+    cache = Path(os.environ.get("BENCH_COMPILE_CACHE", args.out / "compile-cache"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
+    results: dict = {}
     for layout in args.layouts:
-        results[layout] = {"lightning": run_lightning(layout, args, args.out), "plain": run_plain(layout, args)}
-        print(json.dumps({layout: results[layout]}), file=sys.stderr, flush=True)
+        runs = results[layout] = {"lightning": run_lightning(layout, args, args.out), "plain": run_plain(layout, args)}
+        if args.observe:
+            runs["lightning+observe"] = run_lightning(layout, args, args.out, "observe", tuple(OBSERVED))
+        if args.workers:
+            runs["lightning workers"] = run_lightning(layout, args, args.out, "workers", ("--trainer.worker_processes", "true"))
+        print(json.dumps({layout: runs}), file=sys.stderr, flush=True)
+    if args.memory_sweep:
+        results["memory_sweep"] = memory_sweep()
     (args.out / "benchmark.json").write_text(json.dumps(results, indent=2))
-    tokens_per_row = 4096 * args.microbatch
-    print(f"\n{torch.cuda.get_device_name()}  microbatch {args.microbatch}  steps {args.steps} (warmup {args.warmup})")
-    print(f"{'layout':<10} {'run':<10} {'tokens/s':>10} {'MFU':>7} {'peak alloc GiB':>15} {'MiB/token':>10} {'L/plain':>8}")
-    for layout, runs in results.items():
-        for name, r in runs.items():
-            ratio = r["tokens_per_second"] / runs["plain"]["tokens_per_second"]
-            per_token = r["peak_allocated_gib"] * 1024 / tokens_per_row
-            print(f"{layout:<10} {name:<10} {r['tokens_per_second']:>10,.0f} {r['mfu']:>7.1%} "
-                  f"{r['peak_allocated_gib']:>15.2f} {per_token:>10.3f} {ratio:>8.3f}")
+    print_table({k: v for k, v in results.items() if k in LAYOUTS}, args)
+    for row in results.get("memory_sweep", []):
+        print(f"probe microbatch {row['microbatch']:>2}: eager {row['eager_peak_allocated_gib']:6.2f} GiB "
+              f"({row['eager_seconds']:.0f} s), compiled {row['compiled_peak_allocated_gib']:6.2f} GiB "
+              f"({row['compiled_seconds']:.0f} s), ratio {row['compiled_over_eager']:.3f}")
     return 0
 
 

@@ -42,6 +42,14 @@ def test_emulation_probes_takes_the_largest_fit_trains_and_reports(tmp_path, mon
     assert summary["microbatch"] == 4 and "model.safetensors" in summary["model_files"]
     assert "<polyline" in (report / "loss.svg").read_text() and "val_loss" in (report / "loss.svg").read_text()
     assert "<polyline" in (report / "throughput.svg").read_text()
+    page = (report / "report.html").read_text()
+    for plot in ("loss", "throughput", "mfu", "memory", "lr"):
+        assert f'<svg id="plot-{plot}"' in page
+    for series in ("loss", "val_loss", "tokens_per_second", "lr"):
+        assert f'<polyline data-series="{series}"' in page
+    assert 'no metric line has &quot;mfu&quot;' in page  # a CPU run
+    assert "run_record.json not found" not in page and "<caption>model</caption>" in page
+    assert f"report {report / 'report.html'}" in log.getvalue().splitlines()[-1]
 
 
 def test_a_run_over_a_budget_is_stopped_and_named(tmp_path, monkeypatch):

@@ -84,3 +84,90 @@ def test_chunked_loss_under_autocast_matches_the_plain_loss():
         results.append((loss.detach(), *torch.autograd.grad(loss, (hidden, weight))))
     for got, expected in zip(results[1], results[0]):
         assert relative_error(got, expected) < 1e-2
+
+
+@pytest.mark.skipif(varlen_attn is None, reason="torch.nn.attention.varlen is not in this PyTorch")
+def test_one_document_rows_use_fused_causal_sdpa_and_match_the_varlen_kernel(monkeypatch):
+    fast, _ = twin_models()
+    positions = torch.arange(256).expand(4, 256).cuda()
+    tokens = torch.randint(0, 512, (4, 256), device="cuda")
+    cu_seqlens = document_offsets(positions)
+    results = []
+    for path in ("varlen", "sdpa"):
+        fast.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if path == "varlen":
+                hidden = fast._trunk(tokens, positions, cu_seqlens)  # several-document path, forced
+            else:
+                calls = []
+                monkeypatch.setattr("model.varlen_attn", lambda *a, **k: calls.append(1))
+                hidden = fast.hidden_states(tokens, positions, cu_seqlens)
+                assert not calls  # one document per row never reaches the varlen kernel
+        hidden.float().square().mean().backward()
+        results.append((hidden.detach(), {n: p.grad for n, p in fast.named_parameters()}))
+    assert relative_error(results[1][0], results[0][0]) < 1e-2
+    for name, expected in results[0][1].items():
+        assert relative_error(results[1][1][name], expected) < 2e-2, name
+
+
+def test_the_compiled_trunk_and_loss_match_eager_forward_and_backward():
+    fast, eager = twin_models()
+    eager.config.attention = fast.config.attention = "auto"
+    eager.config.loss_chunk_tokens = fast.config.loss_chunk_tokens
+    fast.compile_trunk()
+    batch = packed_batch(rows=4, seq_len=256, vocab=512, seed=5)
+    results = []
+    for model in (fast, eager):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model.loss_sum(batch)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert relative_error(results[0][0], results[1][0]) < 1e-3
+    for name, expected in results[1][1].items():
+        assert relative_error(results[0][1][name], expected) < 2e-2, name
+
+
+def test_a_memory_window_dumps_a_snapshot_the_memory_viz_reads(tmp_path, monkeypatch):
+    import io
+    import json
+    import pickle
+
+    import train
+    from config import load_config
+    from tests.test_callbacks import TINY, Stdin, records
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # set by train.py after Triton was imported
+        monkeypatch.delenv(name, raising=False)
+    cfg = load_config("conf/smoke.yaml", [*TINY, f"output.root={tmp_path}", "trainer.max_steps=3",
+                                          "trainer.val_every_steps=0", "observe.memory_update=2"])
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    train.run_training(cfg, microbatch=8, accumulation=4, stdin=Stdin(io.BytesIO(records(600))))
+    record = json.loads((tmp_path / "model/run_record.json").read_text())
+    assert record["observations"] == ["memory/snapshot-update-2.pickle"]
+    snapshot = pickle.loads((tmp_path / "run/memory/snapshot-update-2.pickle").read_bytes())
+    assert snapshot["segments"] and snapshot["device_traces"]
+    events = [event for trace in snapshot["device_traces"] for event in trace]
+    assert {"alloc", "free_completed"} <= {event["action"] for event in events}
+    frames = {frame["name"] for event in events for frame in event.get("frames", [])}
+    assert {"training_step", "loss_sum"} <= frames  # allocations carry the Python stack that made them
+    cache = tmp_path / "data/compile-cache"  # the compiled trunk's caches: under the output, not /tmp
+    assert list((cache / "inductor").rglob("*.py")) and list((cache / "triton").rglob("*.cubin"))
+
+
+def test_the_allocator_cap_keeps_the_headroom_and_any_smaller_platform_fraction():
+    import train
+    from config import load_config
+
+    cfg = load_config("conf/smoke.yaml", ["trainer.memory_headroom_gib=4"])
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        own = train.limit_gpu_memory(cfg, 0, train.platform_memory_fraction())
+        assert own == pytest.approx(1 - 4 * 2**30 / total)
+        torch.cuda.set_per_process_memory_fraction(0.25, 0)  # as a platform would, before calling a hook
+        assert train.platform_memory_fraction() == pytest.approx(0.25)
+        assert train.limit_gpu_memory(cfg, 0, train.platform_memory_fraction()) == pytest.approx(0.25)
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(int(0.3 * total), dtype=torch.uint8, device="cuda")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)

@@ -78,6 +78,18 @@ def test_two_workers_reach_the_weights_of_one_process(tmp_path):
     record = json.loads((parallel_out / "model" / "run_record.json").read_text())
     assert record["world_size"] == 2 and record["batch"]["microbatch"] == 4 and record["optimizer_steps"] == 3
     assert record["input"]["source"] == "stdin"
+    # One device through the worker path (trainer.worker_processes): the same computation, the same weights.
+    worker, worker_out = run_train(
+        tmp_path, "worker", [*every_step, "--microbatch", "8", "--trainer.worker_processes", "true"], records
+    )
+    assert worker.returncode == 0, worker.stderr.decode()[-3000:]
+    c = load_file(worker_out / "model" / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(c[name], a[name], rtol=0, atol=0, msg=name)
+    def losses(result):
+        return [(line["step"], line.get("loss")) for line in map(json.loads, result.stdout.splitlines())]
+
+    assert losses(worker) == losses(single) and len(losses(single)) >= 3
     # Adam hides a wrongly scaled gradient from the weights; the reported global loss and
     # pre-clip gradient norm of every update do not.
     steps = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from config import load_config
@@ -105,3 +106,18 @@ def test_training_flops_follow_the_lab_formula():
     one_document = training_flops(cfg, tokens=4096, attention_pairs=4096**2)
     four_documents = training_flops(cfg, tokens=4096, attention_pairs=4 * 1024**2)
     assert one_document - four_documents == 12 * 12 * 768 * (4096**2 - 4 * 1024**2)
+
+
+def test_rows_of_one_document_each_take_plain_causal_attention_with_the_same_result(monkeypatch):
+    """cu_seqlens with one entry per row plus the end means one document per row: no mask is built."""
+    model = tiny_model()
+    ids = torch.randint(0, 97, (3, 32), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(32).expand(3, 32)
+    with torch.no_grad():
+        masked = model._trunk(ids, positions, None)  # the document-mask path
+        monkeypatch.setattr("model.document_causal_mask", lambda *a: (_ for _ in ()).throw(AssertionError("mask built")))
+        plain = model.hidden_states(ids, positions, document_offsets(positions))
+    torch.testing.assert_close(plain, masked, rtol=1e-5, atol=1e-5)
+    two_docs = torch.cat([torch.arange(16), torch.arange(16)]).expand(3, 32)
+    with torch.no_grad(), pytest.raises(AssertionError, match="mask built"):
+        model.hidden_states(ids, two_docs, document_offsets(two_docs))  # several documents: the masked path

@@ -447,8 +447,10 @@ def test_train_streams_stdin_skips_bad_records_and_exports(sandbox):
     exported = {p.name for p in sandbox.model_dir.iterdir()}
     assert {"model.safetensors", "config.json", "tokenizer.json", "run_record.json"} <= exported
     assert not any(name.endswith((".pt", ".pth", ".bin", ".ckpt")) for name in exported), exported
-    leftovers = sorted(set(os.listdir(sandbox.output)) - {"model", "checkpoints", "data"})
+    leftovers = sorted(set(os.listdir(sandbox.output)) - {"model", "checkpoints", "data", "run"})
     assert not leftovers, f"unexpected entries in the output root: {leftovers}"
+    saved = (sandbox.output / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in saved] == metrics  # the run keeps exactly what RunFab was sent
     sandbox.assert_no_stray_files()
     assert_export_loads(sandbox)
 

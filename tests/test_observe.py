@@ -1,0 +1,81 @@
+"""Observation windows, the run summary and the optional loggers, on real tiny CPU runs."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+
+import train
+from callbacks.observe import ObserveConfig
+from config import ConfigError, load_config
+from tests.test_callbacks import TINY, Stdin, records
+
+MARKERS = {"zero_grad", "forward", "backward", "optimizer_step"}
+
+
+def tiny_run(tmp_path, monkeypatch, *overrides: str) -> tuple[list[dict], dict]:
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("conf/smoke.yaml", [*TINY, f"output.root={tmp_path / 'out'}", "trainer.val_every_steps=0",
+                                          *overrides])
+    stdout = io.StringIO()
+    monkeypatch.setattr("sys.stdout", stdout)
+    train.run_training(cfg, microbatch=8, accumulation=4, stdin=Stdin(io.BytesIO(records(600))))
+    lines = [json.loads(line) for line in stdout.getvalue().splitlines()]
+    return lines, json.loads((tmp_path / "out/model/run_record.json").read_text())
+
+
+def test_warmup_and_observed_updates_are_reported_apart_flagged_and_left_out_of_the_summary(tmp_path, monkeypatch):
+    lines, record = tiny_run(
+        tmp_path, monkeypatch, "trainer.max_steps=9", "metrics.interval_seconds=3600",
+        "observe.warmup_updates=2", "observe.profile_update=4", "observe.profile_updates=2",
+    )
+    intervals = [line for line in lines if "loss" in line]
+    # a long interval is still cut at each phase boundary: warmup | 3 | observed 4-5 | 6-9
+    assert [(line["step"], line.get("warmup", 0), line.get("observed", 0)) for line in intervals] == [
+        (2, 1, 0), (3, 0, 0), (5, 0, 1), (9, 0, 0)]
+    summary = record["summary"]
+    assert summary["excluded_updates"] == {"warmup": 2, "observed": [4, 5]}
+    normal = summary["normal_region"]
+    assert (normal["first_update"], normal["last_update"], normal["updates"]) == (3, 9, 5)
+    per_update_tokens = {line["step"]: line["tokens_per_second"] for line in intervals}
+    assert summary["tokens_per_second_per_gpu"] == pytest.approx(normal["target_tokens"] / normal["seconds"])
+    assert min(per_update_tokens[3], per_update_tokens[9]) * 0.5 < summary["tokens_per_second"]
+    # the saved metrics file holds exactly the stdout lines
+    saved = (tmp_path / "out/run/metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in saved] == lines
+
+
+def test_the_profiler_window_writes_a_chrome_trace_with_the_phase_markers_outside_the_model(tmp_path, monkeypatch):
+    _, record = tiny_run(tmp_path, monkeypatch, "trainer.max_steps=4", "observe.profile_update=2",
+                         "observe.profile_updates=2", "observe.memory_update=3")
+    assert record["observations"] == ["profile/trace-updates-2-3.json"]  # no CUDA: no memory snapshot
+    trace = json.loads((tmp_path / "out/run/profile/trace-updates-2-3.json").read_text())
+    names = [event.get("name") for event in trace["traceEvents"]]
+    assert MARKERS <= set(names)
+    assert names.count("optimizer_step") == 2 and names.count("forward") == 2 * 4  # two updates of four microbatches
+    assert not list((tmp_path / "out/model").rglob("*.json*")) or not list((tmp_path / "out/model").rglob("trace*"))
+
+
+def test_without_observation_nothing_is_profiled_and_no_line_is_flagged(tmp_path, monkeypatch):
+    lines, record = tiny_run(tmp_path, monkeypatch, "trainer.max_steps=3", "observe.warmup_updates=0")
+    assert record["observations"] == [] and not (tmp_path / "out/run/profile").exists()
+    assert not any("warmup" in line or "observed" in line for line in lines)
+    assert record["summary"]["normal_region"]["updates"] == 3
+
+
+def test_a_csv_logger_receives_the_metric_lines_and_stdout_keeps_only_them(tmp_path, monkeypatch):
+    lines, _ = tiny_run(tmp_path, monkeypatch, "trainer.max_steps=3", "observe.loggers=[csv]")
+    assert all(isinstance(line, dict) for line in lines)
+    [metrics_csv] = (tmp_path / "out/run/logs/csv").rglob("metrics.csv")
+    rows = list(csv.DictReader(metrics_csv.open()))
+    assert [float(r["loss"]) for r in rows if r.get("loss")] == [line["loss"] for line in lines if "loss" in line]
+
+
+def test_unknown_or_missing_loggers_are_refused_before_training():
+    with pytest.raises(ConfigError, match="unknown logger 'mlflow'"):
+        load_config("conf/smoke.yaml", ["observe.loggers=[mlflow]"])
+    assert ObserveConfig(profile_update=5, profile_updates=3, memory_update=9).observed_updates() == {5, 6, 7, 9}
+    assert ObserveConfig().observed_updates() == set()

@@ -1,0 +1,368 @@
+"""``train.py report``: one self-contained HTML page from a run's output root.
+
+The page is built from a realistic fake output root (metric lines with warmup and observation
+flags, validation lines, GPU keys, a cut-short last line; a full run record; observation files)
+and checked as text, then rendered by a real headless Chromium: the DOM must hold every plot and
+the screenshot must show the series' colours.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import zlib
+from collections import Counter
+from pathlib import Path
+from xml.etree import ElementTree
+
+import pytest
+
+import report
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_TIMEOUT = 60
+WARMUP_LINES, OBSERVED_LINES, VALIDATION_EVERY = 5, (18, 19), 10
+MARKUP_IN_CONFIG = "<script>alert('x')</script>"
+
+# ----------------------------------------------------------------------------- a fake run
+
+
+def metric_lines(count: int = 40, gpu: bool = True) -> list[dict]:
+    """What RunFabMetrics writes: an interval line every ~5 s, a validation line every few."""
+    lines, step, elapsed = [], 0, 0.0
+    for i in range(count):
+        step += 6
+        elapsed += 5.0 + 0.01 * i
+        warmup, observed = i < WARMUP_LINES, i in OBSERVED_LINES
+        speed = 0.4 if warmup else 0.7 if observed else 1.0
+        line = {"step": step, "elapsed_seconds": round(elapsed, 3), "loss": 3.0 + 7.5 * math.exp(-i / 8),
+                "tokens_per_second": 210_000 * speed, "samples_per_second": 102.5 * speed,
+                "lr": 6e-4 * min(1.0, (i + 1) / WARMUP_LINES) * (0.55 + 0.45 * math.cos(math.pi * i / count)),
+                "grad_norm": 1.0 + 2.0 * math.exp(-i / 5)}
+        if gpu:
+            line |= {"mfu": 0.41 * speed, "peak_allocated_gib": 38.5 + 0.01 * i, "peak_reserved_gib": 44.0}
+        if warmup:
+            line["warmup"] = 1
+        if observed:
+            line["observed"] = 1
+        lines.append(line)
+        if (i + 1) % VALIDATION_EVERY == 0:
+            elapsed += 1.5
+            lines.append({"step": step, "elapsed_seconds": round(elapsed, 3), "val_loss": line["loss"] + 0.08})
+    return lines
+
+
+RUN_RECORD = {
+    "status": "completed",
+    "started_unix": 1764410000.0,
+    "wall_seconds": 262.4,
+    "seed": 1337,
+    "config": {
+        "seed": 1337,
+        "model": {"vocab_size": 50257, "n_layer": 12, "n_head": 12, "n_embd": 768, "max_seq_len": 4096},
+        "optim": {"lr": 0.0006, "warmup_steps": 30, "schedule": "cosine", "betas": [0.9, 0.95]},
+        "trainer": {"max_steps": 240, "val_every_steps": 60, "compile": None, "run_name": MARKUP_IN_CONFIG},
+        "data": {"tokenizer": "conf/tokenizer.json", "val_fraction": 0.01},
+    },
+    "batch": {"effective": 32, "microbatch": 8, "accumulation": 4, "world_size": 1, "tokens_per_update": 131072},
+    "tokenizer": {"path": "conf/tokenizer.json", "sha256": "ab" * 32, "vocab_size": 8192, "eos_id": 0,
+                  "backend": "tiktoken"},
+    "precision": "bf16-mixed",
+    "world_size": 1,
+    "optimizer_steps": 240,
+    "parameters": 126716160,
+    "final_metrics": {"step": 240, "loss": 3.0412, "tokens_per_second": 209876.5},
+    "input": {"source": "stdin", "records": 10412, "accepted": 10400,
+              "rejected": {"invalid_json": 7, "empty_text": 5}, "tokens": 31457280, "tail_tokens_dropped": 1873,
+              "input_sha256": "cd" * 32},
+    "dataset": None,
+    "environment": {"libraries": {"python": "3.11.7", "torch": "2.13.0", "lightning": "2.5.1", "cuda": "12.8"},
+                    "platform": "Linux-6.8.0-x86_64-with-glibc2.36", "gpu": "NVIDIA H200",
+                    "argv": ["train.py", "--config", "conf/config.yaml"]},
+    "sources_sha256": {"train.py": "01" * 32, "model.py": "02" * 32, "conf/config.yaml": "03" * 32},
+    "summary": {"tokens_per_second_per_gpu": 209512.5, "tokens_per_second": 209512.5, "mfu": 0.41,
+                "normal_region": {"first_update": 31, "last_update": 240, "updates": 198, "seconds": 148.7,
+                                  "target_tokens": 31153408},
+                "excluded_updates": {"warmup": 30, "observed": [121, 122]}, "total_target_tokens": 31457280,
+                "world_size": 1, "peak_allocated_gib": 38.89, "peak_reserved_gib": 44.0},
+    "observations": ["profile/trace-updates-121-122.json", "memory/snapshot-update-123.pickle"],
+}
+
+
+def write_output_root(root: Path, lines: list[dict], record: dict | None = RUN_RECORD) -> Path:
+    """An output root as training leaves it; the last metric line is cut short, as by a kill mid-write."""
+    (root / "run").mkdir(parents=True)
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    (root / "run/metrics.jsonl").write_text(text + '{"step": 241, "elapsed_sec')
+    if record is not None:
+        (root / "model").mkdir()
+        (root / "model/run_record.json").write_text(json.dumps(record, indent=2))
+    return root
+
+
+@pytest.fixture
+def gpu_run(tmp_path) -> Path:
+    root = write_output_root(tmp_path / "output", metric_lines())
+    (root / "run/profile").mkdir()
+    (root / "run/profile/trace-updates-121-122.json").write_bytes(b"{" * 3 * 2**20)
+    (root / "run/memory").mkdir()
+    (root / "run/memory/snapshot-update-123.pickle").write_bytes(b"not a pickle: must never be loaded")
+    return root
+
+
+def render(root: Path, *extra: str) -> str:
+    page = root / "page.html"
+    assert report.main([str(root), "--out", str(page), *extra]) == 0
+    return page.read_text(encoding="utf-8")
+
+
+def table_rows(page: str, caption: str) -> dict[str, str]:
+    """The rows of the first table with this caption."""
+    match = re.search(rf"<table><caption>{re.escape(caption)}</caption>\n(.*?)</table>", page, re.S)
+    assert match, f"no table captioned {caption!r}"
+    return dict(re.findall(r"<tr><th>(.*?)</th><td>(.*?)</td></tr>", match.group(1)))
+
+
+def svg_of(page: str, slug: str) -> str:
+    match = re.search(rf'<svg id="plot-{slug}".*?</svg>', page, re.S)
+    assert match, f"no svg for plot {slug}"
+    return match.group(0)
+
+
+# ----------------------------------------------------------------------------- the page as text
+
+
+def test_every_plot_has_its_series_and_the_flagged_intervals_are_marked(gpu_run):
+    page = render(gpu_run)
+    assert page.count("<svg") == len(report.PLOTS)
+    for plot in report.PLOTS:
+        svg = svg_of(page, plot.slug)
+        for series in plot.series:
+            assert f'<polyline data-series="{series.key}"' in svg, (plot.slug, series.key)
+            assert f'<circle data-series="{series.key}"' in svg
+        assert "no data" not in svg
+        assert svg.count('class="band band-warmup"') == 1  # five consecutive warmup lines: one band
+        assert svg.count('class="band band-observed"') == 1
+        assert "warmup updates" in svg and "observed (profiler / memory snapshot)" in svg
+    loss = svg_of(page, "loss")
+    validation_lines = sum("val_loss" in line for line in metric_lines())
+    assert loss.count('<circle data-series="val_loss"') == validation_lines
+    hollow = re.findall(r'<circle data-series="loss"[^>]*fill="#ffffff"', loss)
+    assert len(hollow) == WARMUP_LINES + len(OBSERVED_LINES)
+
+
+def test_the_page_holds_the_run_record_and_fetches_nothing(gpu_run):
+    page = render(gpu_run)
+    for expected in ("126.7 M", "126,716,160", "completed", "bf16-mixed", "1 × NVIDIA H200", "41.0 %",
+                     "209,512", "38.89 GiB", "4 min 22 s"):
+        assert expected in page, expected
+    for caption, key, value in (("model", "n_embd", "768"), ("optim", "betas", "[0.9, 0.95]"),
+                                ("trainer", "compile", '<span class="muted">none</span>'),
+                                ("top level", "seed", "1337"), ("batch", "microbatch", "8"),
+                                ("tokenizer", "backend", "tiktoken"),
+                                ("environment.libraries", "torch", "2.13.0"),
+                                ("environment", "platform", "Linux-6.8.0-x86_64-with-glibc2.36"),
+                                ("input.rejected", "invalid_json", "7"), ("input", "tokens", "31,457,280"),
+                                ("summary.normal_region", "target_tokens", "31,153,408"),
+                                ("summary.excluded_updates", "observed", "[121, 122]")):
+        assert value in table_rows(page, caption).get(key, ""), (caption, key)
+    assert "3 source files hashed" in page and "<details>" in page
+    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in page and MARKUP_IN_CONFIG not in page
+    assert "run/profile/trace-updates-121-122.json" in page and "3.0 MiB" in page and "34 B" in page
+    assert "run/memory/snapshot-update-123.pickle" in page and "pytorch.org/memory_viz" in page
+    assert "not found" not in page and "Other run record fields" not in page
+    assert_fetches_nothing(page)
+
+
+def assert_fetches_nothing(page: str) -> None:
+    """No element or rule that makes a browser load anything: links for a person to click are fine."""
+    for fetching in ("<script", "<link", "<img", "<iframe", "<object", "<embed", "<image", "<use",
+                     "@import", "url(", "xmlns"):
+        assert fetching not in page.lower(), fetching
+    assert not re.search(r"\s(src|srcset|poster|data|action|xlink:href)\s*=", page, re.I)
+    for match in re.finditer(r"https?://", page):
+        before = page[max(0, match.start() - 9):match.start()]
+        assert before == '<a href="', f"a network address outside a link: {page[match.start() - 40:match.end() + 40]}"
+
+
+def test_missing_keys_and_record_get_placeholders_that_name_them(tmp_path):
+    cpu_lines = [{k: v for k, v in line.items() if k not in {"lr"}} for line in metric_lines(12, gpu=False)]
+    cpu_lines = [line for line in cpu_lines if "val_loss" not in line]
+    root = write_output_root(tmp_path / "output", cpu_lines, record=None)
+    page = render(root)
+    assert page.count("<svg") == len(report.PLOTS)
+    assert 'no data: no metric line has &quot;mfu&quot; (GPU runs only)' in svg_of(page, "mfu")
+    assert ('no data: no metric line has &quot;peak_allocated_gib&quot; or &quot;peak_reserved_gib&quot;'
+            in svg_of(page, "memory"))
+    assert 'no data: no metric line has &quot;lr&quot;' in svg_of(page, "lr")
+    loss = svg_of(page, "loss")
+    assert '<polyline data-series="loss"' in loss and "val_loss: no data" in loss
+    assert "model/run_record.json not found" in page
+    assert "210,000" in page and "median of 7 normal intervals" in page  # no run record summary: the metric lines
+    assert "No run record: the configuration is unknown." in page
+    assert "None: nothing in run/profile or run/memory." in page
+
+
+def test_run_record_fields_it_does_not_know_are_shown_too(tmp_path):
+    record = RUN_RECORD | {"resumed_from": {"path": "checkpoints/last.ckpt", "step": 120}}
+    page = render(write_output_root(tmp_path / "output", metric_lines(4), record))
+    assert "Other run record fields" in page
+    assert table_rows(page, "resumed_from") == {"path": "checkpoints/last.ckpt", "step": "120"}
+
+
+def test_an_empty_metrics_file_still_gives_a_page(tmp_path):
+    root = write_output_root(tmp_path / "output", [], record=None)
+    page = render(root)
+    assert page.count("no data: no metric line has") == len(report.PLOTS)
+
+
+def test_without_metrics_it_exits_2_with_one_line_on_stderr(tmp_path, capsys):
+    assert report.main([str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("report: ") and captured.err.count("\n") == 1
+    assert "run/metrics.jsonl" in captured.err
+    assert report.main([str(tmp_path), "--metrics", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_default_page_path_and_stdout_stays_empty(gpu_run, capsys):
+    assert report.main([str(gpu_run)]) == 0
+    captured = capsys.readouterr()
+    page = gpu_run / "run/report.html"
+    assert captured.out == "" and str(page) in captured.err
+    assert page.read_text().startswith("<!DOCTYPE html>")
+
+
+def test_metrics_from_another_file(tmp_path, capsys):
+    root = tmp_path / "output"
+    (root / "model").mkdir(parents=True)
+    (root / "model/run_record.json").write_text(json.dumps(RUN_RECORD))
+    saved = tmp_path / "emulate-report/metrics.jsonl"
+    saved.parent.mkdir()
+    saved.write_text("".join(json.dumps(line) + "\n" for line in metric_lines(8)))
+    page = render(root, "--metrics", str(saved))
+    assert '<polyline data-series="tokens_per_second"' in page and "8 metric lines" in page
+    assert "Listed in the run record but not found: profile/trace-updates-121-122.json, " in page
+
+
+def test_a_standalone_plot_is_well_formed_svg():
+    for plot in report.PLOTS:
+        for lines in (metric_lines(), []):
+            root = ElementTree.fromstring(report.plot_svg(plot, lines, standalone=True))
+            assert root.tag == "{http://www.w3.org/2000/svg}svg"
+
+
+def test_axes_get_round_ticks_and_short_labels():
+    axis = report.round_axis(3.04, 10.47)
+    assert (axis.low, axis.high, axis.step) == (2.0, 12.0, 2.0)
+    assert report.tick_labels(report.round_axis(0, 213_000, from_zero=True)) == ["0", "50k", "100k", "150k",
+                                                                                  "200k", "250k"]
+    assert report.tick_labels(report.round_axis(0, 6e-4, from_zero=True)) == ["0", "0.0002", "0.0004", "0.0006"]
+    single = report.round_axis(5.0, 5.0)
+    assert single.low < 5.0 < single.high
+    assert report.time_unit(200) == (1.0, "s") and report.time_unit(4000) == (60.0, "min")
+
+
+# ----------------------------------------------------------------------------- in a real browser
+
+
+def run_chromium(*arguments: str, profile: Path) -> bytes:
+    """Headless Chromium in a session of its own, killed with all its helpers when done or after 60 s."""
+    command = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+               "--hide-scrollbars", "--force-device-scale-factor=1", f"--user-data-dir={profile}", *arguments]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        stdout, _ = process.communicate(timeout=CHROMIUM_TIMEOUT)
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+    return stdout
+
+
+def png_pixels(data: bytes) -> tuple[int, int, Counter]:
+    """Width, height and a count of each RGB colour of an 8-bit, non-interlaced PNG, decoded with the stdlib."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    position, compressed = 8, []
+    while position < len(data):
+        length, kind = struct.unpack(">I4s", data[position:position + 8])
+        body = data[position + 8:position + 8 + length]
+        position += 12 + length
+        if kind == b"IHDR":
+            width, height, depth, colour_type, _, _, interlace = struct.unpack(">IIBBBBB", body)
+            assert depth == 8 and colour_type in (2, 6) and interlace == 0, (depth, colour_type, interlace)
+        elif kind == b"IDAT":
+            compressed.append(body)
+    channels = 3 if colour_type == 2 else 4
+    raw, stride = zlib.decompress(b"".join(compressed)), width * channels
+    colours, previous = Counter(), bytearray(stride)
+    for y in range(height):
+        start = y * (stride + 1)
+        row = unfilter(raw[start], bytearray(raw[start + 1:start + 1 + stride]), previous, channels)
+        colours.update(zip(row[0::channels], row[1::channels], row[2::channels]))
+        previous = row
+    return width, height, colours
+
+
+def unfilter(kind: int, row: bytearray, previous: bytearray, bpp: int) -> bytearray:
+    """Undo one PNG row filter (None, Sub, Up, Average, Paeth); ``previous`` is the row above, unfiltered."""
+    if kind == 0:
+        return row
+    if kind == 2:
+        return bytearray((a + b) & 255 for a, b in zip(row, previous))
+    left_of = bytearray(bpp) + row  # left_of[i] is the unfiltered byte bpp to the left of row[i], once written
+    up_left_of = bytearray(bpp) + previous
+    for i, up in enumerate(previous):
+        left, up_left = left_of[i], up_left_of[i]
+        if kind == 1:
+            predictor = left
+        elif kind == 3:
+            predictor = (left + up) // 2
+        else:  # Paeth: whichever of left, up, up-left is nearest to left + up - up_left
+            to_left, to_up, to_up_left = abs(up - up_left), abs(left - up_left), abs(left + up - 2 * up_left)
+            predictor = left if to_left <= to_up and to_left <= to_up_left else up if to_up <= to_up_left else up_left
+        left_of[i + bpp] = row[i] = (row[i] + predictor) & 255
+    return row
+
+
+def count_near(colours: Counter, hex_colour: str, tolerance: int = 24) -> int:
+    target = tuple(int(hex_colour[i:i + 2], 16) for i in (1, 3, 5))
+    return sum(n for rgb, n in colours.items() if max(abs(a - b) for a, b in zip(rgb, target)) <= tolerance)
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium "
+                                                  "(apt-get install -y chromium; .ci/run installs it)")
+def test_chromium_renders_every_plot_and_the_screenshot_shows_the_series(gpu_run, tmp_path):
+    page = gpu_run / "run/report.html"
+    assert report.main([str(gpu_run)]) == 0
+    dom = run_chromium("--dump-dom", page.as_uri(), profile=tmp_path / "profile-dom").decode("utf-8")
+    for plot in report.PLOTS:
+        assert f'id="plot-{plot.slug}"' in dom, plot.slug
+        for series in plot.series:
+            assert re.search(rf'<polyline data-series="{series.key}"', dom), series.key
+    assert "Configuration" in dom and "NVIDIA H200" in dom
+
+    screenshot = tmp_path / "report.png"
+    run_chromium(f"--screenshot={screenshot}", "--window-size=1280,4000", page.as_uri(),
+                 profile=tmp_path / "profile-shot")
+    assert screenshot.is_file(), "chromium wrote no screenshot"
+    if os.environ.get("REPORT_SCREENSHOT"):  # to look at it: REPORT_SCREENSHOT=/tmp/report-screenshot.png
+        shutil.copyfile(screenshot, os.environ["REPORT_SCREENSHOT"])
+    width, height, colours = png_pixels(screenshot.read_bytes())
+    assert (width, height) == (1280, 4000)
+    inked = sum(n for rgb, n in colours.items() if min(rgb) < 200)
+    assert inked > 0.02 * width * height, f"only {inked} inked pixels: is the page blank?"
+    for plot in report.PLOTS:
+        for series in plot.series:
+            assert count_near(colours, series.color) > 150, f"{series.key} ({series.color}) is not on the screenshot"
+    for flag in report.FLAGS:
+        assert count_near(colours, flag.color, tolerance=6) > 2000, f"no {flag.key} band on the screenshot"
