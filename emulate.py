@@ -15,7 +15,9 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -66,14 +68,30 @@ def candidates(effective_batch_size: int, gpus: int) -> list[int]:
 def probe(sandbox: contract_check.Sandbox, microbatch: int, cuda: bool, limit: float) -> dict:
     command = [sys.executable, "-c", f"import train; train.probe_batch({microbatch})"]
     start = time.monotonic()
+    measured: dict = {}
     try:
         result = subprocess.run(command, cwd=sandbox.bundle, env=sandbox.env(cuda), stdin=subprocess.DEVNULL,
                                 capture_output=True, timeout=limit)
-        ok, reason = result.returncode == 0, result.stderr.decode("utf-8", "replace").strip().splitlines()[-1:]
+        stderr = result.stderr.decode("utf-8", "replace").strip().splitlines()
+        ok, reason = result.returncode == 0, stderr[-1:]
+        measured = probe_figures(stderr)
     except subprocess.TimeoutExpired:
         ok, reason = False, [f"over the {limit:.0f} s limit"]
     return {"microbatch": microbatch, "fits": ok, "seconds": round(time.monotonic() - start, 1),
-            "reason": None if ok else (reason[0] if reason else "failed")}
+            "reason": None if ok else (reason[0] if reason else "failed"), **measured}
+
+
+def probe_figures(stderr: list[str]) -> dict:
+    """Peak GPU memory from the trainer's ``probe: {...}`` log line, when it wrote one."""
+    for line in reversed(stderr):
+        _, marker, rest = line.partition(" probe: ")
+        if marker:
+            try:
+                figures = ast.literal_eval(rest.strip())
+            except (ValueError, SyntaxError):
+                return {}
+            return {k: v for k, v in figures.items() if k.startswith("peak_")}
+    return {}
 
 
 def tree_rss(pid: int) -> int:
@@ -157,6 +175,9 @@ def write_report(output_root: Path, folder: Path) -> Path:
     for plot in run_report.PLOTS:
         if plot.slug in PLOT_FILES:
             (folder / f"{plot.slug}.svg").write_text(run_report.plot_svg(plot, lines, standalone=True))
+    record = output_root / "model" / "run_record.json"
+    if record.is_file():  # the sandbox goes away; the record (summary, input counts) stays with the report
+        shutil.copy(record, folder / "run_record.json")
     return run_report.write_report(output_root, folder / "report.html", metrics)
 
 
