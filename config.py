@@ -39,6 +39,7 @@ class TrainerConfig:
     devices: int | None = None  # data-parallel processes; None: every visible GPU (1 on CPU)
     worker_processes: bool | None = None  # None: only with several devices; true: one device trains in a worker too
     memory_headroom_gib: float = 2.0  # GPU memory the allocator leaves free, in the probe and in training alike
+    probe_margin_gib: float = 0.5  # the eager probe's cap is this much tighter than training's (compiled) cap
     cuda_alloc_conf: str | None = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF unless the platform set one
 
 
@@ -120,8 +121,8 @@ def check_config(cfg: RunConfig) -> None:
             problems.append(str(error))
     if not 0 <= cfg.data.val_fraction < 1:
         problems.append("data.val_fraction must lie in [0, 1)")
-    if cfg.trainer.memory_headroom_gib < 0:
-        problems.append("trainer.memory_headroom_gib must be >= 0")
+    if cfg.trainer.memory_headroom_gib < 0 or cfg.trainer.probe_margin_gib < 0:
+        problems.append("trainer.memory_headroom_gib and trainer.probe_margin_gib must be >= 0")
     if cfg.metrics.interval_seconds < 0:
         problems.append("metrics.interval_seconds must be >= 0 (0 reports every update)")
     problems.extend(cfg.observe.problems())

@@ -57,9 +57,10 @@ def records_command(layout: str, docs: int) -> list[str]:
 # ----------------------------------------------------------------------------- host memory
 
 
-def tree_memory(pid: int) -> tuple[int, int]:
-    """(RSS, PSS) in bytes summed over a process and its descendants. PSS shares each shared page
-    among the processes mapping it, which is what a memory cgroup charges once; RSS counts it in each."""
+def tree_memory(pid: int) -> tuple[int, int, int]:
+    """(RSS, PSS, anonymous RSS) in bytes summed over a process and its descendants. PSS shares each
+    shared page among the processes mapping it, which is what a memory cgroup charges once; RSS counts
+    it in each; anonymous memory (heaps, not mapped files) is what every extra process adds for sure."""
     table = process_table()
     family, frontier = {pid}, [pid]
     while frontier:
@@ -67,16 +68,16 @@ def tree_memory(pid: int) -> tuple[int, int]:
         children = [child for child, (ppid, *_rest) in table.items() if ppid == parent and child not in family]
         family.update(children)
         frontier.extend(children)
-    rss = pss = 0
+    totals = {"Rss:": 0, "Pss:": 0, "Anonymous:": 0}
     for member in family:
         try:
             for line in Path(f"/proc/{member}/smaps_rollup").read_text().splitlines():
-                if line.startswith(("Rss:", "Pss:")):
-                    value = int(line.split()[1]) * 1024
-                    rss, pss = (rss + value, pss) if line.startswith("Rss:") else (rss, pss + value)
+                key = line.split(maxsplit=1)[0] if line else ""
+                if key in totals:
+                    totals[key] += int(line.split()[1]) * 1024
         except (OSError, ValueError):
             continue
-    return rss, pss
+    return totals["Rss:"], totals["Pss:"], totals["Anonymous:"]
 
 
 class MemorySampler(threading.Thread):
@@ -85,12 +86,13 @@ class MemorySampler(threading.Thread):
     def __init__(self, process: subprocess.Popen) -> None:
         super().__init__(daemon=True)
         self.process = process
-        self.peak_rss = self.peak_pss = 0
+        self.peak_rss = self.peak_pss = self.peak_anonymous = 0
 
     def run(self) -> None:
         while self.process.poll() is None:
-            rss, pss = tree_memory(self.process.pid)
+            rss, pss, anonymous = tree_memory(self.process.pid)
             self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+            self.peak_anonymous = max(self.peak_anonymous, anonymous)
             time.sleep(0.5)
 
 
@@ -104,7 +106,7 @@ def run_lightning(layout: str, args, out: Path, name: str = "lightning", extra: 
     overrides = [
         "--microbatch", str(args.microbatch), "--trainer.max_steps", str(args.steps), "--trainer.val_every_steps", "0",
         "--data.val_fraction", "0", "--metrics.interval_seconds", "1", "--optim.warmup_steps", "5",
-        "--observe.warmup_updates", str(args.warmup), *extra,
+        "--observe.warmup_updates", str(args.warmup), *as_flags(args.set), *extra,
     ]
     generator = subprocess.Popen(records_command(layout, args.docs), stdout=subprocess.PIPE)
     started = time.perf_counter()
@@ -130,6 +132,7 @@ def run_lightning(layout: str, args, out: Path, name: str = "lightning", extra: 
         "process_seconds": time.perf_counter() - started,
         "peak_host_rss_gib": sampler.peak_rss / 2**30,
         "peak_host_pss_gib": sampler.peak_pss / 2**30,
+        "peak_host_anonymous_gib": sampler.peak_anonymous / 2**30,
         "observations": {f: (output / "run" / f).stat().st_size for f in record["observations"]},
         "metric_lines": len(stdout.splitlines()),
     }
@@ -137,7 +140,7 @@ def run_lightning(layout: str, args, out: Path, name: str = "lightning", extra: 
 
 def run_plain(layout: str, args) -> dict:
     """The same work in a hand-written loop: no Trainer, no callbacks, nothing between the steps."""
-    cfg = load_config(overrides=["data.val_fraction=0"])
+    cfg = load_config(overrides=["data.val_fraction=0", *args.set])
     accumulation = train.EFFECTIVE_BATCH_SIZE // args.microbatch
     encoder = train.load_encoder(cfg)
     generator = subprocess.Popen(records_command(layout, args.docs), stdout=subprocess.PIPE)
@@ -186,15 +189,20 @@ def run_plain(layout: str, args) -> dict:
     return result
 
 
+def as_flags(assignments: list[str]) -> list[str]:
+    """["model.x=1"] -> ["--model.x", "1"]: train.py's command-line form of config overrides."""
+    return [part for item in assignments for part in ("--" + item.split("=", 1)[0], item.split("=", 1)[1])]
+
+
 def release_gpu() -> None:
     gc.collect()
     torch.cuda.empty_cache()
     torch._dynamo.reset()
 
 
-def memory_sweep() -> list[dict]:
+def memory_sweep(args) -> list[dict]:
     """The probe at each candidate microbatch, eager (what RunFab runs) and compiled (what training runs)."""
-    cfg = load_config()
+    cfg = load_config(overrides=args.set)
     rows = []
     for microbatch in (1, 2, 4, 8, 16, 32):
         row = {"microbatch": microbatch}
@@ -218,15 +226,16 @@ def print_table(results: dict, args) -> None:
     tokens_per_microbatch = 4096 * args.microbatch
     print(f"\n{torch.cuda.get_device_name()}  microbatch {args.microbatch}  steps {args.steps} (warmup {args.warmup})")
     print(f"{'layout':<10} {'run':<18} {'tokens/s':>10} {'MFU':>7} {'peak alloc GiB':>15} {'MiB/token':>10} "
-          f"{'/plain':>7} {'data wait':>10} {'host RSS/PSS GiB':>17}")
+          f"{'/plain':>7} {'data wait':>10} {'host RSS/PSS/anon GiB':>22}")
     for layout, runs in results.items():
         for name, r in runs.items():
             ratio = r["tokens_per_second"] / runs["plain"]["tokens_per_second"]
             per_token = r["peak_allocated_gib"] * 1024 / tokens_per_microbatch
             wait = f"{r['data_wait_seconds']:.2f} s" if "data_wait_seconds" in r else "-"
-            host = f"{r['peak_host_rss_gib']:.2f}/{r['peak_host_pss_gib']:.2f}" if "peak_host_rss_gib" in r else "-"
+            host = (f"{r['peak_host_rss_gib']:.2f}/{r['peak_host_pss_gib']:.2f}/{r['peak_host_anonymous_gib']:.2f}"
+                    if "peak_host_rss_gib" in r else "-")
             print(f"{layout:<10} {name:<18} {r['tokens_per_second']:>10,.0f} {r['mfu']:>7.1%} "
-                  f"{r['peak_allocated_gib']:>15.2f} {per_token:>10.3f} {ratio:>7.3f} {wait:>10} {host:>17}")
+                  f"{r['peak_allocated_gib']:>15.2f} {per_token:>10.3f} {ratio:>7.3f} {wait:>10} {host:>22}")
 
 
 def main() -> int:
@@ -239,6 +248,9 @@ def main() -> int:
     parser.add_argument("--observe", action="store_true", help="add a run with a profiler window and a memory snapshot")
     parser.add_argument("--workers", action="store_true", help="add a run through the data-parallel worker path")
     parser.add_argument("--memory-sweep", action="store_true", help="compiled against eager probe peaks")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
+    parser.add_argument("--compare", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="add a Lightning run with these overrides on top of --set")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -250,13 +262,17 @@ def main() -> int:
         runs = results[layout] = {"lightning": run_lightning(layout, args, args.out), "plain": run_plain(layout, args)}
         if args.observe:
             runs["lightning+observe"] = run_lightning(layout, args, args.out, "observe", tuple(OBSERVED))
+        if args.compare:
+            runs["lightning " + " ".join(args.compare)] = run_lightning(layout, args, args.out, "compare",
+                                                                        tuple(as_flags(args.compare)))
         if args.workers:
             runs["lightning workers"] = run_lightning(layout, args, args.out, "workers", ("--trainer.worker_processes", "true"))
         print(json.dumps({layout: runs}), file=sys.stderr, flush=True)
     if args.memory_sweep:
-        results["memory_sweep"] = memory_sweep()
+        results["memory_sweep"] = memory_sweep(args)
     (args.out / "benchmark.json").write_text(json.dumps(results, indent=2))
     print_table({k: v for k, v in results.items() if k in LAYOUTS}, args)
+    print(f"overrides: {' '.join(args.set) or 'none'}")
     for row in results.get("memory_sweep", []):
         print(f"probe microbatch {row['microbatch']:>2}: eager {row['eager_peak_allocated_gib']:6.2f} GiB "
               f"({row['eager_seconds']:.0f} s), compiled {row['compiled_peak_allocated_gib']:6.2f} GiB "
