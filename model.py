@@ -35,7 +35,7 @@ class GPTConfig:
     layer_norm_eps: float = 1e-5
     init_std: float = 0.02
     activation_checkpointing: bool = False
-    recompute_mlp_activation: bool = True  # GELU output recomputed in backward instead of stored (GeluProjection)
+    activation_memory_budget: float = 1.0  # compiled trunk: below 1, the partitioner recomputes to save activations
     attention: str = "auto"  # "auto": varlen flash kernel on CUDA in bf16/fp16, else SDPA with a mask
     loss_chunk_tokens: int = 8192  # LM head + cross-entropy in chunks of this many tokens; 0: all at once
 
@@ -129,42 +129,14 @@ class CausalSelfAttention(nn.Module):
         return self.proj(attend(q, k, v, layout).reshape(b, t, d))
 
 
-class GeluProjection(torch.autograd.Function):
-    """``gelu(h) @ weight.T`` that keeps only ``h`` for backward and recomputes the GELU there.
-
-    Plain autograd stores both the MLP's hidden pre-activation (for GELU's backward) and its
-    activation (for the projection's backward): two tensors 4d wide per token and layer. The
-    activation costs one elementwise pass to recompute, so storing it is the worse trade.
-    The matmuls run in the dtype of ``h`` (the autocast dtype under autocast, as F.linear would).
-    """
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(h, weight)
-        return F.gelu(h) @ weight.to(h.dtype).t()
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        h, weight = ctx.saved_tensors
-        w = weight.to(h.dtype)
-        grad_out = grad_out.to(h.dtype)
-        grad_weight = (grad_out.flatten(0, -2).t() @ F.gelu(h).flatten(0, -2)).to(weight.dtype)
-        grad_h = torch.ops.aten.gelu_backward(grad_out @ w, h)
-        return grad_h, grad_weight
-
-
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
-        self.recompute_activation = config.recompute_mlp_activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)
-        if self.recompute_activation and torch.is_grad_enabled():
-            return GeluProjection.apply(h, self.proj.weight)
-        return self.proj(F.gelu(h))
+        return self.proj(F.gelu(self.fc(x)))
 
 
 class Block(nn.Module):
@@ -247,6 +219,8 @@ class GPT(nn.Module):
 
     def compile_trunk(self) -> None:
         """torch.compile the embedding-to-final-norm trunk and the loss's per-chunk softmax arithmetic."""
+        if self.config.activation_memory_budget < 1.0:  # read when the graph is partitioned, on first use
+            torch._functorch.config.activation_memory_budget = self.config.activation_memory_budget
         self._compiled_trunk = torch.compile(self._trunk)
         self._compiled_loss_chunk = torch.compile(_chunk_loss_and_grad, dynamic=False)
 
