@@ -13,6 +13,7 @@ Extra runs, in the same job:
                   the peak host memory (RSS and PSS summed over the process tree) of both paths.
   --memory-sweep  the probe (eager, as RunFab runs it) and the same probe compiled, at every
                   candidate microbatch: compiled peak memory must not exceed eager.
+  --host-pipeline the data pipeline alone (stdin -> tokens -> rows -> updates), no GPU needed.
 
 Usage (on a GPU machine): python scripts/benchmark.py [--layouts realistic one-doc] [--microbatch 32]
 """
@@ -189,6 +190,31 @@ def run_plain(layout: str, args) -> dict:
     return result
 
 
+def host_pipeline(args) -> dict:
+    """Target tokens/s of stdin -> tokens -> packed rows -> updates alone (no model), for text
+    records (the bundled sample, repeated) and for input_ids records; run it on 2 cores."""
+    import io
+
+    cfg = load_config(overrides=["data.val_fraction=0.005", *args.set])
+    encoder = train.load_encoder(cfg)
+    settings = train.stream_settings(cfg, encoder, args.microbatch, train.EFFECTIVE_BATCH_SIZE // args.microbatch, 1)
+    text = (ROOT / "data/sample.jsonl").read_bytes() * 10
+    ids = subprocess.run(records_command("realistic", 8_000), capture_output=True, check=True).stdout
+    figures = {}
+    for name, records in (("text", text), ("input_ids", ids)):
+        feeder = UpdateFeeder(lambda: (io.BytesIO(records), name), settings, encoder.encode_batch,
+                              ValidationPool(cfg.data.val_max_tokens))
+        started, tokens = time.perf_counter(), 0
+        for item in feeder.iterate():
+            tokens += item["target_tokens"] if isinstance(item, dict) else 0
+        seconds = time.perf_counter() - started
+        figures[name] = {"target_tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
+                         "tokenizer": encoder.backend}
+        print(f"host pipeline, {name} records: {tokens:,} target tokens in {seconds:.1f} s = "
+              f"{tokens / seconds:,.0f} tokens/s (tokenizer {encoder.backend}, {len(os.sched_getaffinity(0))} cores)")
+    return figures
+
+
 def as_flags(assignments: list[str]) -> list[str]:
     """["model.x=1"] -> ["--model.x", "1"]: train.py's command-line form of config overrides."""
     return [part for item in assignments for part in ("--" + item.split("=", 1)[0], item.split("=", 1)[1])]
@@ -248,6 +274,7 @@ def main() -> int:
     parser.add_argument("--observe", action="store_true", help="add a run with a profiler window and a memory snapshot")
     parser.add_argument("--workers", action="store_true", help="add a run through the data-parallel worker path")
     parser.add_argument("--memory-sweep", action="store_true", help="compiled against eager probe peaks")
+    parser.add_argument("--host-pipeline", action="store_true", help="the data pipeline alone, no GPU (use 2 cores)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     parser.add_argument("--compare", nargs="*", default=[], metavar="KEY=VALUE",
                         help="add a Lightning run with these overrides on top of --set")
@@ -258,6 +285,10 @@ def main() -> int:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
     os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
     results: dict = {}
+    if args.host_pipeline:
+        results["host_pipeline"] = host_pipeline(args)
+        (args.out / "host_pipeline.json").write_text(json.dumps(results["host_pipeline"], indent=2))
+        return 0
     for layout in args.layouts:
         runs = results[layout] = {"lightning": run_lightning(layout, args, args.out), "plain": run_plain(layout, args)}
         if args.observe:
