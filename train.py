@@ -430,7 +430,6 @@ def probe_batches(microbatch: int, seq_len: int, vocab_size: int, update_microba
     for positions in (whole, halves):
         rows = [Row(rng.integers(0, vocab_size, seq_len, dtype=np.int32), positions) for _ in range(microbatch)]
         batch = collate_rows(rows)
-        batch["target_tokens"] = int((batch["targets"] != IGNORE_INDEX).sum())
         batch["update_target_tokens"] = batch["target_tokens"] * update_microbatches
         batches.append(batch)
     return batches

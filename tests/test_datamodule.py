@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from datamodule import (
     DataConfig,
@@ -18,6 +19,7 @@ from datamodule import (
     UpdateFeeder,
     ValidationPool,
     assemble_updates,
+    collate_rows,
     is_held_out,
     open_input,
     pack_rows,
@@ -28,7 +30,7 @@ from datamodule import (
     split_validation,
     stream_updates,
 )
-from model import IGNORE_INDEX
+from model import IGNORE_INDEX, document_offsets
 
 VOCAB = 1000
 
@@ -297,3 +299,18 @@ def test_input_comes_from_stdin_when_it_has_data_else_from_the_bundled_sample(tm
     assert source == str(sample) and stream.readline() == b'{"text": "bundled"}\n'
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         open_input(tmp_path / "missing.jsonl", FakeStdin(io.BytesIO(b"")))
+
+
+def test_collate_finds_the_documents_and_targets_as_the_model_would():
+    rng = np.random.default_rng(3)
+    rows = []
+    for _ in range(3):
+        lengths = rng.integers(1, 9, 12)
+        positions = np.concatenate([np.arange(n) for n in lengths])[:16].astype(np.int32)
+        rows.append(Row(rng.integers(0, 50, 16).astype(np.int32), positions))
+    batch = collate_rows(rows)
+    assert torch.equal(batch["cu_seqlens"], document_offsets(batch["positions"]))
+    assert batch["cu_seqlens"].dtype == torch.int32
+    lengths = batch["cu_seqlens"].diff().long()
+    assert batch["attention_pairs"] == int((lengths * lengths).sum())
+    assert batch["target_tokens"] == int((batch["targets"] != IGNORE_INDEX).sum()) > 0
