@@ -200,7 +200,7 @@ def unusable_message(stats: StreamStats) -> str:
 
 
 def encode_documents(
-    docs: Iterable[Document], encode_batch: Callable[[list[str]], list[list[int]]], eos_id: int, stats: StreamStats,
+    docs: Iterable[Document], encode_batch: Callable[[list[str]], list[np.ndarray]], eos_id: int, stats: StreamStats,
     batch_docs: int, batch_bytes: int,
 ) -> Iterator[tuple[bytes, np.ndarray]]:
     """Tokenize text in bounded batches (the encoder's threads pay off on batches); EOS ends every document."""

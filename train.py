@@ -270,7 +270,7 @@ def run_training(cfg: RunConfig, microbatch: int, accumulation: int, stdin=None)
     encoder = load_encoder(cfg)
     settings = stream_settings(cfg, encoder, microbatch, accumulation, world)
     feeder = UpdateFeeder(
-        lambda: open_input(bundle_path(cfg.data.sample_path), stdin), settings, encoder.encode_batch,
+        lambda: open_input(bundle_path(cfg.data.sample_path), stdin), settings, encoder.encode_batch_arrays,
         ValidationPool(cfg.data.val_max_tokens), report_every=cfg.metrics.interval_seconds if world > 1 else None,
     )
     if in_workers:

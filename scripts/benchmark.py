@@ -146,7 +146,7 @@ def run_plain(layout: str, args) -> dict:
     encoder = train.load_encoder(cfg)
     generator = subprocess.Popen(records_command(layout, args.docs), stdout=subprocess.PIPE)
     settings = train.stream_settings(cfg, encoder, args.microbatch, accumulation, 1)
-    feeder = UpdateFeeder(lambda: (generator.stdout, "generator"), settings, encoder.encode_batch, ValidationPool(0))
+    feeder = UpdateFeeder(lambda: (generator.stdout, "generator"), settings, encoder.encode_batch_arrays, ValidationPool(0))
     lit = LitGPT(cfg.model, cfg.optim).cuda()
     lit.model.compile_trunk()
     optimizer = lit.configure_optimizers()["optimizer"]
@@ -202,7 +202,7 @@ def host_pipeline(args) -> dict:
     ids = subprocess.run(records_command("realistic", 8_000), capture_output=True, check=True).stdout
     figures = {}
     for name, records in (("text", text), ("input_ids", ids)):
-        feeder = UpdateFeeder(lambda: (io.BytesIO(records), name), settings, encoder.encode_batch,
+        feeder = UpdateFeeder(lambda: (io.BytesIO(records), name), settings, encoder.encode_batch_arrays,
                               ValidationPool(cfg.data.val_max_tokens))
         started, tokens = time.perf_counter(), 0
         for item in feeder.iterate():

@@ -115,7 +115,7 @@ def test_rss_stays_flat_while_streaming_a_large_input():
     start_rss, start = rss(), time.monotonic()
     updates = 0
     try:
-        for per_rank in stream_updates(stream, settings, encoder.encode_batch, stats, pool):
+        for per_rank in stream_updates(stream, settings, encoder.encode_batch_arrays, stats, pool):
             assert len(per_rank) == 1 and len(per_rank[0]) == settings.accumulation
             updates += 1
             del per_rank

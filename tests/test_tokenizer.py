@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import tokenizer
@@ -114,6 +115,17 @@ def test_backends_agree_on_every_vocabulary_entry(fast_encoder, plain_encoder):
     glued = ["".join(pieces[i : i + 7]) for i in range(0, len(pieces), 7)]
     assert fast_encoder.encode_batch(pieces) == plain_encoder.encode_batch(pieces)
     assert fast_encoder.encode_batch(glued) == plain_encoder.encode_batch(glued)
+
+
+def test_the_array_path_training_uses_gives_the_same_ids(fast_encoder, plain_encoder, sample_texts):
+    """encode_batch_arrays (tiktoken writing into arrays) against the HF list path, on the sample and
+    adversarial text, a literal EOS included."""
+    texts = ADVERSARIAL + sample_texts + [f"end{EOS_TOKEN}start"]
+    expected = plain_encoder.encode_batch(texts)
+    for encoder in (fast_encoder, plain_encoder):
+        arrays = encoder.encode_batch_arrays(texts)
+        assert all(a.dtype == np.int32 for a in arrays)
+        assert [a.tolist() for a in arrays] == expected
 
 
 @pytest.mark.parametrize("backend", ["fast", "plain"])
