@@ -47,6 +47,10 @@ def test_an_output_that_cannot_fit_the_budget_is_refused_before_training():
         train.check_output_budget(cfg)
     assert "checkpoint" in str(error.value)
     train.check_output_budget(load_config("conf/config.yaml"))  # the export alone (0.5 GB) fits
+    train.check_output_budget(load_config("conf/config.yaml", ["observe.profile_update=20", "observe.memory_update=30"]))
+    endless_profile = load_config("conf/config.yaml", ["observe.profile_update=20", "observe.profile_updates=200"])
+    with pytest.raises(train.ConfigError, match="observation files"):
+        train.check_output_budget(endless_profile)  # 200 profiled updates: about 3.2 GiB of traces
 
 
 def test_max_time_keeps_the_export_reserve_out_of_the_training_loop():
