@@ -298,6 +298,18 @@ def process_table() -> dict[int, tuple[int, int, str, str]]:
     return table
 
 
+def process_family(pid: int) -> set[int]:
+    """A process and all its descendants, from one snapshot of the process table."""
+    table = process_table()
+    family, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [child for child, (ppid, *_rest) in table.items() if ppid == parent and child not in family]
+        family.update(children)
+        frontier.extend(children)
+    return family
+
+
 def live_descendants() -> list[str]:
     """This process's running descendants (zombies excluded: they have already finished), as "pid command"."""
     try:

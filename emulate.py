@@ -96,16 +96,8 @@ def probe_figures(stderr: list[str]) -> dict:
 
 def tree_rss(pid: int) -> int:
     """Resident memory of a process and all its descendants (from /proc, no psutil needed)."""
-    table = contract_check.process_table()
-    family, frontier = {pid}, [pid]
-    while frontier:
-        parent = frontier.pop()
-        for child, (ppid, *_rest) in table.items():
-            if ppid == parent and child not in family:
-                family.add(child)
-                frontier.append(child)
     total = 0
-    for member in family:
+    for member in contract_check.process_family(pid):
         try:
             fields = Path(f"/proc/{member}/statm").read_text().split()
             total += int(fields[1]) * os.sysconf("SC_PAGE_SIZE")

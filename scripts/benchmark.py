@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 import train  # noqa: E402
 from config import load_config  # noqa: E402
-from contract_check import process_table  # noqa: E402
+from contract_check import process_family  # noqa: E402
 from datamodule import UpdateFeeder, ValidationPool  # noqa: E402
 from lit_module import LitGPT  # noqa: E402
 from model import training_flops  # noqa: E402
@@ -62,15 +62,8 @@ def tree_memory(pid: int) -> tuple[int, int, int]:
     """(RSS, PSS, anonymous RSS) in bytes summed over a process and its descendants. PSS shares each
     shared page among the processes mapping it, which is what a memory cgroup charges once; RSS counts
     it in each; anonymous memory (heaps, not mapped files) is what every extra process adds for sure."""
-    table = process_table()
-    family, frontier = {pid}, [pid]
-    while frontier:
-        parent = frontier.pop()
-        children = [child for child, (ppid, *_rest) in table.items() if ppid == parent and child not in family]
-        family.update(children)
-        frontier.extend(children)
     totals = {"Rss:": 0, "Pss:": 0, "Anonymous:": 0}
-    for member in family:
+    for member in process_family(pid):
         try:
             for line in Path(f"/proc/{member}/smaps_rollup").read_text().splitlines():
                 key = line.split(maxsplit=1)[0] if line else ""
