@@ -872,7 +872,7 @@ def check_bundle(path: str | Path, options: Options | None = None, out: TextIO |
         import_run = run_child(sandbox, "import", options, 0, options.import_limit + IMPORT_GRACE)
         kept = [sandbox.base]
     batch = record(check_batch(tree, parse_error, gpus, gpus_from, import_run))
-    hooks = record(check_hooks(tree, parse_error, import_run))
+    record(check_hooks(tree, parse_error, import_run))
     import_result = record(judge_import(import_run, options))
 
     value, _ = batch_literal(tree) if tree is not None else (None, "")

@@ -40,7 +40,7 @@ from datamodule import (
     summary_line,
 )
 from lit_module import LitGPT
-from model import GPT, IGNORE_INDEX, count_parameters, training_flops
+from model import GPT, count_parameters, training_flops
 from tokenizer import TextEncoder
 
 EFFECTIVE_BATCH_SIZE = 32
@@ -556,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Pretrain the GPT decoder on NDJSON records from stdin (or the bundled sample). "
         "Subcommands: fit (default), probe, tokenizer, package, check, emulate, report. Any --section.key VALUE overrides the config.",
     )
-    parser.add_argument("--config", help=f"YAML config of the bundle (default: $RUNFAB_CONFIG or conf/config.yaml)")
+    parser.add_argument("--config", help="YAML config of the bundle (default: $RUNFAB_CONFIG or conf/config.yaml)")
     parser.add_argument("--microbatch", type=int, help="rows per microbatch (default: data.microbatch)")
     parser.add_argument("--accumulation", type=int, help="microbatches per update (default: what the batch implies)")
     known, rest = parser.parse_known_args(argv)

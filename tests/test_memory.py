@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 
 from datamodule import DataConfig, StreamSettings, StreamStats, ValidationPool, stream_updates
 from tokenizer import TextEncoder
