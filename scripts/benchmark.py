@@ -191,7 +191,7 @@ def host_pipeline(args) -> dict:
     cfg = load_config(overrides=["data.val_fraction=0.005", *args.set])
     encoder = train.load_encoder(cfg)
     settings = train.stream_settings(cfg, encoder, args.microbatch, train.EFFECTIVE_BATCH_SIZE // args.microbatch, 1)
-    text = (ROOT / "data/sample.jsonl").read_bytes() * 10
+    text = (ROOT / "data/sample.jsonl").read_bytes() * 30
     ids = subprocess.run(records_command("realistic", 8_000), capture_output=True, check=True).stdout
     figures = {}
     for name, records in (("text", text), ("input_ids", ids)):
