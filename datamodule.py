@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from model import IGNORE_INDEX
+from model import IGNORE_INDEX, document_offsets
 
 log = logging.getLogger(__name__)
 
@@ -355,21 +355,16 @@ def assemble_updates(
 
 
 def collate_rows(rows: list[Row]) -> dict[str, torch.Tensor | int]:
-    """Tensors of a microbatch; document offsets are found here, on the host, not by a device sync.
-
-    The arithmetic stays in NumPy: torch's CPU kernels wake their thread pool, which costs
-    milliseconds per call while the tokenizer threads hold both cores.
-    """
-    positions = np.stack([r.positions for r in rows]).astype(np.int64)
+    """Tensors of a microbatch; document offsets are found here, on the host, not by a device sync."""
+    positions = torch.from_numpy(np.stack([r.positions for r in rows]).astype(np.int64))
     targets = np.stack([r.targets() for r in rows])
-    starts = np.flatnonzero(positions.ravel() == 0)
-    cu_seqlens = np.append(starts, positions.size).astype(np.int32)  # as document_offsets computes it
-    lengths = np.diff(cu_seqlens).astype(np.int64)
+    cu_seqlens = document_offsets(positions)
+    lengths = cu_seqlens.diff().to(torch.int64)
     return {
         "input_ids": torch.from_numpy(np.stack([r.tokens for r in rows]).astype(np.int64)),
-        "positions": torch.from_numpy(positions),
+        "positions": positions,
         "targets": torch.from_numpy(targets),
-        "cu_seqlens": torch.from_numpy(cu_seqlens),
+        "cu_seqlens": cu_seqlens,
         "attention_pairs": int((lengths * lengths).sum()),  # sum of s^2 over documents, for MFU
         "target_tokens": int(np.count_nonzero(targets != IGNORE_INDEX)),
     }

@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import shutil
 import os
+import shutil
 import subprocess
 import sys
 import threading

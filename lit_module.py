@@ -55,6 +55,7 @@ class LitGPT(L.LightningModule):
         self.model = GPT(model_config)
         self.val_loss = MeanMetric()
         self.last_grad_norm: torch.Tensor | None = None
+        self._step_marker: record_function | None = None  # open from on_before_optimizer_step to optimizer_step's end
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
         with record_function("forward"):  # markers name the phases in profiler traces and memory snapshots
@@ -74,9 +75,9 @@ class LitGPT(L.LightningModule):
 
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)
-        marker, self._step_marker = getattr(self, "_step_marker", None), None
-        if marker is not None:
-            marker.__exit__(None, None, None)
+        if self._step_marker is not None:
+            self._step_marker.__exit__(None, None, None)
+            self._step_marker = None
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer) -> None:
         with record_function("zero_grad"):

@@ -31,7 +31,7 @@ from callbacks.export import ExportModel
 from callbacks.graceful_stop import GracefulStop
 from callbacks.observe import ObservationWindows
 from callbacks.run_record import RunRecord, sha256_file
-from callbacks.runfab_metrics import NonFiniteLossError, RunFabMetrics
+from callbacks.runfab_metrics import NonFiniteLossError, RunFabMetrics, peak_memory
 from config import (
     BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, load_config, load_config_dict, training_time_limit,
 )
@@ -496,10 +496,7 @@ def run_probe_local(cfg: RunConfig, microbatch: int, world: int, platform_fracti
         torch.cuda.reset_peak_memory_stats()
     with contextlib.redirect_stdout(sys.stderr):
         trainer.fit(module, train_dataloaders=batches)
-    result = {"microbatch": microbatch, "steps": trainer.global_step}
-    if accelerator == "gpu":
-        result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    result = {"microbatch": microbatch, "steps": trainer.global_step} | peak_memory(module.device)
     log.info("probe: %s", result)
     return result
 

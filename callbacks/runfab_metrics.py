@@ -25,6 +25,14 @@ log = logging.getLogger(__name__)
 MAX_LINE_CHARS = 8191
 
 
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """Peak allocated and reserved memory of a CUDA device so far, in GiB; nothing elsewhere."""
+    if device.type != "cuda":
+        return {}
+    return {"peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+
+
 class NonFiniteLossError(FloatingPointError):
     """Training diverged; the run stops rather than report or export a broken model."""
 
@@ -71,7 +79,6 @@ class RunFabMetrics(L.Callback):
         self._interval_flops = 0.0
         self._first_bad_step = torch.full((), -1, dtype=torch.long, device=device)
         self._steps_seen = trainer.global_step
-        self._interval_phase = self.phase(trainer.global_step + 1)
         self.total_tokens = 0
         self.start_time: float | None = None
         self._interval_start = 0.0
@@ -111,8 +118,7 @@ class RunFabMetrics(L.Callback):
         self._interval_flops += self._pending_flops
         self._interval_steps += 1
         self._pending_loss, self._pending_tokens, self._pending_rows, self._pending_flops = self._zero(), 0, 0, 0.0
-        self._interval_phase = self.phase(trainer.global_step)
-        if self.phase(trainer.global_step + 1) != self._interval_phase:
+        if self.phase(trainer.global_step + 1) != self.phase(trainer.global_step):
             self.report(trainer, pl_module)  # a phase boundary: the same update on every rank
         elif trainer.world_size > 1:
             if batch.get("report"):  # the feeder marks the same update on every rank
@@ -150,15 +156,13 @@ class RunFabMetrics(L.Callback):
             }
             if self.flops is not None and self.peak_flops:
                 record["mfu"] = self._interval_flops / seconds / (self.peak_flops * trainer.world_size)
-            if self._interval_phase == "normal":
+            phase = self.phase(trainer.global_step)  # an interval's updates share one phase, its last one's
+            if phase == "normal":
                 self._count_normal(trainer.global_step, seconds, tokens)
             else:
-                record[self._interval_phase] = 1
+                record[phase] = 1
             self.total_tokens += tokens
-        if pl_module.device.type == "cuda":
-            record["peak_allocated_gib"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
-            record["peak_reserved_gib"] = torch.cuda.max_memory_reserved(pl_module.device) / 2**30
-        record |= extra
+        record |= peak_memory(pl_module.device) | extra
         self._write(trainer, record)
         self._interval_loss, self._interval_grad_norm = self._zero(), self._zero()
         self._interval_tokens = self._interval_rows = self._interval_steps = 0
@@ -190,10 +194,7 @@ class RunFabMetrics(L.Callback):
             "total_target_tokens": self.total_tokens,
             "world_size": world,
         }
-        if pl_module.device.type == "cuda":
-            result["peak_allocated_gib"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
-            result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(pl_module.device) / 2**30
-        return result
+        return result | peak_memory(pl_module.device)
 
     def _sum_over_ranks(self, device: torch.device) -> None:
         """Global interval totals: one small all-reduce, at report time only (every rank reports together)."""

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import train  # noqa: E402
+from callbacks.runfab_metrics import peak_memory  # noqa: E402
 from config import load_config  # noqa: E402
 from contract_check import process_family  # noqa: E402
 from datamodule import UpdateFeeder, ValidationPool  # noqa: E402
@@ -174,8 +175,7 @@ def run_plain(layout: str, args) -> dict:
     result = {
         "tokens_per_second": tokens / seconds,
         "mfu": flops / seconds / cfg.metrics.peak_flops,
-        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        **peak_memory(lit.device),
         "measured_seconds": seconds,
     }
     del lit, optimizer
