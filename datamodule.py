@@ -211,8 +211,10 @@ def encode_documents(
         texts = [d.text for d in pending if d.text is not None]
         encoded = iter(encode_batch(texts)) if texts else iter(())
         for doc in pending:
-            ids = doc.ids if doc.ids is not None else np.asarray(next(encoded), dtype=np.int32)
-            tokens = np.append(ids, np.int32(eos_id)).astype(np.int32, copy=False)
+            ids = doc.ids if doc.ids is not None else next(encoded)
+            tokens = np.empty(len(ids) + 1, dtype=np.int32)  # one copy, EOS included
+            tokens[:-1] = ids
+            tokens[-1] = eos_id
             stats.documents += 1
             stats.document_tokens += len(tokens)
             yield doc.key, tokens
@@ -314,13 +316,14 @@ def pack_rows(docs: Iterable[np.ndarray], seq_len: int, stats: StreamStats, pad_
     """
     tokens = np.empty(seq_len, dtype=np.int32)
     positions = np.empty(seq_len, dtype=np.int32)
+    counting = np.arange(seq_len, dtype=np.int32)  # a piece's positions are a prefix of this
     fill = 0
     for doc in docs:
         start = 0
         while start < len(doc):
             take = min(seq_len - fill, len(doc) - start)
             tokens[fill : fill + take] = doc[start : start + take]
-            positions[fill : fill + take] = np.arange(take, dtype=np.int32)
+            positions[fill : fill + take] = counting[:take]
             fill += take
             start += take
             if fill == seq_len:

@@ -37,7 +37,7 @@ class GPTConfig:
     activation_checkpointing: bool = False
     activation_memory_budget: float = 0.75  # compiled trunk: below 1, the partitioner recomputes cheap ops to save activations
     attention: str = "auto"  # "auto": varlen flash kernel on CUDA in bf16/fp16, else SDPA with a mask
-    loss_chunk_tokens: int = 8192  # LM head + cross-entropy in chunks of this many tokens; 0: all at once
+    loss_chunk_tokens: int = 16384  # LM head + cross-entropy in chunks of this many tokens; 0: all at once
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -246,9 +246,9 @@ def token_loss_sum(
     With ``chunk_tokens`` the full-vocabulary logits never exist at once (ChunkedLinearCrossEntropy).
     """
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    if not chunk_tokens or hidden.shape[0] <= chunk_tokens:
+    if not chunk_tokens:
         return _cross_entropy_sum(hidden, head_weight, targets)
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled():  # a batch of at most chunk_tokens is one chunk: still no saved logits
         chunk_fn = chunk_fn or _chunk_loss_and_grad
         return ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, chunk_tokens, chunk_fn)
     chunks = zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
@@ -267,19 +267,22 @@ VOCAB_ALIGNMENT = 128  # padded vocabulary keeps the head's matmuls on the align
 def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, dtype: torch.dtype):
     """Summed loss of one chunk and d(loss)/d(logits) = softmax - one-hot (zero for ignored targets).
 
-    ``logits`` come in the matmul's dtype and are widened here to at least fp32, where the
-    compiled version fuses the widening into the softmax instead of storing an fp32 copy.
-    Columns past ``vocab_size`` are padding: -inf logits, so they take no probability.
+    ``logits`` come in the matmul's dtype and are widened here to at least fp32. The one-hot is a
+    comparison, not a scatter: compiled, the whole function is one reduction kernel that reads
+    the logits and writes the gradient in ``dtype`` (no fp32 copy of the chunk); eager (the
+    probe, CPU runs), the in-place steps hold one fp32 copy. Columns past ``vocab_size`` are
+    padding: -inf logits, so they take no probability.
     """
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    logits[:, vocab_size:] = float("-inf")
+    columns = torch.arange(logits.shape[1], device=logits.device)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)  # ours to change in place
+    logits.masked_fill_(columns >= vocab_size, float("-inf"))
     valid = targets != IGNORE_INDEX
-    safe = torch.where(valid, targets, 0)[:, None]
-    log_probs = torch.log_softmax(logits, dim=-1)
-    loss = -torch.where(valid, log_probs.gather(1, safe).squeeze(1), 0.0).sum()
-    grad = log_probs.exp_()
-    grad.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=grad.dtype))
-    return loss, grad.mul_(valid[:, None]).to(dtype)
+    safe = torch.where(valid, targets, 0)
+    log_normalizer = torch.logsumexp(logits, dim=-1)
+    loss = torch.where(valid, log_normalizer - logits.gather(1, safe[:, None]).squeeze(1), 0.0).sum()
+    grad = logits.sub_(log_normalizer[:, None]).exp_()
+    grad = grad.sub_((columns[None, :] == safe[:, None]).to(grad.dtype)).mul_(valid[:, None])
+    return loss, grad.to(dtype)
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):

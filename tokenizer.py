@@ -174,7 +174,8 @@ class TextEncoder:
         encode = getattr(self._tiktoken, "encode_to_numpy", None)
         if encode is None:  # tiktoken < 0.8
             return [np.asarray(ids, dtype=np.int32) for ids in self._encode_slice(texts)]
-        return [encode(text, allowed_special=set(), disallowed_special=()).astype(np.int32) for text in texts]
+        # uint32 ids below 2**31 read as int32 without a copy; the caller copies them into its rows.
+        return [encode(text, allowed_special=set(), disallowed_special=()).view(np.int32) for text in texts]
 
     def _load_tiktoken(self):
         try:

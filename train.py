@@ -480,6 +480,8 @@ def run_probe_local(cfg: RunConfig, microbatch: int, world: int, platform_fracti
     tighter than training's: the compiled model training runs may need a little more (the
     benchmark's --memory-sweep measures how much; ``compiled`` exists for it)."""
     accelerator = resolve_accelerator(cfg)
+    # Taken now: after fit, Lightning has moved the module back to the CPU.
+    device = torch.device("cuda", local_device()) if accelerator == "gpu" else torch.device("cpu")
     if accelerator == "gpu":
         limit_gpu_memory(cfg, local_device(), platform_fraction, 0.0 if compiled else cfg.trainer.probe_margin_gib)
     accumulation = 2 if EFFECTIVE_BATCH_SIZE // (microbatch * world) >= 2 else 1
@@ -496,7 +498,7 @@ def run_probe_local(cfg: RunConfig, microbatch: int, world: int, platform_fracti
         torch.cuda.reset_peak_memory_stats()
     with contextlib.redirect_stdout(sys.stderr):
         trainer.fit(module, train_dataloaders=batches)
-    result = {"microbatch": microbatch, "steps": trainer.global_step} | peak_memory(module.device)
+    result = {"microbatch": microbatch, "steps": trainer.global_step} | peak_memory(device)
     log.info("probe: %s", result)
     return result
 

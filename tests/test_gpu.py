@@ -172,3 +172,16 @@ def test_the_allocator_cap_keeps_the_headroom_and_any_smaller_platform_fraction(
         assert train.limit_gpu_memory(cfg, 0, None, margin_gib=1.0) == pytest.approx(1 - 5 * 2**30 / total)  # probe
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
+
+
+def test_the_probe_reports_the_peak_gpu_memory_it_measured():
+    import train
+    from config import load_config
+
+    cfg = load_config("conf/smoke.yaml")
+    try:
+        result = train.run_probe_local(cfg, microbatch=2, world=1)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    assert result["steps"] > 0
+    assert 0 < result["peak_allocated_gib"] <= result["peak_reserved_gib"]

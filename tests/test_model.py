@@ -83,7 +83,7 @@ def test_chunked_loss_matches_the_plain_loss_and_its_gradients():
     targets[0, 5:9] = IGNORE_INDEX
     plain = token_loss_sum(hidden, weight, targets)
     plain_grads = torch.autograd.grad(3.0 * plain, (hidden, weight))
-    for chunk in (1, 8, 36):
+    for chunk in (1, 8, 36, 100):  # 100: the whole batch is one chunk
         chunked = token_loss_sum(hidden, weight, targets, chunk_tokens=chunk)
         torch.testing.assert_close(chunked, plain)
         for got, expected in zip(torch.autograd.grad(3.0 * chunked, (hidden, weight)), plain_grads):

@@ -1,0 +1,191 @@
+"""Time the step's big kernels on their own: attention backends and the model's GEMM shapes.
+
+The trainer's step is mostly attention and matrix products; this says how fast each candidate
+kernel runs at the trainer's shapes (microbatch 32 x 4096, 12 heads of 64, d 768), and whether the
+candidates agree, so a choice between them rests on figures. Prints one line per measurement.
+
+Usage (GPU): python scripts/kernel_bench.py [--microbatch 32] [--docs-mean 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
+
+
+def timed(fn, repeats: int = 20) -> float:
+    """Median milliseconds of fn() over CUDA events, after warm-up calls."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
+
+
+def realistic_offsets(rows: int, t: int, mean: float, seed: int = 0) -> torch.Tensor:
+    """cu_seqlens of rows packed with lognormal documents (sigma 1, as the benchmark's records), cut at row ends."""
+    rng = np.random.default_rng(seed)
+    mu = math.log(mean) - 0.5
+    starts = []
+    for r in range(rows):
+        at = 0
+        while at < t:
+            starts.append(r * t + at)
+            at += max(1, round(rng.lognormal(mu, 1.0)))
+    return torch.tensor(starts + [rows * t], dtype=torch.int32)
+
+
+def attention_pairs(cu: torch.Tensor) -> int:
+    lengths = (cu[1:] - cu[:-1]).long()
+    return int((lengths * (lengths + 1) // 2).sum())
+
+
+def report(name: str, ms: float, flops: float) -> None:
+    print(f"{name:<48} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
+
+
+def cudnn_ragged(q, k, v, cu, max_len):
+    """aten's cuDNN attention over ragged sequences [total, H, hd], causal; differentiable through aten's formula."""
+    return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True)[0]
+
+
+def fa2_varlen(q, k, v, cu, max_len):
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))
+
+
+def reference(q, k, v, cu) -> torch.Tensor:
+    """fp64 causal attention document by document: the ground truth the kernels are checked against."""
+    outs = []
+    bounds = cu.tolist()
+    for a, b in zip(bounds, bounds[1:]):
+        qs, ks, vs = (z[a:b].double().transpose(0, 1) for z in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def candidates(layout: str) -> dict:
+    found = {"cuDNN ragged": cudnn_ragged}
+    if varlen_attn is not None:
+        found["varlen FA2"] = fa2_varlen
+    return found
+
+
+def correctness(args) -> None:
+    """Each kernel's output and input gradients against fp64, on a small packed batch."""
+    dev = torch.device("cuda")
+    rows, t, h, hd = 2, 1024, 4, 64
+    cu = realistic_offsets(rows, t, 300, seed=1).to(dev)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    q, k, v, grad = (torch.randn(rows * t, h, hd, device=dev, generator=gen) for _ in range(4))
+    leaves = [z.double().requires_grad_() for z in (q, k, v)]
+    reference(*leaves, cu).backward(grad.double())
+    expected = [reference(*(z.detach() for z in leaves), cu)] + [z.grad for z in leaves]
+
+    def relative(a, b):
+        return float((a.double() - b).norm() / b.norm())
+    print(f"\ncorrectness against fp64, {len(cu) - 1} documents in {rows} rows of {t}:")
+    for name, fn in candidates("realistic").items():
+        try:
+            inputs = [z.bfloat16().requires_grad_() for z in (q, k, v)]
+            out = fn(*inputs, cu, t)
+            out.backward(grad.bfloat16())
+            errors = [relative(a, b) for a, b in zip([out.detach()] + [z.grad for z in inputs], expected)]
+            print(f"  {name:<14} relative error out/dq/dk/dv: " + " ".join(f"{e:.2e}" for e in errors))
+        except Exception as error:  # noqa: BLE001 - a benchmark reports what the build lacks and goes on
+            print(f"  {name}: {type(error).__name__}: {str(error)[:300]}")
+    try:  # does the cuDNN ragged op compile, with the document count dynamic?
+        compiled = torch.compile(cudnn_ragged, fullgraph=True)
+        inputs = [z.bfloat16().requires_grad_() for z in (q, k, v)]
+        for cu_try in (cu, realistic_offsets(rows, t, 200, seed=2).to(dev)):
+            torch._dynamo.mark_dynamic(cu_try, 0)
+            out = compiled(*inputs, cu_try, t)
+            out.backward(grad.bfloat16())
+            eager = cudnn_ragged(*(z.detach() for z in inputs), cu_try, t)
+            print(f"  cuDNN ragged compiled, {len(cu_try) - 1} documents: max |compiled - eager| "
+                  f"{float((out.detach() - eager).abs().max()):.2e}")
+    except Exception as error:  # noqa: BLE001
+        print(f"  cuDNN ragged compiled: {type(error).__name__}: {str(error)[:500]}")
+
+
+def attention(args) -> None:
+    b, t, h, hd = args.microbatch, 4096, 12, 64
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, grad = (torch.randn(b * t, h, hd, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    layouts = {"one-doc": torch.arange(0, b * t + 1, t, dtype=torch.int32),
+               "realistic": realistic_offsets(b, t, args.docs_mean)}
+    for layout, cu_cpu in layouts.items():
+        cu = cu_cpu.to(dev)
+        pairs = attention_pairs(cu_cpu)
+        fwd_flops, bwd_flops = 4 * pairs * h * hd, 10 * pairs * h * hd  # 2 and 5 matmuls over the causal pairs
+        print(f"\n{layout}: {len(cu_cpu) - 1} documents in {b} rows, {pairs / (b * t):.0f} causal pairs per token")
+        inputs = [z.clone().requires_grad_() for z in (q, k, v)]
+        kernels = dict(candidates(layout))
+        if layout == "one-doc":
+            for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+                def sdpa(q, k, v, cu, max_len, backend=backend):
+                    with sdpa_kernel([backend]):
+                        qs, ks, vs = (z.view(b, t, h, hd).transpose(1, 2) for z in (q, k, v))
+                        return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(1, 2).reshape(b * t, h, hd)
+                kernels[f"SDPA {backend.name}"] = sdpa
+        for name, fn in kernels.items():
+            try:
+                report(f"{layout} {name} forward", timed(lambda: fn(*inputs, cu, t)), fwd_flops)
+                report(f"{layout} {name} forward+backward", timed(lambda: fn(*inputs, cu, t).backward(grad)),
+                       fwd_flops + bwd_flops)
+            except Exception as error:  # noqa: BLE001
+                print(f"{layout} {name}: {type(error).__name__}: {str(error)[:300]}")
+
+
+def gemms(args) -> None:
+    n = args.microbatch * 4096
+    dev = torch.device("cuda")
+    print()
+    shapes = [("qkv", n, 768, 2304), ("attn proj", n, 768, 768), ("mlp fc", n, 768, 3072), ("mlp proj", n, 3072, 768),
+              ("head chunk 8192", 8192, 768, 50304), ("head chunk 32768", 32768, 768, 50304)]
+    for name, m, kdim, ndim in shapes:
+        a = torch.randn(m, kdim, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(ndim, kdim, device=dev, dtype=torch.bfloat16)
+        g = torch.randn(m, ndim, device=dev, dtype=torch.bfloat16)
+        flops = 2 * m * kdim * ndim
+        report(f"gemm {name} forward  [{m}x{kdim}]@[{kdim}x{ndim}]", timed(lambda: a @ w.t()), flops)
+        report(f"gemm {name} grad input", timed(lambda: g @ w), flops)
+        report(f"gemm {name} grad weight", timed(lambda: g.t() @ a), flops)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--microbatch", type=int, default=32)
+    parser.add_argument("--docs-mean", type=float, default=1000.0)
+    parser.add_argument("--gemms", action="store_true", help="also time the model's matrix-product shapes")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("kernel_bench needs a CUDA device", file=sys.stderr)
+        return 1
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
+    correctness(args)
+    attention(args)
+    if args.gemms:
+        gemms(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Where the GPU time of a profiled window went: kernel time by family and the top kernels.
+
+Reads a Chrome trace written by the observation window (run/profile/trace-updates-A-B.json) and
+prints GPU busy time against the window's span, kernel time grouped into families (matrix
+products, attention, compiled fused kernels, optimizer, copies) and the heaviest kernels.
+
+Usage: python scripts/trace_summary.py OUTPUT/run/profile/trace-updates-15-16.json [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+FAMILIES = (  # first match wins; names are lower-cased
+    ("attention", ("flash", "fmha", "cudnn", "attn")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "matmul")),
+    ("optimizer", ("multi_tensor", "adam", "foreach", "norm_kernel")),
+    ("compiled (triton)", ("triton",)),
+    ("copy/fill", ("memcpy", "memset", "copy", "fill")),
+)
+
+
+def family(name: str) -> str:
+    lowered = name.lower()
+    for label, needles in FAMILIES:
+        if any(n in lowered for n in needles):
+            return label
+    return "other"
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (kernels on several streams may overlap)."""
+    total, current_start, current_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if current_end is None or start > current_end:
+            if current_end is not None:
+                total += current_end - current_start
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    if current_end is not None:
+        total += current_end - current_start
+    return total
+
+
+def summarize(trace: dict, top: int) -> str:
+    kernels = [e for e in trace.get("traceEvents", []) if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+               and "dur" in e]
+    if not kernels:
+        return "no GPU kernels in this trace (a CPU run?)"
+    intervals = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
+    span = max(end for _, end in intervals) - min(start for start, _ in intervals)
+    busy = busy_time(intervals)
+    by_family, by_name, counts = defaultdict(float), defaultdict(float), defaultdict(int)
+    for e in kernels:
+        by_family[family(e["name"])] += e["dur"]
+        by_name[e["name"]] += e["dur"]
+        counts[e["name"]] += 1
+    total = sum(by_family.values())
+    lines = [f"window {span / 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms ({busy / span:.1%}), "
+             f"{len(kernels)} kernels, kernel time {total / 1e3:.1f} ms"]
+    for label, us in sorted(by_family.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {label:<20} {us / 1e3:9.1f} ms  {us / total:6.1%}")
+    lines.append(f"top {top} kernels:")
+    for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {us / 1e3:9.1f} ms {us / total:6.1%} x{counts[name]:<5} {family(name):<18} {name[:110]}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace", type=Path)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    print(summarize(json.loads(args.trace.read_text()), args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
