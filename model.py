@@ -268,7 +268,7 @@ def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_size
     """Summed loss of one chunk and d(loss)/d(logits) = softmax - one-hot (zero for ignored targets).
 
     ``logits`` come in the matmul's dtype and are widened here to at least fp32. The one-hot is a
-    comparison, not a scatter: compiled, the whole function is one reduction kernel that reads
+    comparison, not a scatter, so inductor fuses the function into one reduction kernel that reads
     the logits and writes the gradient in ``dtype`` (no fp32 copy of the chunk); eager (the
     probe, CPU runs), the in-place steps hold one fp32 copy. Columns past ``vocab_size`` are
     padding: -inf logits, so they take no probability.
