@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -70,6 +71,31 @@ def fa2_varlen(q, k, v, cu, max_len):
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))
 
 
+class FlexDocuments:
+    """FlexAttention over rows of packed documents, with a (same document, causal) block mask built
+    once per batch layout, as a model would build it once per microbatch for all its layers."""
+
+    def __init__(self, compiled: bool = True) -> None:
+        self._masks: dict = {}
+        self._attend = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+    def __call__(self, q, k, v, cu, row_len):
+        total, h, hd = q.shape
+        rows = total // row_len
+        key = (cu.data_ptr(), total)
+        if key not in self._masks:
+            starts = torch.zeros(total, dtype=torch.int32, device=q.device)
+            starts[cu[:-1].long()] = 1
+            document = starts.cumsum(0).view(rows, row_len)
+
+            def same_document_causal(b, h, q_index, k_index):
+                return (document[b, q_index] == document[b, k_index]) & (k_index <= q_index)
+            self._masks[key] = create_block_mask(same_document_causal, rows, None, row_len, row_len, device=q.device)
+        qs, ks, vs = (z.view(rows, row_len, h, hd).transpose(1, 2) for z in (q, k, v))
+        out = self._attend(qs, ks, vs, block_mask=self._masks[key])
+        return out.transpose(1, 2).reshape(total, h, hd)
+
+
 def reference(q, k, v, cu) -> torch.Tensor:
     """fp64 causal attention document by document: the ground truth the kernels are checked against."""
     outs = []
@@ -81,7 +107,7 @@ def reference(q, k, v, cu) -> torch.Tensor:
 
 
 def candidates(layout: str) -> dict:
-    found = {"cuDNN ragged": cudnn_ragged}
+    found = {"cuDNN ragged": cudnn_ragged, "FlexAttention": FlexDocuments()}
     if varlen_attn is not None:
         found["varlen FA2"] = fa2_varlen
     return found
