@@ -278,6 +278,11 @@ def compare_snapshots(before: dict, after: dict) -> tuple[list[str], list[str]]:
     return changes, empty_dirs
 
 
+def folder_bytes(path: Path) -> int:
+    """Bytes of the regular files under path (links not followed): what a size budget charges."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
 def process_table() -> dict[int, tuple[int, int, str, str]]:
     """pid -> (parent pid, process group, state letter, command line), read from /proc (Linux)."""
     table = {}

@@ -106,15 +106,11 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-def folder_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
-
-
 def watch(process: subprocess.Popen, sandbox: contract_check.Sandbox, usage: Usage) -> None:
     """Sample until the process ends; past a budget, record which and stop the run."""
     budgets = (("RAM", RAM_BUDGET, "peak_rss_bytes", lambda: tree_rss(process.pid)),
-               ("/tmp", TMP_BUDGET, "peak_tmp_bytes", lambda: folder_bytes(sandbox.tmp)),
-               ("output", OUTPUT_BUDGET, "peak_output_bytes", lambda: folder_bytes(sandbox.output)))
+               ("/tmp", TMP_BUDGET, "peak_tmp_bytes", lambda: contract_check.folder_bytes(sandbox.tmp)),
+               ("output", OUTPUT_BUDGET, "peak_output_bytes", lambda: contract_check.folder_bytes(sandbox.output)))
     while process.poll() is None:
         for name, limit, attribute, measure in budgets:
             try:

@@ -301,6 +301,7 @@ def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodu
     if on_gpu:
         limit_gpu_memory(cfg, local_device(), platform_fraction)
     model_dir = Path(cfg.output.root) / "model"
+    compiled = cfg.trainer.compile if cfg.trainer.compile is not None else on_gpu
     tokenizer_path = bundle_path(cfg.data.tokenizer)
     static = {
         "seed": cfg.seed,
@@ -322,7 +323,7 @@ def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodu
         ObservationWindows(cfg.observe, run_dir),  # before the metrics: writing a trace counts as observed time
         metrics,
         ExportModel(model_dir, tokenizer_path),
-        RunRecord(model_dir, BUNDLE_ROOT, static, input_summary),
+        RunRecord(model_dir, BUNDLE_ROOT, static, input_summary, compiled),
         stop,
     ]
     every = cfg.trainer.checkpoint_every_steps
@@ -344,7 +345,7 @@ def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodu
         logger=experiment_loggers(cfg, run_dir / "logs") or False,
     )
     module = LitGPT(cfg.model, cfg.optim)
-    if cfg.trainer.compile if cfg.trainer.compile is not None else on_gpu:
+    if compiled:
         prepare_compile(Path(cfg.output.root) / "data" / "compile-cache", world)
         module.model.compile_trunk()
     log.info("model: %d parameters; %s on %s; microbatch %d x accumulation %d x %d device(s)",

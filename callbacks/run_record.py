@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
 import sys
 import time
@@ -20,6 +21,7 @@ import torch
 
 from callbacks.observe import ObservationWindows
 from callbacks.runfab_metrics import RunFabMetrics
+from contract_check import folder_bytes
 from model import count_parameters
 
 log = logging.getLogger(__name__)
@@ -72,8 +74,9 @@ def dataset_descriptor(root: Path) -> dict | None:
 class RunRecord(L.Callback):
     """Writes ``run_record.json`` into the model folder when training ends (rank 0)."""
 
-    def __init__(self, out_dir: Path, bundle_root: Path, static: dict, stream_stats) -> None:
+    def __init__(self, out_dir: Path, bundle_root: Path, static: dict, stream_stats, compiled: bool = False) -> None:
         self.out_dir = Path(out_dir)
+        self.compiled = compiled  # training compiles: report the size of its caches
         self.bundle_root = Path(bundle_root)
         self.static = static  # config, batch settings, tokenizer: known before training
         self.stream_stats = stream_stats  # callable returning the input summary at the end
@@ -96,6 +99,7 @@ class RunRecord(L.Callback):
             "final_metrics": metrics.last_record if metrics else None,
             "summary": metrics.summary(trainer, pl_module) if metrics else None,
             "observations": observer.files if observer else [],
+            "compile_cache": self.compile_cache_usage(),
             "input": self.stream_stats() if self.stream_stats else None,  # data parallel: the feeder fills it in
             "dataset": dataset_descriptor(self.bundle_root),
             "environment": {
@@ -106,6 +110,19 @@ class RunRecord(L.Callback):
             },
             "sources_sha256": source_hashes(self.bundle_root),
         }
+
+    def compile_cache_usage(self) -> dict | None:
+        """Where the compile caches went and their size: they share RunFab's 3 GiB of output with the
+        model (train.prepare_compile puts them there, unless the environment names other folders)."""
+        if not self.compiled:
+            return None
+        usage = {}
+        for name, variable in (("inductor", "TORCHINDUCTOR_CACHE_DIR"), ("triton", "TRITON_CACHE_DIR")):
+            folder = Path(os.environ[variable]) if variable in os.environ else None
+            if folder is not None and folder.is_dir():
+                usage[name] = {"path": str(folder), "bytes": folder_bytes(folder)}
+                log.info("%s compile cache: %.1f MiB in %s", name, usage[name]["bytes"] / 2**20, folder)
+        return usage
 
     def write(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Path | None:
         if not trainer.is_global_zero:

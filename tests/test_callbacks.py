@@ -119,6 +119,23 @@ def test_training_in_process_writes_metrics_model_record_and_checkpoints_apart(t
     assert record["config"]["model"]["n_layer"] == 1 and record["seed"] == cfg.seed
     assert record["tokenizer"]["vocab_size"] == 8192 and record["environment"]["libraries"]["torch"]
     assert "train.py" in record["sources_sha256"] and "conf/smoke.yaml" in record["sources_sha256"]
+    assert record["compile_cache"] is None  # CPU training does not compile
+
+
+def test_the_run_record_reports_the_compile_caches_where_the_environment_puts_them(tmp_path, monkeypatch):
+    from callbacks.run_record import RunRecord
+
+    sizes = {"inductor": (1000, 24), "triton": (4096,)}
+    for name, files in sizes.items():
+        for i, size in enumerate(files):
+            path = tmp_path / name / f"level{i}" / f"kernel{i}.bin"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"x" * size)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    usage = RunRecord(tmp_path / "model", tmp_path, {}, None, compiled=True).compile_cache_usage()
+    assert usage == {name: {"path": str(tmp_path / name), "bytes": sum(files)} for name, files in sizes.items()}
+    assert RunRecord(tmp_path / "model", tmp_path, {}, None, compiled=False).compile_cache_usage() is None
 
 
 def test_a_model_smaller_than_the_tokenizer_vocabulary_is_refused():

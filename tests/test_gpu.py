@@ -153,6 +153,9 @@ def test_a_memory_window_dumps_a_snapshot_the_memory_viz_reads(tmp_path, monkeyp
     assert {"training_step", "loss_sum"} <= frames  # allocations carry the Python stack that made them
     cache = tmp_path / "data/compile-cache"  # the compiled trunk's caches: under the output, not /tmp
     assert list((cache / "inductor").rglob("*.py")) and list((cache / "triton").rglob("*.cubin"))
+    reported = record["compile_cache"]  # and the run record says how much of the output they take
+    assert reported["inductor"]["path"] == str(cache / "inductor") and reported["triton"]["path"] == str(cache / "triton")
+    assert 0 < reported["triton"]["bytes"] <= sum(p.stat().st_size for p in (cache / "triton").rglob("*") if p.is_file())
 
 
 def test_the_allocator_cap_keeps_the_headroom_and_any_smaller_platform_fraction():
