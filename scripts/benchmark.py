@@ -9,6 +9,8 @@ GPU synchronized; the Lightning figures come from the run record's summary.
 Extra runs, in the same job:
   --observe       a Lightning run with a profiler window and a memory snapshot (issue 6): its normal
                   region excludes the observed updates, so its throughput must match the plain run's.
+  --reference     with the one-doc layout, nanoGPT's recipe (whole model compiled, full-vocabulary
+                  logits, random tokens) on the same GPU, for the Lightning / nanoGPT ratio of target 2.
   --workers       a Lightning run through the data-parallel worker path on the same device(s), and
                   the peak host memory (RSS and PSS summed over the process tree) of both paths.
   --memory-sweep  the probe (eager, as RunFab runs it) and the same probe compiled, at every
@@ -34,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 import train  # noqa: E402
 from callbacks.runfab_metrics import peak_memory  # noqa: E402
@@ -183,6 +186,52 @@ def run_plain(layout: str, args) -> dict:
     return result
 
 
+def run_reference(args) -> dict:
+    """nanoGPT's recipe on the same GPU, for target 2's ratio in the same job: the 12/768/12 model
+    with nanoGPT's padded vocabulary of 50,304, one fixed batch of random tokens (every row one
+    4096-token document), the whole forward and a full-vocabulary cross-entropy compiled as one
+    function, fused AdamW, bf16 autocast, gradient clipping. Throughput counts every input token,
+    as nanoGPT's 305.1 ms per 32 x 4096 step (429,600 tokens/s) does."""
+    cfg = load_config(overrides=["model.vocab_size=50304", *args.set])
+    lit = LitGPT(cfg.model, cfg.optim).cuda()
+    model = lit.model
+    optimizer = lit.configure_optimizers()["optimizer"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tokens = torch.randint(0, cfg.model.vocab_size, (args.microbatch, 4097), device="cuda", generator=gen)
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    @torch.compile
+    def loss_of(model, x, y):
+        logits = model(x)  # positions None: one document per row, causal SDPA
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(args.steps):
+        if step == args.warmup:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_of(model, inputs, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    measured = args.steps - args.warmup
+    result = {
+        "tokens_per_second": measured * inputs.numel() / seconds,
+        "mfu": measured * training_flops(cfg.model, inputs.numel(), args.microbatch * 4096 * 4096)
+        / seconds / cfg.metrics.peak_flops,
+        **peak_memory(lit.device),
+        "measured_seconds": seconds,
+        "milliseconds_per_step": 1000 * seconds / measured,
+    }
+    del lit, model, optimizer, loss_of
+    release_gpu()
+    return result
+
+
 def host_pipeline(args) -> dict:
     """Target tokens/s of stdin -> tokens -> packed rows -> updates alone (no model), for text
     records (the bundled sample, repeated) and for input_ids records; run it on 2 cores."""
@@ -255,6 +304,9 @@ def print_table(results: dict, args) -> None:
                     if "peak_host_rss_gib" in r else "-")
             print(f"{layout:<10} {name:<18} {r['tokens_per_second']:>10,.0f} {r['mfu']:>7.1%} "
                   f"{r['peak_allocated_gib']:>15.2f} {per_token:>10.3f} {ratio:>7.3f} {wait:>10} {host:>22}")
+        if "nanoGPT recipe" in runs:
+            ratio = runs["lightning"]["tokens_per_second"] / runs["nanoGPT recipe"]["tokens_per_second"]
+            print(f"{layout:<10} Lightning / nanoGPT recipe, same job: {ratio:.3f} (target 2: 1.15)")
 
 
 def main() -> int:
@@ -265,6 +317,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--docs", type=int, default=60_000)
     parser.add_argument("--observe", action="store_true", help="add a run with a profiler window and a memory snapshot")
+    parser.add_argument("--reference", action="store_true",
+                        help="with the one-doc layout: add nanoGPT's recipe (whole model compiled, full logits) on the same GPU")
     parser.add_argument("--workers", action="store_true", help="add a run through the data-parallel worker path")
     parser.add_argument("--memory-sweep", action="store_true", help="compiled against eager probe peaks")
     parser.add_argument("--host-pipeline", action="store_true", help="the data pipeline alone, no GPU (use 2 cores)")
@@ -289,6 +343,8 @@ def main() -> int:
         if args.compare:
             runs["lightning " + " ".join(args.compare)] = run_lightning(layout, args, args.out, "compare",
                                                                         tuple(as_flags(args.compare)))
+        if args.reference and layout == "one-doc":
+            runs["nanoGPT recipe"] = run_reference(args)
         if args.workers:
             runs["lightning workers"] = run_lightning(layout, args, args.out, "workers", ("--trainer.worker_processes", "true"))
         print(json.dumps({layout: runs}), file=sys.stderr, flush=True)
