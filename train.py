@@ -137,14 +137,27 @@ def lightning_trainer(cfg: RunConfig, accelerator: str, world: int, **overrides)
 def prepare_compile(folder: Path, world: int) -> None:
     """Inductor and Triton caches go to the output's disposable data/ folder (RunFab's /tmp holds
     256 MiB), and compilation uses few subprocesses: RunFab has 2 cores and 8 GiB for the whole
-    job, and each compile worker holds a few hundred MB of RAM."""
+    job, and each compile worker holds a few hundred MB of RAM.
+
+    A cache folder the environment names is kept, unless it is the library's own default: importing
+    Lightning already makes inductor write its /tmp default into the environment."""
     folder.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder / "inductor"))
-    os.environ.setdefault("TRITON_CACHE_DIR", str(folder / "triton"))
+    for variable, default, ours in (("TORCHINDUCTOR_CACHE_DIR", inductor_default_cache(), folder / "inductor"),
+                                    ("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache", folder / "triton")):
+        named = os.environ.get(variable)
+        if named is None or Path(named).absolute() == default.absolute():
+            os.environ[variable] = str(ours)
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
         import torch._inductor.config as inductor_config
 
         inductor_config.compile_threads = 1 if world > 1 else min(2, len(os.sched_getaffinity(0)))
+
+
+def inductor_default_cache() -> Path:
+    """The folder inductor picks when TORCHINDUCTOR_CACHE_DIR is unset (/tmp/torchinductor_<user>)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return Path(default_cache_dir())
 
 
 # ----------------------------------------------------------------------------- GPU memory limits

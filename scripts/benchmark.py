@@ -329,8 +329,7 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     cache = Path(os.environ.get("BENCH_COMPILE_CACHE", args.out / "compile-cache"))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
-    os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
+    train.prepare_compile(cache, 1)  # shared by every run of the job: train.py keeps a folder the environment names
     results: dict = {}
     if args.host_pipeline:
         results["host_pipeline"] = host_pipeline(args)

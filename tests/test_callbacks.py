@@ -5,6 +5,10 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
@@ -148,3 +152,26 @@ def test_a_batch_split_that_does_not_make_the_effective_batch_is_refused():
     with pytest.raises(train.ConfigError, match="EFFECTIVE_BATCH_SIZE"):
         train.check_batch(3, 5, 1)
     train.check_batch(4, 8, 1)
+
+
+def test_compile_caches_go_under_the_output_even_after_imports_wrote_the_tmp_default(tmp_path, monkeypatch):
+    # What a fresh `python train.py` sees: importing Lightning already put inductor's /tmp default
+    # into the environment, so a setdefault would have kept the caches in RunFab's 256 MiB /tmp.
+    probe = "import os, train; print(os.environ.get('TORCHINDUCTOR_CACHE_DIR'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    after_import = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env,
+                                  cwd=Path(train.__file__).parent).stdout.strip()
+    assert Path(after_import) == train.inductor_default_cache()
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", after_import)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setattr("torch._inductor.config.compile_threads", 1)  # prepare_compile sets it; keep it local
+    train.prepare_compile(tmp_path / "out/data/compile-cache", world=1)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "out/data/compile-cache/inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "out/data/compile-cache/triton")
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # a folder someone chose is kept
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "my-triton"))
+    train.prepare_compile(tmp_path / "out/data/compile-cache", world=1)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "my-triton")

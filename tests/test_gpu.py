@@ -137,8 +137,10 @@ def test_a_memory_window_dumps_a_snapshot_the_memory_viz_reads(tmp_path, monkeyp
     from tests.test_callbacks import TINY, Stdin, records
 
     monkeypatch.chdir(tmp_path)
-    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # set by train.py after Triton was imported
-        monkeypatch.delenv(name, raising=False)
+    # As in a fresh process: importing Lightning wrote inductor's /tmp default, Triton's is unset
+    # (earlier tests in this process pointed both at their own outputs).
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(train.inductor_default_cache()))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     cfg = load_config("conf/smoke.yaml", [*TINY, f"output.root={tmp_path}", "trainer.max_steps=3",
                                           "trainer.val_every_steps=0", "observe.memory_update=2"])
     monkeypatch.setattr("sys.stdout", io.StringIO())
