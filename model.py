@@ -38,12 +38,15 @@ class GPTConfig:
     activation_memory_budget: float = 0.75  # compiled trunk: below 1, the partitioner recomputes cheap ops to save activations
     attention: str = "auto"  # "auto": varlen flash kernel on CUDA in bf16/fp16, else SDPA with a mask
     loss_chunk_tokens: int = 16384  # LM head + cross-entropy in chunks of this many tokens; 0: all at once
+    compile_scope: str = "trunk"  # what torch.compile takes: "trunk" (one graph) or "blocks" (one graph all blocks share)
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.attention not in ("auto", "sdpa", "varlen"):
             raise ValueError(f"attention must be 'auto', 'sdpa' or 'varlen', not {self.attention!r}")
+        if self.compile_scope not in ("trunk", "blocks"):
+            raise ValueError(f"compile_scope must be 'trunk' or 'blocks', not {self.compile_scope!r}")
 
 
 def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
@@ -161,6 +164,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
         self._compiled_trunk = None
+        self._compiled_blocks: list[nn.Module] | None = None  # a plain list: no second copy in state_dict
         self._compiled_loss_chunk = None
         self.reset_parameters()
 
@@ -196,21 +200,24 @@ class GPT(nn.Module):
             # As many documents as rows, and every row starts one: each row is a single document
             # with positions 0..T-1, plain causal attention, which fused SDPA does fastest.
             positions = cu_seqlens = None
-        if self._compiled_trunk is not None and self.training:
+        if self.training and (self._compiled_trunk is not None or self._compiled_blocks is not None):
             if cu_seqlens is not None:
                 torch._dynamo.mark_dynamic(cu_seqlens, 0)  # document counts vary: one graph for all
-            return self._compiled_trunk(input_ids, positions, cu_seqlens)
+            if self._compiled_trunk is not None:
+                return self._compiled_trunk(input_ids, positions, cu_seqlens)
+            return self._trunk(input_ids, positions, cu_seqlens, self._compiled_blocks)
         return self._trunk(input_ids, positions, cu_seqlens)
 
     def _trunk(
-        self, input_ids: torch.Tensor, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+        blocks: list[nn.Module] | None = None,
     ) -> torch.Tensor:
         b, t = input_ids.shape
         layout = DocumentLayout(positions, cu_seqlens, self.config.attention)
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
         x = self.wte(input_ids) + self.wpe(positions)
-        for block in self.blocks:
+        for block in blocks or self.blocks:
             if self.config.activation_checkpointing and self.training:
                 x = checkpoint(block, x, layout, use_reentrant=False)
             else:
@@ -218,10 +225,18 @@ class GPT(nn.Module):
         return self.ln_f(x)
 
     def compile_trunk(self) -> None:
-        """torch.compile the embedding-to-final-norm trunk and the loss's per-chunk softmax arithmetic."""
+        """torch.compile the trunk for training, and the loss's per-chunk softmax arithmetic.
+
+        ``compile_scope`` "trunk" makes one graph from the embeddings to the final norm, which lets
+        inductor fuse across block boundaries. "blocks" compiles each block; all blocks share the
+        code and shapes, so one graph serves them all and compilation takes a fraction of the time.
+        """
         if self.config.activation_memory_budget < 1.0:  # read when the graph is partitioned, on first use
             torch._functorch.config.activation_memory_budget = self.config.activation_memory_budget
-        self._compiled_trunk = torch.compile(self._trunk)
+        if self.config.compile_scope == "blocks":
+            self._compiled_blocks = [torch.compile(block) for block in self.blocks]
+        else:
+            self._compiled_trunk = torch.compile(self._trunk)
         self._compiled_loss_chunk = torch.compile(_chunk_loss_and_grad, dynamic=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -110,10 +110,16 @@ def test_one_document_rows_use_fused_causal_sdpa_and_match_the_varlen_kernel(mon
         assert relative_error(results[1][1][name], expected) < 2e-2, name
 
 
-def test_the_compiled_trunk_and_loss_match_eager_forward_and_backward():
+@pytest.mark.parametrize("scope", ["trunk", "blocks"])
+def test_the_compiled_trunk_and_loss_match_eager_forward_and_backward(scope):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
     fast, eager = twin_models()
     eager.config.attention = fast.config.attention = "auto"
     eager.config.loss_chunk_tokens = fast.config.loss_chunk_tokens
+    fast.config.compile_scope = scope
     fast.compile_trunk()
     batch = packed_batch(rows=4, seq_len=256, vocab=512, seed=5)
     results = []
@@ -125,6 +131,8 @@ def test_the_compiled_trunk_and_loss_match_eager_forward_and_backward():
     assert relative_error(results[0][0], results[1][0]) < 1e-3
     for name, expected in results[1][1].items():
         assert relative_error(results[0][1][name], expected) < 2e-2, name
+    # the trunk is one graph, or every block shares one; with the loss chunk's, two either way
+    assert counters["stats"]["unique_graphs"] <= 2  # unshared blocks would make three
 
 
 def test_a_memory_window_dumps_a_snapshot_the_memory_viz_reads(tmp_path, monkeypatch):
