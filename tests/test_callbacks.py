@@ -165,13 +165,17 @@ def test_compile_caches_go_under_the_output_even_after_imports_wrote_the_tmp_def
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", after_import)
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
-    monkeypatch.setattr("torch._inductor.config.compile_threads", 1)  # prepare_compile sets it; keep it local
-    train.prepare_compile(tmp_path / "out/data/compile-cache", world=1)
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "out/data/compile-cache/inductor")
-    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "out/data/compile-cache/triton")
+    import torch._inductor.config as inductor_config
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # a folder someone chose is kept
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "my-triton"))
-    train.prepare_compile(tmp_path / "out/data/compile-cache", world=1)
+    # prepare_compile also sets the compile thread count; config.patch puts it back afterwards (a
+    # monkeypatch would delete it on undo, and inductor then reports the setting as missing).
+    with inductor_config.patch(compile_threads=inductor_config.compile_threads):
+        train.prepare_compile(tmp_path / "out/data/compile-cache", world=1)
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "out/data/compile-cache/inductor")
+        assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "out/data/compile-cache/triton")
+
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # a folder someone chose is kept
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "my-triton"))
+        train.prepare_compile(tmp_path / "out/data/compile-cache", world=1)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "my-triton")
