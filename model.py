@@ -8,6 +8,7 @@ crosses that boundary.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -163,8 +164,7 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(config.max_seq_len, config.n_embd)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
-        self._compiled_trunk = None
-        self._compiled_blocks: list[nn.Module] | None = None  # a plain list: no second copy in state_dict
+        self._compiled_trunk: Callable | None = None  # what training calls instead of _trunk
         self._compiled_loss_chunk = None
         self.reset_parameters()
 
@@ -200,12 +200,10 @@ class GPT(nn.Module):
             # As many documents as rows, and every row starts one: each row is a single document
             # with positions 0..T-1, plain causal attention, which fused SDPA does fastest.
             positions = cu_seqlens = None
-        if self.training and (self._compiled_trunk is not None or self._compiled_blocks is not None):
+        if self._compiled_trunk is not None and self.training:
             if cu_seqlens is not None:
                 torch._dynamo.mark_dynamic(cu_seqlens, 0)  # document counts vary: one graph for all
-            if self._compiled_trunk is not None:
-                return self._compiled_trunk(input_ids, positions, cu_seqlens)
-            return self._trunk(input_ids, positions, cu_seqlens, self._compiled_blocks)
+            return self._compiled_trunk(input_ids, positions, cu_seqlens)
         return self._trunk(input_ids, positions, cu_seqlens)
 
     def _trunk(
@@ -233,8 +231,8 @@ class GPT(nn.Module):
         """
         if self.config.activation_memory_budget < 1.0:  # read when the graph is partitioned, on first use
             torch._functorch.config.activation_memory_budget = self.config.activation_memory_budget
-        if self.config.compile_scope == "blocks":
-            self._compiled_blocks = [torch.compile(block) for block in self.blocks]
+        if self.config.compile_scope == "blocks":  # a plain list in a partial: no second copy in state_dict
+            self._compiled_trunk = functools.partial(self._trunk, blocks=[torch.compile(b) for b in self.blocks])
         else:
             self._compiled_trunk = torch.compile(self._trunk)
         self._compiled_loss_chunk = torch.compile(_chunk_loss_and_grad, dynamic=False)
