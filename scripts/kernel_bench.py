@@ -106,7 +106,7 @@ def reference(q, k, v, cu) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def candidates(layout: str) -> dict:
+def candidates() -> dict:
     found = {"cuDNN ragged": cudnn_ragged, "FlexAttention": FlexDocuments()}
     if varlen_attn is not None:
         found["varlen FA2"] = fa2_varlen
@@ -127,7 +127,7 @@ def correctness(args) -> None:
     def relative(a, b):
         return float((a.double() - b).norm() / b.norm())
     print(f"\ncorrectness against fp64, {len(cu) - 1} documents in {rows} rows of {t}:")
-    for name, fn in candidates("realistic").items():
+    for name, fn in candidates().items():
         try:
             inputs = [z.bfloat16().requires_grad_() for z in (q, k, v)]
             out = fn(*inputs, cu, t)
@@ -163,7 +163,7 @@ def attention(args) -> None:
         fwd_flops, bwd_flops = 4 * pairs * h * hd, 10 * pairs * h * hd  # 2 and 5 matmuls over the causal pairs
         print(f"\n{layout}: {len(cu_cpu) - 1} documents in {b} rows, {pairs / (b * t):.0f} causal pairs per token")
         inputs = [z.clone().requires_grad_() for z in (q, k, v)]
-        kernels = dict(candidates(layout))
+        kernels = candidates()
         if layout == "one-doc":
             for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
                 def sdpa(q, k, v, cu, max_len, backend=backend):
