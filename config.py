@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from callbacks.observe import ObserveConfig
-from datamodule import DataConfig
+from datamodule import INPUT_SOURCES, DataConfig
 from lit_module import OptimConfig
 from model import GPTConfig
 
@@ -93,13 +94,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise ConfigError(f"invalid configuration in {path}: {error}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {error}") from None
+    resolve_defaults(config)
     check_config(config)
     return config
+
+
+def resolve_defaults(cfg: RunConfig) -> None:
+    """Defaults that follow other settings: the cosine schedule decays over the whole run."""
+    if cfg.optim.decay_steps is None and cfg.trainer.max_steps > 0:
+        cfg.optim.decay_steps = cfg.trainer.max_steps
 
 
 def load_config_dict(values: dict) -> RunConfig:
     """A configuration already resolved (as_dict's output), as a data-parallel worker receives it."""
     config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(values)))
+    resolve_defaults(config)
     check_config(config)
     return config
 
@@ -110,8 +121,16 @@ def check_config(cfg: RunConfig) -> None:
         problems.append(f"model.n_embd ({cfg.model.n_embd}) must be divisible by model.n_head ({cfg.model.n_head})")
     if cfg.optim.schedule not in ("cosine", "constant"):
         problems.append(f"optim.schedule must be 'cosine' or 'constant', not {cfg.optim.schedule!r}")
-    if cfg.optim.schedule == "cosine" and not (cfg.optim.decay_steps or 0) > cfg.optim.warmup_steps:
-        problems.append("optim.decay_steps must exceed optim.warmup_steps for the cosine schedule")
+    if cfg.optim.schedule == "cosine" and cfg.optim.decay_steps is None:
+        problems.append("trainer.max_steps is -1 (until the input ends), so the cosine schedule has no horizon: "
+                        "set optim.decay_steps, or use optim.schedule constant")
+    elif cfg.optim.schedule == "cosine" and not cfg.optim.decay_steps > cfg.optim.warmup_steps:
+        source = " (it follows trainer.max_steps)" if cfg.optim.decay_steps == cfg.trainer.max_steps else ""
+        problems.append(
+            f"the cosine schedule warms up for optim.warmup_steps ({cfg.optim.warmup_steps}) steps and decays until "
+            f"optim.decay_steps ({cfg.optim.decay_steps}){source}, which must be later: for a run this short set "
+            f"optim.warmup_steps below {cfg.optim.decay_steps}, or use optim.schedule constant"
+        )
     if cfg.trainer.max_steps < 1 and cfg.trainer.max_steps != -1:
         problems.append("trainer.max_steps must be positive, or -1 to train until the input ends")
     if cfg.trainer.max_time is not None:
@@ -119,6 +138,8 @@ def check_config(cfg: RunConfig) -> None:
             training_time_limit(cfg)
         except ValueError as error:
             problems.append(str(error))
+    if cfg.data.source not in INPUT_SOURCES:
+        problems.append(f"data.source must be one of {', '.join(INPUT_SOURCES)}, not {cfg.data.source!r}")
     if not 0 <= cfg.data.val_fraction < 1:
         problems.append("data.val_fraction must lie in [0, 1)")
     if cfg.trainer.memory_headroom_gib < 0 or cfg.trainer.probe_margin_gib < 0:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import queue
 import random
 import sys
@@ -133,6 +134,8 @@ def parse_record(line: bytes, vocab_size: int) -> Document | str:
         record = json.loads(text)
     except ValueError:
         return "invalid_json"
+    except RecursionError:  # valid JSON nested deeper than the parser's stack (a 2 KB line can be)
+        return "nested_too_deeply"
     if not isinstance(record, dict):
         return "not_an_object"
     if "text" in record:
@@ -395,7 +398,8 @@ class DataConfig:
     """The ``data`` section of the config: where records come from and every buffer's bound."""
 
     tokenizer: str = "conf/tokenizer.json"
-    sample_path: str = "data/sample.jsonl"  # used when stdin is a terminal or empty
+    source: str = "auto"  # auto: stdin, or the sample when stdin is a terminal; stdin; sample
+    sample_path: str = "data/sample.jsonl"  # the bundled sample (data.source sample, or a terminal)
     microbatch: int = 8  # for local runs only: RunFab chooses its own
     max_record_bytes: int = 1 << 20
     give_up_after: int = 256  # rejected records, with none usable, before the stream is refused
@@ -441,21 +445,26 @@ def stream_updates(
     for update in assemble_updates(rows, s.rows_per_update, stats, d.max_train_tokens):
         yield split_update(update, s.world_size, s.microbatch, stats)
     if stats.updates == 0:
+        rejected = ", ".join(f"{n} {reason}" for reason, n in stats.rejected.most_common()) or "none"
         raise UnusableInputError(
             f"the input ended before one complete update: an update is {s.rows_per_update} rows of {s.seq_len} "
             f"tokens ({s.rows_per_update * s.seq_len} tokens), the input gave {stats.document_tokens} tokens "
-            f"in {stats.documents} documents ({stats.held_out_tokens} of them held out for validation)"
+            f"in {stats.documents} documents ({stats.held_out_tokens} of them held out for validation) from "
+            f"{stats.records} records, of which rejected: {rejected}"
         )
 
 
 _END = object()
+POLL_SECONDS = 0.1  # how often a waiting consumer looks up from an empty queue (a stop request may have come)
 
 
 class UpdateFeeder:
     """Runs ``stream_updates`` on a daemon thread and fills one bounded queue per rank.
 
     The queues hold at most ``prefetch_updates`` updates, so the reader stays a bounded
-    distance ahead of training; an error in the flow is handed to every consumer.
+    distance ahead of training. Every rank's stream ends at the same update boundary: at the end
+    of input, on ``finish`` (a signal), or on an input error once training has started, which is
+    then kept as ``input_error`` instead of ending the run without its model.
     """
 
     def __init__(self, open_stream: Callable[[], tuple[BinaryIO, str]], settings: StreamSettings,
@@ -466,6 +475,8 @@ class UpdateFeeder:
         self.settings = settings
         self.report_every = report_every
         self.error: BaseException | None = None  # set by a data-parallel sender that met a pipeline error
+        self.input_error: BaseException | None = None  # the input failed after training started
+        self.early_end: str | None = None  # why the streams ended before the input did, if they did
         self.stats = StreamStats()
         self.pool = pool
         self._open_stream = open_stream
@@ -473,22 +484,36 @@ class UpdateFeeder:
         capacity = settings.data.prefetch_updates * settings.accumulation
         self.queues = [queue.Queue(maxsize=capacity) for _ in range(settings.world_size)]
         self._stop = threading.Event()
+        self._finishing = threading.Event()
+        self._boundary = threading.Lock()  # guards the updates each rank started and the common last one
+        self._started = [0] * settings.world_size
+        self._last_update: int | None = None
+        self._start_lock = threading.Lock()
         self._finished = [False] * settings.world_size
         self._thread = threading.Thread(target=self._run, name="update-feeder", daemon=True)
 
     def start(self) -> None:
-        if self._thread.ident is None and not self._stop.is_set():
-            self._thread.start()
+        """Start reading; safe to call from every rank's sender thread at once."""
+        with self._start_lock:
+            if self._thread.ident is None and not self._stop.is_set():
+                self._thread.start()
 
     def stop(self) -> None:
+        """Stop at once (teardown): queued items are abandoned."""
         self._stop.set()
+
+    def finish(self, reason: str) -> None:
+        """End every rank's stream at the next update boundary they share; safe in a signal handler."""
+        if self.early_end is None:
+            self.early_end = reason
+        self._finishing.set()
 
     def close(self, timeout: float = 2.0) -> dict:
         """Stop reading and return the input summary.
 
         When training stops before the input ends, the counts cover what was read, which runs
         at most ``prefetch_updates`` updates ahead of training. A thread blocked on a silent
-        stdin cannot be joined; it is a daemon and ends with the process.
+        stdin cannot be joined; it is a daemon, holds no Python lock, and ends with the process.
         """
         self.stop()
         if self._thread.ident is not None:
@@ -516,34 +541,68 @@ class UpdateFeeder:
                     last_report = time.monotonic()
                     for microbatches in per_rank:
                         microbatches[-1]["report"] = 1
-                for rank, microbatches in enumerate(per_rank):
+                for rank, microbatches in enumerate(per_rank):  # a started update is always put whole
                     for mb in microbatches:
                         if not self._put(rank, mb):
                             return
+                if self._finishing.is_set():
+                    return
         except BaseException as error:  # handed to the training loop, which re-raises it
             final = error
         for rank in range(len(self.queues)):
             self._put(rank, final)
 
+    def _past_last_update(self, rank: int, updates: int, starting: bool) -> bool:
+        """At an update boundary: has this rank reached the last update every rank will train?
+
+        Once a stop is asked for, the last update is the furthest any rank has started, so no rank
+        is left waiting in a collective for an update another rank never gets. ``starting`` records
+        that this rank holds the first microbatch of update ``updates + 1``.
+        """
+        with self._boundary:
+            if self._finishing.is_set() and self._last_update is None:
+                self._last_update = max(self._started)
+            if self._last_update is not None and updates >= self._last_update:
+                return True
+            if starting:
+                self._started[rank] = updates + 1
+            return False
+
     def iterate(self, rank: int = 0) -> Iterator[dict | ValidationDocument]:
-        """The rank's items; the stream is consumed once, so a second pass yields nothing."""
+        """The rank's items, complete updates only; the stream is consumed once, so a second pass yields nothing."""
         self.start()
-        first = True
+        per_update = self.settings.accumulation
+        taken = 0  # microbatches yielded
+        waiting_since: float | None = None
         while not self._finished[rank]:
+            boundary = taken % per_update == 0
+            if boundary and self._past_last_update(rank, taken // per_update, starting=False):
+                break
             try:
-                item = self.queues[rank].get_nowait()
-            except queue.Empty:  # training is ahead of the input: time it (the GPU may starve meanwhile)
-                waited_from = time.perf_counter()
-                item = self.queues[rank].get()
-                if not first and rank == 0:
-                    self.stats.training_wait_seconds += time.perf_counter() - waited_from
-            first = False
+                item = self.queues[rank].get(timeout=POLL_SECONDS)
+            except queue.Empty:  # training is ahead of the input (the GPU may starve meanwhile)
+                if waiting_since is None:
+                    waiting_since = time.perf_counter()
+                continue
+            if waiting_since is not None and taken and rank == 0:
+                self.stats.training_wait_seconds += time.perf_counter() - waiting_since
+            waiting_since = None
             if item is _END:
-                self._finished[rank] = True
-                return
+                break
             if isinstance(item, BaseException):
-                raise item
+                if taken < per_update:
+                    raise item  # nothing trained yet: the run fails with the input's own error
+                log.error("the input failed after %d complete updates; training stops there and the model "
+                          "trained so far is exported: %s: %s", taken // per_update, type(item).__name__, item)
+                self.input_error = item
+                self.finish(f"input error: {type(item).__name__}: {item}")
+                break
+            if isinstance(item, dict):
+                if boundary and self._past_last_update(rank, taken // per_update, starting=True):
+                    break
+                taken += 1
             yield item
+        self._finished[rank] = True
 
 
 @dataclass
@@ -580,18 +639,101 @@ def summary_line(stats: StreamStats) -> str:
 
 # ----------------------------------------------------------------------------- sources
 
+INPUT_SOURCES = ("auto", "stdin", "sample")
 
-def open_input(sample_path: Path | None, stdin: BinaryIO | None = None) -> tuple[BinaryIO, str]:
-    """stdin when it carries data; the bundled sample when stdin is a terminal or empty."""
-    stdin = stdin if stdin is not None else getattr(sys.stdin, "buffer", None)
-    if stdin is not None and not stdin.isatty():
-        if stdin.peek(1)[:1]:
-            return stdin, "stdin"
+
+class DescriptorReader:
+    """``readline`` straight from a file descriptor with ``os.read``.
+
+    Python's buffered ``sys.stdin`` holds a lock while a read waits; if training ends while the
+    reader thread still waits on an open, silent stdin, interpreter shutdown cannot take that
+    lock and aborts the process (exit 134) after a successful run. ``os.read`` holds no lock.
+    """
+
+    def __init__(self, fd: int, chunk_bytes: int = 1 << 16) -> None:
+        self.fd, self.chunk_bytes = fd, chunk_bytes
+        self._buffer, self._start, self._eof = b"", 0, False
+
+    def _fill(self) -> bool:
+        """Read one more chunk; False at end of input."""
+        if self._eof:
+            return False
+        chunk = os.read(self.fd, self.chunk_bytes)
+        if not chunk:
+            self._eof = True
+            return False
+        self._buffer = self._buffer[self._start :] + chunk
+        self._start = 0
+        return True
+
+    def peek(self, size: int = 1) -> bytes:
+        while len(self._buffer) - self._start < size and self._fill():
+            pass
+        return self._buffer[self._start : self._start + size]
+
+    def readline(self, limit: int = -1) -> bytes:
+        searched = self._start
+        while True:
+            newline = self._buffer.find(b"\n", searched)
+            available = len(self._buffer) - self._start
+            if newline >= 0 and (limit < 0 or newline - self._start < limit):
+                end = newline + 1
+            elif 0 <= limit <= available:
+                end = self._start + limit
+            elif not self._fill():
+                end = len(self._buffer)
+            else:
+                searched = available  # the bytes already searched now start the rebased buffer
+                continue
+            line = self._buffer[self._start : end]
+            self._start = end
+            return line
+
+
+def open_input(sample_path: Path | None, stdin: BinaryIO | None = None, source: str = "auto") -> tuple[BinaryIO, str]:
+    """Where records come from: ``data.source``.
+
+    ``auto`` reads stdin, except from an interactive terminal, where a person means the bundled
+    sample. Under RunFab stdin is the dataset, so an empty or closed stdin is an error, never a
+    silent run on the sample; ``sample`` asks for the sample explicitly.
+    """
+    if source == "sample":
+        return _open_sample(sample_path, "data.source is sample")
+    if stdin is None:
+        if sys.stdin is None or _closed(0):
+            raise UnusableInputError(
+                "stdin is closed, so there is no input. Pipe NDJSON records into stdin, or pass "
+                "--data.source sample to train on the bundled sample."
+            )
+        stdin = DescriptorReader(0)
+        interactive = os.isatty(0)
+    else:
+        interactive = stdin.isatty()
+    if interactive and source == "auto":
+        return _open_sample(sample_path, "stdin is a terminal")
+    if not stdin.peek(1)[:1]:
+        raise UnusableInputError(
+            "stdin is empty: the input ended before its first record. Under RunFab stdin is the dataset; "
+            "check the dataset attached to the job. To train on the bundled sample, pass --data.source sample."
+        )
+    return stdin, "stdin"
+
+
+def _closed(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return True
+    return False
+
+
+def _open_sample(sample_path: Path | None, why: str) -> tuple[BinaryIO, str]:
     if sample_path is None or not sample_path.is_file():
         raise FileNotFoundError(
-            f"no input: stdin is empty and the bundled sample {sample_path} does not exist. "
+            f"no input: {why}, and the bundled sample {sample_path} does not exist. "
             "Pipe NDJSON records into stdin or set data.sample_path to a file of the bundle."
         )
+    log.info("training on the bundled sample %s (%s)", sample_path, why)
     return sample_path.open("rb"), str(sample_path)
 
 

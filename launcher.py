@@ -45,16 +45,30 @@ class WorkerFailed(RuntimeError):
 
 
 class Interrupted(RuntimeError):
-    """The feeder received SIGTERM or SIGINT; its workers are stopped before it exits."""
+    """A signal (SIGTERM or SIGINT) stopped the run; what was trained is exported when it can be."""
 
 
-def raise_on_signals():
-    """Turn SIGTERM/SIGINT into Interrupted so ``finally`` blocks stop the workers. Returns a restore function."""
+class InputFailed(RuntimeError):
+    """The input failed after training started; the model trained so far was exported."""
+
+
+def raise_on_signals(first=None):
+    """SIGTERM/SIGINT: ``first(name)`` on the first one when given (a graceful stop: every rank ends
+    at the same update and rank 0 exports), else and on any later one Interrupted, so ``finally``
+    blocks stop the workers at once. Returns a restore function."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
+    received: list[str] = []
 
     def interrupt(signum, frame):
-        raise Interrupted(f"received {signal.Signals(signum).name}; stopping the workers")
+        name = signal.Signals(signum).name
+        received.append(name)
+        if first is not None and len(received) == 1:
+            log.warning("%s received: every rank stops after the update in hand and the model trained so far is "
+                        "exported; send it again to stop at once", name)
+            first(name)
+            return
+        raise Interrupted(f"received {name}; stopping the workers")
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
@@ -91,15 +105,17 @@ def send_item(conn: Connection, item: object) -> None:
         conn.send_bytes(item.tokens.astype(np.int32).tobytes())
     elif isinstance(item, BaseException):
         conn.send_bytes(json.dumps({"kind": "error", "message": f"{type(item).__name__}: {item}"}).encode())
-    else:
-        conn.send_bytes(json.dumps({"kind": "end"}).encode())
+    else:  # the end; ``item`` is why it came early (a signal, an input error), or None at the end of input
+        conn.send_bytes(json.dumps({"kind": "end", "early": item}).encode())
 
 
-def receive_items(conn: Connection) -> Iterator[dict | np.ndarray]:
-    """Microbatches (dicts) and held-out documents (int32 arrays) until the feeder says it ended."""
+def receive_items(conn: Connection, on_end=lambda early: None) -> Iterator[dict | np.ndarray]:
+    """Microbatches (dicts) and held-out documents (int32 arrays) until the feeder says it ended;
+    ``on_end`` receives why the end came early, or None."""
     while True:
         header = json.loads(conn.recv_bytes())
         if header["kind"] == "end":
+            on_end(header.get("early"))
             return
         if header["kind"] == "error":
             raise RuntimeError(f"the feeder stopped: {header['message']}")
@@ -128,17 +144,29 @@ class FeederConnection:
         self.conn = Client(address, authkey=authkey)
         self.conn.send_bytes(str(rank).encode())
         self.pool = pool
+        self.early_end: str | None = None  # the feeder's reason for ending before the input did
         self._done = False
+        self._acknowledging = True
 
     def batches(self) -> Iterator[dict]:
         if self._done:
             return
-        for item in receive_items(self.conn):
+        for item in receive_items(self.conn, on_end=lambda early: setattr(self, "early_end", early)):
             if isinstance(item, np.ndarray):
                 self.pool.offer(item)
             else:
+                self._acknowledge()
                 yield item
         self._done = True
+
+    def _acknowledge(self) -> None:
+        """Taken: the feeder may send one more (see _serve). Once it has sent its last item it closes
+        its end, and the items still in the socket need no acknowledgement."""
+        if self._acknowledging:
+            try:
+                self.conn.send_bytes(b"")
+            except (BrokenPipeError, ConnectionResetError):
+                self._acknowledging = False
 
     def close(self) -> None:
         self.conn.close()
@@ -258,12 +286,22 @@ def _serve(feeder, listener: Listener, world_size: int) -> None:
     except OSError:
         return  # the listener was closed: the run is being torn down
 
+    # Microbatches a rank may have in flight (sent, not yet taken by its training loop): the
+    # socket's own buffers would otherwise hold megabytes of updates that a stop cannot recall.
+    window = feeder.settings.data.prefetch_updates * feeder.settings.accumulation
+
     def send(rank: int) -> None:
         conn = connections[rank]
+        in_flight = 0
         try:
             for item in feeder.iterate(rank):
+                if isinstance(item, dict):
+                    while in_flight >= window:
+                        conn.recv_bytes()  # the worker took one
+                        in_flight -= 1
+                    in_flight += 1
                 send_item(conn, item)
-            send_item(conn, None)
+            send_item(conn, feeder.early_end)
         except (BrokenPipeError, ConnectionResetError, EOFError):
             feeder.stop()  # the worker is gone; WorkerGroup.wait reports why
         except BaseException as error:

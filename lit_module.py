@@ -25,7 +25,7 @@ class OptimConfig:
     grad_clip: float = 1.0
     warmup_steps: int = 100
     schedule: str = "cosine"  # or "constant"
-    decay_steps: int | None = None  # cosine horizon in optimizer steps
+    decay_steps: int | None = None  # cosine horizon in optimizer steps; None: trainer.max_steps
     fused: bool | None = None  # None: fused on CUDA
 
 

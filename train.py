@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import functools
 import importlib.util
 import json
 import logging
+import numbers
 import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -48,6 +51,7 @@ EFFECTIVE_BATCH_SIZE = 32
 PROBE_PASSES = 2  # over the probe batches: the second pass runs with the optimizer state allocated
 USER_ERRORS = (
     ConfigError, UnusableInputError, NonFiniteLossError, FileNotFoundError, launcher.WorkerFailed, launcher.Interrupted,
+    launcher.InputFailed,
 )
 
 log = logging.getLogger("train")
@@ -82,6 +86,9 @@ def local_device() -> int:
 
 
 def check_batch(microbatch: int, accumulation: int, world: int) -> None:
+    for name, value in (("microbatch", microbatch), ("accumulation", accumulation)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise ConfigError(f"{name} must be a whole number of rows, not {value!r} ({type(value).__name__})")
     if microbatch < 1 or accumulation < 1 or microbatch * accumulation * world != EFFECTIVE_BATCH_SIZE:
         raise ConfigError(
             f"microbatch ({microbatch}) x accumulation ({accumulation}) x GPUs ({world}) must equal "
@@ -231,6 +238,49 @@ def experiment_loggers(cfg: RunConfig, folder: Path) -> list:
     return loggers
 
 
+# ----------------------------------------------------------------------------- output folder
+
+LOCK_NAME = ".run.lock"
+PREVIOUS_MODEL = "previous-model"
+
+
+@contextlib.contextmanager
+def claimed_output(root: Path):
+    """Hold the output folder for one run: a second run on it is refused (its model and metrics
+    would mix with this one's), and a model left by an earlier run is moved to ``previous-model/``
+    so that ``model/`` only ever holds this run's result, or nothing if this run fails early."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = (root / LOCK_NAME).open("a+")
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"the output root {root} is a file, not a folder; set RUNFABRIC_OUTPUT (or output.root) "
+                          "to a folder") from None
+    except OSError as error:
+        raise ConfigError(f"cannot write to the output root {root} ({error.strerror}); set RUNFABRIC_OUTPUT "
+                          "(or output.root) to a writable folder") from None
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "unknown"
+            raise ConfigError(f"another run (pid {holder}) is using the output folder {root}; give each run its own "
+                              "RUNFABRIC_OUTPUT (or output.root), or wait until it ends") from None
+        lock.truncate(0)
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        model_dir = root / "model"
+        if model_dir.exists():
+            previous = root / PREVIOUS_MODEL
+            shutil.rmtree(previous, ignore_errors=True)
+            model_dir.rename(previous)
+            log.warning("an earlier run's model was in %s; it is now in %s", model_dir, previous)
+        try:
+            yield
+        finally:
+            (root / LOCK_NAME).unlink(missing_ok=True)
+
+
 # ----------------------------------------------------------------------------- training
 
 
@@ -282,32 +332,53 @@ def run_training(cfg: RunConfig, microbatch: int, accumulation: int, stdin=None)
     check_batch(microbatch, accumulation, world)
     check_output_budget(cfg)
     setup_process(cfg)
-    use_allocator_settings(cfg)
-    platform_fraction = platform_memory_fraction()
-    in_workers = world > 1 or bool(cfg.trainer.worker_processes)
-    encoder = load_encoder(cfg)
-    settings = stream_settings(cfg, encoder, microbatch, accumulation, world)
-    feeder = UpdateFeeder(
-        lambda: open_input(bundle_path(cfg.data.sample_path), stdin), settings, encoder.encode_batch_arrays,
-        ValidationPool(cfg.data.val_max_tokens), report_every=cfg.metrics.interval_seconds if world > 1 else None,
-    )
-    if in_workers:
-        result = train_data_parallel(cfg, microbatch, accumulation, world, feeder, platform_fraction)
-    else:
-        datamodule = StreamingDataModule(
-            feeder.iterate, feeder.pool, settings, pin_memory=resolve_accelerator(cfg) == "gpu", on_teardown=feeder.stop
+    with claimed_output(Path(cfg.output.root)):
+        use_allocator_settings(cfg)
+        platform_fraction = platform_memory_fraction()
+        in_workers = world > 1 or bool(cfg.trainer.worker_processes)
+        encoder = load_encoder(cfg)
+        settings = stream_settings(cfg, encoder, microbatch, accumulation, world)
+        feeder = UpdateFeeder(
+            lambda: open_input(bundle_path(cfg.data.sample_path), stdin, cfg.data.source), settings,
+            encoder.encode_batch_arrays, ValidationPool(cfg.data.val_max_tokens),
+            report_every=cfg.metrics.interval_seconds if world > 1 else None,
         )
-        result = fit(cfg, microbatch, accumulation, world, datamodule, encoder, feeder.close, platform_fraction)
-    result["input"] = feeder.close()
-    log.info(summary_line(feeder.stats))
+        if in_workers:
+            result = train_data_parallel(cfg, microbatch, accumulation, world, feeder, platform_fraction)
+        else:
+            datamodule = StreamingDataModule(
+                feeder.iterate, feeder.pool, settings, pin_memory=resolve_accelerator(cfg) == "gpu",
+                on_teardown=feeder.stop,
+            )
+            result = fit(cfg, microbatch, accumulation, world, datamodule, encoder, feeder.close, platform_fraction,
+                         end_input=feeder.finish, early_end=lambda: feeder.early_end)
+        result["input"] = feeder.close()
+        log.info(summary_line(feeder.stats))
+        raise_if_ended_early(feeder, result)
     return result
 
 
+def raise_if_ended_early(feeder: UpdateFeeder, result: dict) -> None:
+    """A run cut short by a signal or by its input fails, after the model trained so far was exported."""
+    if feeder.early_end is None:
+        return
+    where = (f"stopped after optimizer step {result['steps']}; the model trained so far is in {result['model_dir']} "
+             f"(run_record.json status: partial)" if result["steps"] else "stopped before the first optimizer step; "
+             "nothing was trained, so no model was exported")
+    if feeder.input_error is not None:
+        raise launcher.InputFailed(f"the input failed: {type(feeder.input_error).__name__}: {feeder.input_error}; "
+                                   + where) from feeder.input_error
+    raise launcher.Interrupted(f"received {feeder.early_end}: {where}")
+
+
 def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodule: StreamingDataModule,
-        encoder: TextEncoder, input_summary=None, platform_fraction: float | None = None) -> dict:
+        encoder: TextEncoder, input_summary=None, platform_fraction: float | None = None,
+        end_input=lambda reason: None, early_end=lambda: None) -> dict:
     """Build module, callbacks and Trainer, and fit: the same in a single process and in each worker.
 
-    Export and the run record happen in callbacks, on global rank 0.
+    Export and the run record happen in callbacks, on global rank 0. ``end_input(reason)`` ends the
+    input at the next update boundary (a signal); ``early_end()`` says why it ended early, if it did,
+    which the run record reports as ``partial``.
     """
     accelerator = resolve_accelerator(cfg)
     on_gpu = accelerator == "gpu"
@@ -325,25 +396,24 @@ def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodu
                       "vocab_size": encoder.vocab_size, "eos_id": encoder.eos_id, "backend": encoder.backend},
     }
     run_dir = Path(cfg.output.root) / "run"
+    validate = cfg.trainer.val_every_steps > 0 and cfg.data.val_fraction > 0
     metrics = RunFabMetrics(
         cfg.metrics.interval_seconds, stream=sys.stdout,
         flops=functools.partial(training_flops, cfg.model) if on_gpu else None, peak_flops=cfg.metrics.peak_flops,
         warmup_updates=cfg.observe.warmup_updates, observed_updates=cfg.observe.observed_updates(),
-        log_path=run_dir / "metrics.jsonl",
+        log_path=run_dir / "metrics.jsonl", validate_every=cfg.trainer.val_every_steps if validate else 0,
     )
-    stop = GracefulStop()
     callbacks: list[L.Callback] = [
         ObservationWindows(cfg.observe, run_dir),  # before the metrics: writing a trace counts as observed time
         metrics,
         ExportModel(model_dir, tokenizer_path),
-        RunRecord(model_dir, BUNDLE_ROOT, static, input_summary, compiled),
-        stop,
+        RunRecord(model_dir, BUNDLE_ROOT, static, input_summary, compiled, early_end),
+        GracefulStop(end_input),
     ]
     every = cfg.trainer.checkpoint_every_steps
     if every > 0:
         checkpoint_dir = Path(cfg.output.root) / "checkpoints"
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=every, save_top_k=1))
-    validate = cfg.trainer.val_every_steps > 0 and cfg.data.val_fraction > 0
     progress = cfg.trainer.progress_bar if cfg.trainer.progress_bar is not None else sys.stderr.isatty()
     trainer = lightning_trainer(
         cfg, accelerator, world,
@@ -367,8 +437,8 @@ def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodu
     try:
         with contextlib.redirect_stdout(sys.stderr):  # Lightning's bar and tables default to stdout
             trainer.fit(module, datamodule=datamodule)
-    except SIGTERMException:
-        pass  # GracefulStop exported the model trained so far; Interrupted is raised below
+    except SIGTERMException:  # Lightning's own handler: the signal came before training started
+        raise launcher.Interrupted("received SIGTERM before training started; nothing was trained") from None
     except torch.OutOfMemoryError as error:
         raise torch.OutOfMemoryError(
             f"CUDA ran out of memory at optimizer step {trainer.global_step} with microbatch {microbatch} "
@@ -376,11 +446,6 @@ def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodu
             "documents or a fragmented allocator can need more than the probe's worst case: rerun with a smaller "
             "microbatch, or set model.activation_checkpointing: true. Original error: " + str(error)
         ) from error
-    if stop.signal_name is not None:
-        raise launcher.Interrupted(
-            f"received {stop.signal_name}: stopped after optimizer step {trainer.global_step}; "
-            f"the model trained so far is in {model_dir} (run_record.json status: partial)"
-        )
     log.info("finished: %d optimizer steps; model in %s", trainer.global_step, model_dir)
     return {"steps": trainer.global_step, "model_dir": str(model_dir), "metrics": metrics.last_record}
 
@@ -394,7 +459,7 @@ def train_data_parallel(cfg: RunConfig, microbatch: int, accumulation: int, worl
     listener, authkey = launcher.new_listener()
     spec = {"config": as_dict(cfg), "microbatch": microbatch, "accumulation": accumulation,
             "address": list(listener.address), "authkey": authkey.hex(), "platform_memory_fraction": platform_fraction}
-    restore_signals = launcher.raise_on_signals()
+    restore_signals = launcher.raise_on_signals(first=feeder.finish)
     group = launcher.WorkerGroup(world, spec, BUNDLE_ROOT)
     try:
         launcher.serve_feeder(feeder, listener, world)
@@ -406,6 +471,8 @@ def train_data_parallel(cfg: RunConfig, microbatch: int, accumulation: int, worl
         restore_signals()
     model_dir = Path(cfg.output.root) / "model"
     record_path = model_dir / "run_record.json"
+    if not record_path.is_file():  # stopped before the first update: nothing was exported
+        return {"steps": 0, "model_dir": str(model_dir), "metrics": {}}
     record = json.loads(record_path.read_text())
     record["input"] = feeder.close()  # the feeder, not the workers, saw the input
     record_path.write_text(json.dumps(record, indent=2, default=str) + "\n")
@@ -431,7 +498,8 @@ def run_worker() -> int:
         connection.batches, pool, settings, rank=rank, pin_memory=resolve_accelerator(cfg) == "gpu",
         on_teardown=connection.close,
     )
-    fit(cfg, spec["microbatch"], spec["accumulation"], world, datamodule, encoder, platform_fraction=platform_fraction)
+    fit(cfg, spec["microbatch"], spec["accumulation"], world, datamodule, encoder, platform_fraction=platform_fraction,
+        early_end=lambda: connection.early_end)
     return 0
 
 

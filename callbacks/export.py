@@ -180,13 +180,11 @@ class ExportModel(pl.Callback):
         self.out_dir = Path(out_dir)
         self.tokenizer_path = Path(tokenizer_path)
 
-    def export_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[Path] | None:
-        """Export right away (e.g. from a signal handler); None on ranks other than 0."""
-        if not trainer.is_global_zero:
-            return None
-        files = export_model(_unwrap(pl_module.model), self.tokenizer_path, self.out_dir)
-        print(f"exported Hugging Face GPT-2 model to {self.out_dir}", file=sys.stderr)
-        return files
-
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.export_now(trainer, pl_module)
+        if not trainer.is_global_zero:
+            return
+        if trainer.global_step == 0:  # stopped before the first update: an untrained model is no result
+            print(f"nothing was trained, so no model is exported to {self.out_dir}", file=sys.stderr)
+            return
+        export_model(_unwrap(pl_module.model), self.tokenizer_path, self.out_dir)
+        print(f"exported Hugging Face GPT-2 model to {self.out_dir}", file=sys.stderr)

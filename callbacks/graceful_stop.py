@@ -1,7 +1,9 @@
-"""SIGTERM or SIGINT during training: finish the step, keep what was trained, then fail the run.
+"""SIGTERM or SIGINT during training: finish the update in hand, keep what was trained, then fail the run.
 
 A cancelled RunFab job has no checkpoint recovery, so the model trained so far is exported
-(the run record says ``partial``) before the process exits non-zero.
+(the run record says ``partial``) before the process exits non-zero. Both signals take the
+same path, and it does not depend on the input: a stop asked for while the input is silent ends
+the stream at the update boundary instead of waiting for a record that may never come.
 """
 
 from __future__ import annotations
@@ -9,55 +11,56 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 
 import lightning as L
-from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-from callbacks.export import ExportModel
-from callbacks.run_record import RunRecord
 
 log = logging.getLogger(__name__)
 
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
 
 class GracefulStop(L.Callback):
-    """Single process only: data-parallel ranks must stop at the same step, so there the feeder
-    stops every worker instead (launcher.raise_on_signals)."""
+    """Single process only: data-parallel ranks must stop at the same update, so there the feeder
+    ends every rank's stream instead (launcher.raise_on_signals).
 
-    def __init__(self) -> None:
+    ``end_input(name)`` ends the input at the next update boundary; Lightning then finishes the
+    update, exports and writes the record as at any end of input. A second signal stops at once.
+    """
+
+    def __init__(self, end_input: Callable[[str], None]) -> None:
+        self.end_input = end_input
         self.signal_name: str | None = None
         self._trainer: L.Trainer | None = None
-        self._previous: dict = {}
+        self._original: dict = {}
 
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.world_size == 1 and threading.current_thread() is threading.main_thread():
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._original = {sig: signal.getsignal(sig) for sig in SIGNALS}  # before Lightning adds its own
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Installed after Lightning's SIGTERM handler, which would end fit by an exception and skip the export."""
+        if trainer.world_size == 1 and self._original:
             self._trainer = trainer
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+            for sig in SIGNALS:
+                signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        self.signal_name = signal.Signals(signum).name
-        log.warning("%s received: stopping after this step and exporting the model trained so far", self.signal_name)
-        self._trainer.should_stop = True
-        self._mark_partial(self._trainer)
-
-    def _mark_partial(self, trainer: L.Trainer) -> None:
-        for callback in trainer.callbacks:
-            if isinstance(callback, RunRecord):
-                callback.status = f"partial: {self.signal_name}"
-
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        """Lightning's own SIGTERM handling ends fit by exception, so on_train_end never runs: export here."""
-        if not isinstance(exception, SIGTERMException):
+        name = signal.Signals(signum).name
+        if self.signal_name is not None:  # asked twice: stop now, as without this callback
+            self._restore()
+            signal.raise_signal(signum)
             return
-        self.signal_name = self.signal_name or "SIGTERM"
-        self._mark_partial(trainer)
-        for callback in trainer.callbacks:  # the export first: the record describes it
-            if isinstance(callback, ExportModel):
-                callback.export_now(trainer, pl_module)
-        for callback in trainer.callbacks:
-            if isinstance(callback, RunRecord):
-                callback.write(trainer, pl_module)
+        self.signal_name = name
+        log.warning("%s received: stopping after the update in hand and exporting the model trained so far; "
+                    "send it again to stop at once", name)
+        self._trainer.should_stop = True
+        self.end_input(name)
+
+    def _restore(self) -> None:
+        for sig, handler in self._original.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
+        self._restore()
+        self._original = {}

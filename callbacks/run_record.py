@@ -74,14 +74,22 @@ def dataset_descriptor(root: Path) -> dict | None:
 class RunRecord(L.Callback):
     """Writes ``run_record.json`` into the model folder when training ends (rank 0)."""
 
-    def __init__(self, out_dir: Path, bundle_root: Path, static: dict, stream_stats, compiled: bool = False) -> None:
+    def __init__(self, out_dir: Path, bundle_root: Path, static: dict, stream_stats, compiled: bool = False,
+                 early_end=lambda: None) -> None:
+        """``early_end()`` says why training ended before its input or limit (a signal, an input
+        error), or None; the record's status is then ``partial: <why>``."""
         self.out_dir = Path(out_dir)
         self.compiled = compiled  # training compiles: report the size of its caches
         self.bundle_root = Path(bundle_root)
         self.static = static  # config, batch settings, tokenizer: known before training
         self.stream_stats = stream_stats  # callable returning the input summary at the end
         self.started = time.time()
-        self.status = "completed"
+        self.early_end = early_end
+
+    @property
+    def status(self) -> str:
+        why = self.early_end()
+        return f"partial: {why}" if why else "completed"
 
     def build(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
         gpu = torch.cuda.get_device_name(pl_module.device) if pl_module.device.type == "cuda" else None
@@ -125,7 +133,7 @@ class RunRecord(L.Callback):
         return usage
 
     def write(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Path | None:
-        if not trainer.is_global_zero:
+        if not trainer.is_global_zero or trainer.global_step == 0:  # nothing trained: no model, no record
             return None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / "run_record.json"

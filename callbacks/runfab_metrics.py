@@ -44,10 +44,14 @@ class RunFabMetrics(L.Callback):
         self, interval_seconds: float = 5.0, stream: TextIO | None = None,
         flops: Callable[[int, int], float] | None = None, peak_flops: float | None = None,
         warmup_updates: int = 0, observed_updates: Collection[int] = (), log_path: Path | None = None,
+        validate_every: int = 0,
     ) -> None:
         """``flops(tokens, attention_pairs)`` and ``peak_flops`` (per device) add ``mfu`` to the lines.
 
         Each line also goes to ``log_path`` (the run's metrics.jsonl) and to the trainer's loggers.
+        Every line carries loss and throughput: an interval with no update writes nothing, and
+        ``val_loss`` rides on the line of the interval that validation (every ``validate_every``
+        updates) closes.
         """
         self.interval_seconds = interval_seconds
         self.stream = stream if stream is not None else sys.stdout
@@ -56,6 +60,9 @@ class RunFabMetrics(L.Callback):
         self.warmup_updates = warmup_updates
         self.observed_updates = frozenset(observed_updates)
         self.log_path = Path(log_path) if log_path is not None else None
+        self.validate_every = validate_every
+        self._held: dict | None = None  # the interval closed when validation started, written with its val_loss
+        self._pending_val_loss: float | None = None  # a validation loss waiting for the next training line
         self._log_file: TextIO | None = None
         self.lines_written = 0
         self.last_record: dict = {}
@@ -118,6 +125,8 @@ class RunFabMetrics(L.Callback):
         self._interval_flops += self._pending_flops
         self._interval_steps += 1
         self._pending_loss, self._pending_tokens, self._pending_rows, self._pending_flops = self._zero(), 0, 0, 0.0
+        if self.validate_every and trainer.global_step % self.validate_every == 0:
+            return  # validation follows this update and closes the interval, so its line carries val_loss
         if self.phase(trainer.global_step + 1) != self.phase(trainer.global_step):
             self.report(trainer, pl_module)  # a phase boundary: the same update on every rank
         elif trainer.world_size > 1:
@@ -132,8 +141,14 @@ class RunFabMetrics(L.Callback):
 
     # -- reporting --------------------------------------------------------------------------
 
-    def report(self, trainer: L.Trainer, pl_module: L.LightningModule, **extra: float) -> None:
-        """Close the interval: check finiteness, write one line, start the next interval."""
+    def report(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Close the interval and write its line; an interval without an update writes nothing."""
+        record = self._close(trainer, pl_module)
+        if record is not None:
+            self._write(trainer, record)
+
+    def _close(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict | None:
+        """Check finiteness, end the interval and start the next; its line, or None if it had no update."""
         now = self._now(pl_module.device)
         bad_step = int(self._first_bad_step)
         if bad_step >= 0:
@@ -141,10 +156,11 @@ class RunFabMetrics(L.Callback):
                 f"loss or gradient norm became non-finite at optimizer step {bad_step}; stopping. "
                 "Lower optim.lr, raise optim.warmup_steps, or check the input for corrupt token ids."
             )
-        record: dict[str, float] = {"step": trainer.global_step, "elapsed_seconds": round(now - self.start_time, 3)}
+        record: dict[str, float] | None = None
         if trainer.world_size > 1:
             self._sum_over_ranks(pl_module.device)
         if self._interval_steps:
+            record = {"step": trainer.global_step, "elapsed_seconds": round(now - self.start_time, 3)}
             seconds = max(now - self._interval_start, 1e-9)
             tokens = self._interval_tokens
             record |= {
@@ -162,12 +178,14 @@ class RunFabMetrics(L.Callback):
             else:
                 record[phase] = 1
             self.total_tokens += tokens
-        record |= peak_memory(pl_module.device) | extra
-        self._write(trainer, record)
+            record |= peak_memory(pl_module.device)
+            if self._pending_val_loss is not None:
+                record["val_loss"], self._pending_val_loss = self._pending_val_loss, None
         self._interval_loss, self._interval_grad_norm = self._zero(), self._zero()
         self._interval_tokens = self._interval_rows = self._interval_steps = 0
         self._interval_flops = 0.0
         self._interval_start = self._now(pl_module.device)
+        return record
 
     def _count_normal(self, last_update: int, seconds: float, tokens: int) -> None:
         normal = self.normal
@@ -235,18 +253,23 @@ class RunFabMetrics(L.Callback):
     def on_validation_start(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or self.start_time is None:
             return
-        if self._interval_steps:
-            self.report(trainer, pl_module)  # keeps validation time out of the training throughput
+        self._held = self._close(trainer, pl_module)  # keeps validation time out of the training throughput
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or self.start_time is None:
             return
+        held, self._held = self._held, None
         if pl_module.val_loss.update_count:
-            val_loss = float(pl_module.val_loss.compute())
+            val_loss = round(float(pl_module.val_loss.compute()), 6)
             pl_module.val_loss.reset()
-            self.report(trainer, pl_module, val_loss=val_loss)
-        else:
-            self._interval_start = self._now(pl_module.device)
+            log.info("validation loss %.4f after optimizer step %d", val_loss, trainer.global_step)
+            if held is not None:
+                held["val_loss"] = val_loss
+            else:
+                self._pending_val_loss = val_loss  # no update since the last line: the next line carries it
+        if held is not None:
+            self._write(trainer, held)
+        self._interval_start = self._now(pl_module.device)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.start_time is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import threading
 import time
 
 import numpy as np
@@ -12,6 +14,7 @@ import torch
 
 from datamodule import (
     DataConfig,
+    DescriptorReader,
     Row,
     StreamSettings,
     StreamStats,
@@ -64,6 +67,7 @@ def reader(data: bytes, max_bytes: int = 1 << 20, give_up_after: int = 256) -> t
         (b'{"input_ids": []}', "empty_input_ids"),
         (b'{"input_ids": [1, 1000]}', "input_ids_out_of_range"),
         (b'{"input_ids": [-1]}', "input_ids_out_of_range"),
+        (b'{"text": "ok", "meta": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested_too_deeply"),
     ],
 )
 def test_each_bad_record_is_rejected_with_its_reason(line, reason):
@@ -232,9 +236,10 @@ def test_the_validation_pool_is_bounded_and_later_held_out_documents_are_trained
 # ----------------------------------------------------------------------------- composed
 
 
-def settings(**data) -> StreamSettings:
+def settings(world_size: int = 1, **data) -> StreamSettings:
     data = DataConfig(**{"val_fraction": 0.05, "val_max_tokens": 200, "shuffle_buffer_docs": 16, **data})
-    return StreamSettings(data=data, seq_len=32, vocab_size=VOCAB, eos_id=0, seed=0, microbatch=2, accumulation=2)
+    return StreamSettings(data=data, seq_len=32, vocab_size=VOCAB, eos_id=0, seed=0, microbatch=2, accumulation=2,
+                          world_size=world_size)
 
 
 def fake_encode(texts):
@@ -256,10 +261,10 @@ def test_every_usable_token_is_trained_once_held_out_or_reported_as_tail():
     assert stats.update_target_tokens == sum(per_rank[0][0]["update_target_tokens"] for per_rank in updates)
 
 
-def test_too_little_input_for_one_update_is_a_clear_error():
-    with pytest.raises(UnusableInputError, match="before one complete update"):
-        list(stream_updates(io.BytesIO(ndjson({"text": "short"})), settings(), fake_encode, StreamStats(),
-                            ValidationPool(0)))
+def test_too_little_input_for_one_update_is_a_clear_error_that_shows_the_rejects():
+    with pytest.raises(UnusableInputError, match="before one complete update.*rejected: 2 invalid_json"):
+        list(stream_updates(io.BytesIO(ndjson({"text": "short"}, b"{bad", b"{bad")), settings(), fake_encode,
+                            StreamStats(), ValidationPool(0)))
 
 
 def test_the_token_budget_stops_at_an_update_boundary():
@@ -286,19 +291,128 @@ def test_the_feeder_delivers_complete_updates_then_ends_and_forwards_errors():
 
 
 class FakeStdin(io.BufferedReader):
+    def __init__(self, raw, tty: bool = False) -> None:
+        super().__init__(raw)
+        self.tty = tty
+
     def isatty(self):
-        return False
+        return self.tty
 
 
-def test_input_comes_from_stdin_when_it_has_data_else_from_the_bundled_sample(tmp_path):
+def test_input_is_stdin_and_the_bundled_sample_only_when_a_person_means_it(tmp_path):
     sample = tmp_path / "sample.jsonl"
     sample.write_bytes(ndjson({"text": "bundled"}))
     stream, source = open_input(sample, FakeStdin(io.BytesIO(b'{"text": "piped"}\n')))
     assert source == "stdin" and stream.readline() == b'{"text": "piped"}\n'
-    stream, source = open_input(sample, FakeStdin(io.BytesIO(b"")))
+    with pytest.raises(UnusableInputError, match="stdin is empty.*--data.source sample"):
+        open_input(sample, FakeStdin(io.BytesIO(b"")))  # under RunFab an empty stdin is an empty dataset
+    stream, source = open_input(sample, FakeStdin(io.BytesIO(b""), tty=True))  # a person at a terminal
     assert source == str(sample) and stream.readline() == b'{"text": "bundled"}\n'
+    stream, source = open_input(sample, FakeStdin(io.BytesIO(b'{"text": "piped"}\n')), "sample")  # asked for
+    assert source == str(sample)
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
-        open_input(tmp_path / "missing.jsonl", FakeStdin(io.BytesIO(b"")))
+        open_input(tmp_path / "missing.jsonl", FakeStdin(io.BytesIO(b""), tty=True))
+
+
+def test_the_descriptor_reader_reads_lines_as_a_buffered_reader_does():
+    rng = np.random.default_rng(5)
+    lines = [b"x" * int(n) + b"\n" for n in rng.integers(0, 3000, 400)] + [b"y" * 70_000 + b"\n", b"no newline"]
+    data = b"".join(lines)
+    read_end, write_end = os.pipe()
+    writer = threading.Thread(target=lambda: (os.write(write_end, data), os.close(write_end)))
+    writer.start()
+    ours, reference = DescriptorReader(read_end, chunk_bytes=1000), io.BufferedReader(io.BytesIO(data))
+    assert ours.peek(1) == reference.peek(1)[:1]
+    for limit in [-1, 7, 2048, 1 << 20] * 200:
+        line = ours.readline(limit)
+        assert line == reference.readline(limit)
+        if not line:
+            break
+    writer.join()
+    os.close(read_end)
+
+
+def test_feeder_start_is_safe_from_several_threads_at_once():
+    s = settings(val_fraction=0.0, world_size=2)
+    errors = []
+    previous_hook, threading.excepthook = threading.excepthook, lambda args: errors.append(args.exc_value)
+    try:
+        for _ in range(300):
+            feeder = UpdateFeeder(lambda: (io.BytesIO(b""), "test"), s, fake_encode, ValidationPool(0))
+            barrier = threading.Barrier(2)
+            starters = [threading.Thread(target=lambda: (barrier.wait(), feeder.start())) for _ in range(2)]
+            for t in starters:
+                t.start()
+            for t in starters:
+                t.join()
+            feeder.close()
+    finally:
+        threading.excepthook = previous_hook
+    assert errors == []
+
+
+class SilentAfter(io.RawIOBase):
+    """Gives ``data``, then blocks like an open stdin whose producer went quiet."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.quiet = data, threading.Event()
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        if not self.data:
+            self.quiet.wait()  # never set: the read waits as long as the process lives
+            return 0
+        n = min(len(buffer), len(self.data))
+        buffer[:n], self.data = self.data[:n], self.data[n:]
+        return n
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_finish_ends_every_rank_at_the_same_update_while_the_input_is_silent(world_size):
+    data = ndjson(*({"input_ids": [3] * 50} for _ in range(30)))
+    s = settings(val_fraction=0.0, world_size=world_size, tokenize_batch_docs=1)  # nothing waits for more input
+    feeder = UpdateFeeder(lambda: (io.BufferedReader(SilentAfter(data)), "test"), s, fake_encode, ValidationPool(0))
+    counts = [0] * world_size
+
+    def consume(rank: int) -> None:
+        for item in feeder.iterate(rank):
+            counts[rank] += 1
+
+    consumers = [threading.Thread(target=consume, args=(r,), daemon=True) for r in range(world_size)]
+    for t in consumers:
+        t.start()
+    deadline = time.monotonic() + 10
+    while feeder.stats.records < 30 and time.monotonic() < deadline:  # everything read: the input is silent now
+        time.sleep(0.05)
+    time.sleep(0.3)
+    feeder.finish("SIGTERM")
+    for t in consumers:
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in consumers), "a consumer still waits on the silent input"
+    assert feeder.early_end == "SIGTERM"
+    assert counts[0] == counts[-1] == feeder.stats.updates * s.accumulation > 0  # the same whole updates everywhere
+    feeder.close()
+
+
+def test_an_input_error_after_training_started_ends_the_stream_and_is_kept():
+    good = ndjson(*({"input_ids": [3] * 50} for _ in range(40)))
+
+    def failing_encode(texts):
+        raise RuntimeError("tokenizer crashed")
+
+    s = settings(val_fraction=0.0, tokenize_batch_docs=1)
+    feeder = UpdateFeeder(lambda: (io.BytesIO(good + ndjson({"text": "boom"})), "test"), s, failing_encode,
+                          ValidationPool(0))
+    microbatches = list(feeder.iterate())  # no exception: the updates before the failure are trained
+    assert len(microbatches) == feeder.stats.updates * s.accumulation > 0
+    assert isinstance(feeder.input_error, RuntimeError) and "tokenizer crashed" in feeder.early_end
+
+    early = UpdateFeeder(lambda: (io.BytesIO(ndjson({"text": "boom"}) + good), "test"), s, failing_encode,
+                         ValidationPool(0))
+    with pytest.raises(RuntimeError, match="tokenizer crashed"):  # nothing trained yet: the run fails as it is
+        list(early.iterate())
 
 
 def test_collate_finds_the_documents_and_targets_as_the_model_would():

@@ -49,7 +49,11 @@ def test_the_wire_carries_microbatches_documents_end_and_errors_without_pickle()
     send_item(a, batch)
     send_item(a, ValidationDocument(np.array([7, 8, 9], dtype=np.int32)))
     send_item(a, None)
-    items = list(receive_items(b))
+    ends = []
+    items = list(receive_items(b, on_end=ends.append))
+    assert ends == [None]
+    send_item(a, "SIGTERM")  # an early end carries its reason
+    assert list(receive_items(b, on_end=ends.append)) == [] and ends == [None, "SIGTERM"]
     assert torch.equal(items[0]["input_ids"], batch["input_ids"]) and items[0]["input_ids"].dtype == torch.int64
     assert torch.equal(items[0]["cu_seqlens"], batch["cu_seqlens"]) and items[0]["update_target_tokens"] == 99
     assert items[1].tolist() == [7, 8, 9]
@@ -149,6 +153,10 @@ def test_a_killed_worker_or_a_terminated_feeder_stops_everything_promptly(tmp_pa
     assert expected in stderr.decode()
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive
+    if fault == "sigterm-feeder":  # every rank stopped at the same update and rank 0 exported it
+        record = json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())
+        assert record["status"] == "partial: SIGTERM" and record["optimizer_steps"] >= 1
+        assert (tmp_path / "out" / "model" / "model.safetensors").stat().st_size > 0
 
 
 def test_the_probe_runs_on_every_device_under_the_training_setup(tmp_path):
