@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -80,3 +83,213 @@ def test_max_time_stops_training_and_the_model_is_still_exported(tmp_path):
     assert record["status"] == "completed" and record["optimizer_steps"] >= 1
     lines = [json.loads(line) for line in result.stdout.decode().splitlines()]
     assert lines[-1]["elapsed_seconds"] <= 8.5  # 12 s less the 4 s reserve; the clock starts before the first step
+
+
+# ----------------------------------------------------------------------------- driven adversarially
+
+
+def start_training(tmp_path, *extra, output: Path | None = None) -> subprocess.Popen:
+    """train.py on the tiny config with stdin a pipe the test writes to (and may leave open)."""
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(output or tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+    # A small shuffle buffer, so that documents reach training while the pipe stays open.
+    extra = ("--data.shuffle_buffer_docs", "16", *extra)
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *ARGS, *extra], stdin=subprocess.PIPE, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+
+
+def sample(lines: int) -> bytes:
+    with (ROOT / "data/sample.jsonl").open("rb") as f:
+        return b"".join(line for _, line in zip(range(lines), f))
+
+
+class Lines:
+    """Collects a pipe's lines on a thread, so the test can wait for them without blocking."""
+
+    def __init__(self, pipe) -> None:
+        self.lines: list[bytes] = []
+        self.thread = threading.Thread(target=lambda: self.lines.extend(iter(pipe.readline, b"")), daemon=True)
+        self.thread.start()
+
+    def wait_until_quiet(self, quiet_seconds: float, timeout: float = 90) -> None:
+        """Until at least one line came and none for ``quiet_seconds`` (training waits for input)."""
+        deadline, seen, since = time.monotonic() + timeout, -1, time.monotonic()
+        while time.monotonic() < deadline:
+            if len(self.lines) != seen:
+                seen, since = len(self.lines), time.monotonic()
+            elif seen > 0 and time.monotonic() - since >= quiet_seconds:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"no quiet moment within {timeout} s: {len(self.lines)} lines")
+
+
+def test_a_hostile_deeply_nested_record_is_skipped_and_counted(tmp_path):
+    hostile = b'{"text": "ok", "meta": ' + b"[" * 5000 + b"]" * 5000 + b"}\n"
+    data = sample(1500) + hostile + sample(1500)
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *ARGS, "--trainer.max_steps", "-1"], input=data,
+                            env=env, capture_output=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    record = json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())
+    assert record["input"]["rejected"] == {"nested_too_deeply": 1} and record["input"]["end_of_input"]
+    assert record["status"] == "completed" and record["optimizer_steps"] == record["input"]["updates"] > 20
+
+
+class FailingStdin(io.RawIOBase):
+    """Gives ``data``, then fails like a broken input device."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def readable(self):
+        return True
+
+    def isatty(self):
+        return False
+
+    def readinto(self, buffer):
+        if not self.data:
+            raise OSError(5, "Input/output error")
+        n = min(len(buffer), len(self.data))
+        buffer[:n], self.data = self.data[:n], self.data[n:]
+        return n
+
+
+def test_an_input_failure_after_training_started_exports_the_model_so_far(tmp_path, monkeypatch):
+    import launcher
+
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    cfg = load_config("conf/smoke.yaml", [*(a.lstrip("-") for a in _pairs(ARGS[2:])), "trainer.max_steps=-1",
+                                          "data.shuffle_buffer_docs=16", f"output.root={tmp_path / 'out'}"])
+    stdin = io.BufferedReader(FailingStdin(sample(1200)))
+    with pytest.raises(launcher.InputFailed, match="Input/output error.*partial"):
+        train.run_training(cfg, microbatch=4, accumulation=8, stdin=stdin)
+    model = tmp_path / "out" / "model"
+    record = json.loads((model / "run_record.json").read_text())
+    assert record["status"].startswith("partial: input error: OSError") and record["optimizer_steps"] >= 1
+    assert (model / "model.safetensors").stat().st_size > 0
+
+
+def _pairs(args: list[str]) -> list[str]:
+    """["--a.b", "1", ...] -> ["--a.b=1", ...]"""
+    return [f"{key}={value}" for key, value in zip(args[::2], args[1::2])]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_input_is_silent_exports_and_exits(tmp_path, sig):
+    process = start_training(tmp_path, "--trainer.max_steps", "1000")
+    process.stdin.write(sample(600))
+    process.stdin.flush()  # and left open: the producer has gone quiet
+    stdout = Lines(process.stdout)
+    stdout.wait_until_quiet(3.0)
+    process.send_signal(sig)
+    try:
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode not in (0, None)
+    assert signal.Signals(sig).name in stderr.decode()
+    record = json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())
+    assert record["status"] == f"partial: {signal.Signals(sig).name}" and record["optimizer_steps"] >= 1
+
+
+def test_a_run_that_ends_while_stdin_is_still_open_exits_zero(tmp_path):
+    process = start_training(tmp_path, "--trainer.max_steps", "2")
+    process.stdin.write(sample(1400))
+    process.stdin.flush()  # left open, as a producer that has more to send
+    try:
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr.decode()[-3000:]
+    assert b"Fatal Python error" not in stderr
+    assert json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.parametrize("stdin", ["empty", "closed"])
+def test_an_empty_or_closed_stdin_is_an_error_not_the_bundled_sample(tmp_path, stdin):
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *ARGS], stdin=subprocess.DEVNULL, env=env, capture_output=True,
+        timeout=120, cwd=tmp_path, preexec_fn=(lambda: os.close(0)) if stdin == "closed" else None,
+    )
+    stderr = result.stderr.decode()
+    assert result.returncode == 2, stderr[-3000:]
+    assert f"stdin is {stdin}" in stderr and "--data.source sample" in stderr and "Traceback" not in stderr
+    assert not (tmp_path / "out" / "model").exists()
+
+
+def test_a_second_run_on_the_same_output_is_refused(tmp_path):
+    first = start_training(tmp_path, "--trainer.max_steps", "1000")
+    first.stdin.write(sample(600))
+    first.stdin.flush()
+    Lines(first.stdout).wait_until_quiet(1.0)
+    try:
+        env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+        second = subprocess.run([sys.executable, str(ROOT / "train.py"), *ARGS], input=sample(300), env=env,
+                                capture_output=True, timeout=120, cwd=tmp_path)
+        assert first.poll() is None  # untouched by the second
+    finally:
+        first.kill()
+        first.wait()
+    stderr = second.stderr.decode()
+    assert second.returncode == 2 and f"another run (pid {first.pid})" in stderr and "Traceback" not in stderr
+    assert second.stdout == b""
+
+
+def test_a_failed_run_never_leaves_an_earlier_model_looking_like_its_result(tmp_path):
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+    command = [sys.executable, str(ROOT / "train.py"), *ARGS]
+    first = subprocess.run([*command, "--trainer.max_steps", "2"], input=sample(1400), env=env, capture_output=True,
+                           timeout=120, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr.decode()[-3000:]
+    second = subprocess.run(command, input=sample(3), env=env, capture_output=True, timeout=120, cwd=tmp_path)
+    assert second.returncode == 2 and b"before one complete update" in second.stderr
+    out = tmp_path / "out"
+    assert not (out / "model").exists()
+    assert json.loads((out / "previous-model" / "run_record.json").read_text())["optimizer_steps"] == 2
+
+
+@pytest.mark.parametrize("output, says", [("file", "is a file"), ("/sys/runfab-output", "cannot write")])
+def test_an_output_root_that_cannot_hold_the_output_is_refused_before_training(tmp_path, output, says):
+    if output == "file":
+        output = tmp_path / "a-file"
+        output.write_text("not a folder")
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(output), CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *ARGS], input=sample(300), env=env,
+                            capture_output=True, timeout=120, cwd=tmp_path)
+    stderr = result.stderr.decode()
+    assert result.returncode == 2 and says in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert "reading records" not in stderr  # refused before the input was touched
+
+
+def test_malformed_yaml_is_a_clear_error(tmp_path):
+    from config import ConfigError
+
+    path = tmp_path / "broken.yaml"
+    path.write_text("model:\n  n_layer: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", str(path)], stdin=subprocess.DEVNULL,
+                            env=env, capture_output=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2 and b"not valid YAML" in result.stderr and b"Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("microbatch, accumulation", [("8", 4), (8.0, 4.0), (True, 32), (8, None)])
+def test_hook_arguments_of_the_wrong_type_are_refused_at_the_door(microbatch, accumulation):
+    from config import ConfigError
+
+    with pytest.raises(ConfigError, match="whole number"):
+        train.check_batch(microbatch, accumulation, 1)
+
+
+def test_schedule_messages_name_what_the_user_set(tmp_path):
+    from config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"optim.warmup_steps \(3\).*optim.decay_steps \(2\) \(it follows "
+                                          r"trainer.max_steps\)"):
+        load_config("conf/smoke.yaml", ["trainer.max_steps=2"])
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    cfg = load_config(empty)  # the defaults alone make a valid run: decay follows max_steps
+    assert cfg.optim.decay_steps == cfg.trainer.max_steps

@@ -42,6 +42,7 @@ seed: 7
 model: {{vocab_size: 8192, n_layer: 1, n_head: 2, n_embd: 32, max_seq_len: {seq_len}}}
 data:
   tokenizer: conf/tokenizer.json
+  source: {source}
   sample_path: {sample_path}
   microbatch: {microbatch}
   val_fraction: 0.05
@@ -54,13 +55,13 @@ output: {{root: "${{oc.env:RUNFABRIC_OUTPUT,output}}"}}
 """
 
 CONFIGS = {
-    "conf/e2e_tiny.yaml": dict(max_steps=3, sample_path="data/sample.jsonl"),
+    "conf/e2e_tiny.yaml": dict(max_steps=3, sample_path="data/sample.jsonl", source="auto"),
     # Trains until the input ends, so every injected line is read and the whole input is hashed.
-    "conf/e2e_until_eof.yaml": dict(max_steps=-1, sample_path="data/sample.jsonl"),
-    "conf/e2e_missing_sample.yaml": dict(max_steps=3, sample_path="data/missing.jsonl"),
+    "conf/e2e_until_eof.yaml": dict(max_steps=-1, sample_path="data/sample.jsonl", source="auto"),
+    "conf/e2e_missing_sample.yaml": dict(max_steps=3, sample_path="data/missing.jsonl", source="sample"),
 }
 
-METRIC_KEYS = {"step", "elapsed_seconds"}
+METRIC_KEYS = {"step", "elapsed_seconds", "loss", "tokens_per_second"}  # what RunFab's graphs plot
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -578,8 +579,8 @@ def test_image_stream_fails_fast_with_a_clear_message(sandbox):
 # ----------------------------------------------------------------------------- 5. command line
 
 
-def test_cli_trains_on_the_bundled_sample_when_stdin_is_empty(sandbox):
-    proc = sandbox.cli(["--config", "conf/e2e_tiny.yaml", "--trainer.max_steps", "2"])
+def test_cli_trains_on_the_bundled_sample_when_asked_to(sandbox):
+    proc = sandbox.cli(["--config", "conf/e2e_tiny.yaml", "--trainer.max_steps", "2", "--data.source", "sample"])
     err = stderr_of(proc)
     assert proc.returncode == 0, err[-4000:]
     sample = str(sandbox.bundle / "data" / "sample.jsonl")
@@ -617,7 +618,19 @@ def test_cli_rejects_bad_overrides_readably(sandbox, args, mentions):
 # ----------------------------------------------------------------------------- 6. no input at all
 
 
-def test_empty_stdin_and_missing_sample_names_the_path(sandbox):
+def test_empty_stdin_through_the_hook_is_an_error_naming_the_cause(sandbox):
+    proc, _ = sandbox.child(
+        f"import train\ntrain.train({MICROBATCH}, {EFFECTIVE_BATCH_SIZE // MICROBATCH})\n", input_bytes=b"",
+    )
+    err = stderr_of(proc)
+    assert proc.returncode != 0
+    assert "stdin is empty" in err and "data.source sample" in err, err[-3000:]
+    assert proc.stdout == b""
+    assert_no_model(sandbox)
+    sandbox.assert_no_stray_files()
+
+
+def test_a_missing_sample_names_the_path(sandbox):
     missing = str(sandbox.bundle / "data" / "missing.jsonl")
     proc, _ = sandbox.child(
         f"import train\ntrain.train({MICROBATCH}, {EFFECTIVE_BATCH_SIZE // MICROBATCH})\n",
@@ -625,13 +638,13 @@ def test_empty_stdin_and_missing_sample_names_the_path(sandbox):
     )
     err = stderr_of(proc)
     assert proc.returncode != 0
-    assert missing in err and "stdin is empty" in err, err[-3000:]
+    assert missing in err and "data.source is sample" in err, err[-3000:]
     assert proc.stdout == b""
     assert_no_model(sandbox)
     sandbox.assert_no_stray_files()
 
 
-def test_cli_empty_stdin_and_missing_sample_exits_2(sandbox):
+def test_cli_missing_sample_exits_2(sandbox):
     proc = sandbox.cli(["--config", "conf/e2e_missing_sample.yaml"])
     err = stderr_of(proc)
     assert proc.returncode == 2, err[-3000:]
