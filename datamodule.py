@@ -397,7 +397,7 @@ def split_update(update: list[Row], world_size: int, microbatch: int, stats: Str
 class DataConfig:
     """The ``data`` section of the config: where records come from and every buffer's bound."""
 
-    tokenizer: str = "conf/tokenizer.json"
+    tokenizer: str = "conf/gpt2/tokenizer.json"  # GPT-2's, as model.vocab_size 50257; smoke.yaml: the small one
     source: str = "auto"  # auto: stdin, or the sample when stdin is a terminal; stdin; sample
     sample_path: str = "data/sample.jsonl"  # the bundled sample (data.source sample, or a terminal)
     microbatch: int = 8  # for local runs only: RunFab chooses its own

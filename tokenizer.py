@@ -144,7 +144,7 @@ def tiktoken_tables(config: dict) -> tuple[dict[bytes, int], dict[str, int]]:
 
 
 class TextEncoder:
-    """Encodes documents to token ids with a trained tokenizer.json.
+    """Encodes documents to token ids with a tokenizer.json (trained here, or GPT-2's: EOS is not always id 0).
 
     Uses tiktoken when available and the file allows it (`backend ==
     "tiktoken"`), otherwise HF tokenizers (`backend == "tokenizers"`); both

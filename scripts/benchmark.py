@@ -234,7 +234,8 @@ def run_reference(args) -> dict:
 
 def host_pipeline(args) -> dict:
     """Target tokens/s of stdin -> tokens -> packed rows -> updates alone (no model), for text
-    records (the bundled sample, repeated) and for input_ids records; run it on 2 cores."""
+    records (the bundled sample, repeated) and for input_ids records; run it on 2 cores. The tokenizer
+    is the config's (GPT-2's for conf/config.yaml); `--set data.tokenizer=conf/tokenizer.json` times the small one."""
     import io
 
     cfg = load_config(overrides=["data.val_fraction=0.005", *args.set])
@@ -251,9 +252,10 @@ def host_pipeline(args) -> dict:
             tokens += item["target_tokens"] if isinstance(item, dict) else 0
         seconds = time.perf_counter() - started
         figures[name] = {"target_tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
-                         "tokenizer": encoder.backend}
+                         "tokenizer": encoder.backend, "tokenizer_path": cfg.data.tokenizer}
         print(f"host pipeline, {name} records: {tokens:,} target tokens in {seconds:.1f} s = "
-              f"{tokens / seconds:,.0f} tokens/s (tokenizer {encoder.backend}, {len(os.sched_getaffinity(0))} cores)")
+              f"{tokens / seconds:,.0f} tokens/s (tokenizer {cfg.data.tokenizer} via {encoder.backend}, "
+              f"{len(os.sched_getaffinity(0))} cores)")
     return figures
 
 

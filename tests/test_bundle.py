@@ -94,6 +94,7 @@ def test_real_project_packs_what_training_needs(tmp_path, capsys):
         names = archive.namelist()
         infos = archive.infolist()
     assert {"train.py", "conf/config.yaml", "conf/tokenizer.json", "data/sample.jsonl"} <= set(names)
+    assert {"conf/gpt2/tokenizer.json", "conf/gpt2/SOURCE.json"} <= set(names)  # the reference config's tokenizer
     assert names == sorted(names)
     assert not [n for n in names if n.startswith(("tests/", "scripts/", "docs/", ".")) or "__pycache__" in n]
     assert not [n for n in names if n.endswith((".pyc", ".safetensors", ".pt", ".ckpt"))]

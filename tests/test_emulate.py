@@ -11,6 +11,7 @@ import emulate
 ROOT = Path(__file__).resolve().parent.parent
 TINY = """\
 model: {vocab_size: 8192, n_layer: 1, n_head: 2, n_embd: 32, max_seq_len: 64}
+data: {tokenizer: conf/tokenizer.json}
 optim: {warmup_steps: 1, decay_steps: 10}
 trainer: {max_steps: 4, val_every_steps: 2}
 metrics: {interval_seconds: 0.2}
