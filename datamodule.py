@@ -426,6 +426,7 @@ class StreamSettings:
     microbatch: int
     accumulation: int
     world_size: int = 1
+    max_updates: int | None = None  # trainer.max_steps: no rank is handed an update it will not train
 
     @property
     def rows_per_update(self) -> int:
@@ -576,6 +577,8 @@ class UpdateFeeder:
         waiting_since: float | None = None
         while not self._finished[rank]:
             boundary = taken % per_update == 0
+            if boundary and taken // per_update == self.settings.max_updates:
+                break  # Lightning fetches one batch ahead: it must not wait on the input for one it never trains
             if boundary and self._past_last_update(rank, taken // per_update, starting=False):
                 break
             try:

@@ -288,6 +288,7 @@ def stream_settings(cfg: RunConfig, encoder: TextEncoder, microbatch: int, accum
     return StreamSettings(
         data=cfg.data, seq_len=cfg.model.max_seq_len, vocab_size=cfg.model.vocab_size, eos_id=encoder.eos_id,
         seed=cfg.seed, microbatch=microbatch, accumulation=accumulation, world_size=world,
+        max_updates=cfg.trainer.max_steps if cfg.trainer.max_steps > 0 else None,
     )
 
 

@@ -193,8 +193,8 @@ def test_a_signal_while_the_input_is_silent_exports_and_exits(tmp_path, sig):
 
 
 def test_a_run_that_ends_while_stdin_is_still_open_exits_zero(tmp_path):
-    process = start_training(tmp_path, "--trainer.max_steps", "2")
-    process.stdin.write(sample(1400))
+    process = start_training(tmp_path, "--trainer.max_steps", "2", "--data.tokenize_batch_docs", "8")
+    process.stdin.write(sample(45))  # two updates and a little more: the reader then waits on the silent stdin
     process.stdin.flush()  # left open, as a producer that has more to send
     try:
         _, stderr = process.communicate(timeout=120)
@@ -293,3 +293,25 @@ def test_schedule_messages_name_what_the_user_set(tmp_path):
     empty.write_text("")
     cfg = load_config(empty)  # the defaults alone make a valid run: decay follows max_steps
     assert cfg.optim.decay_steps == cfg.trainer.max_steps
+
+
+def test_the_hook_returns_and_the_process_exits_zero_while_stdin_is_still_open(tmp_path):
+    from omegaconf import OmegaConf
+
+    config = tmp_path / "tiny.yaml"  # the tiny command-line run as a config file, for the hook
+    dotlist = [a.lstrip("-") for a in _pairs(ARGS[2:])] + ["trainer.max_steps=2", "data.shuffle_buffer_docs=16",
+                                                          "data.tokenize_batch_docs=8"]
+    OmegaConf.save(OmegaConf.merge(OmegaConf.load(ROOT / "conf/smoke.yaml"), OmegaConf.from_dotlist(dotlist)), config)
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="", RUNFAB_CONFIG=str(config))
+    hook = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import train; train.train(4, 8)"
+    process = subprocess.Popen([sys.executable, "-c", hook], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    process.stdin.write(sample(45))  # two updates and a little more: the reader then waits on the silent stdin
+    process.stdin.flush()  # left open
+    try:
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr.decode()[-3000:]
+    assert b"Fatal Python error" not in stderr
+    assert json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())["optimizer_steps"] == 2
