@@ -4,7 +4,8 @@ The trainer's step is mostly attention and matrix products; this says how fast e
 kernel runs at the trainer's shapes (microbatch 32 x 4096, 12 heads of 64, d 768), and whether the
 candidates agree, so a choice between them rests on figures. Prints one line per measurement.
 
-Usage (GPU): python scripts/kernel_bench.py [--microbatch 32] [--docs-mean 1000]
+Usage (GPU): python scripts/kernel_bench.py [--microbatch 32] [--docs-mean 1000] [--kernels 'varlen FA2' 'FA4 varlen']
+FlashAttention 4 (varlen, and dense for one-document rows) is a candidate when flash_attn.cute imports.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,6 +26,9 @@ try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:
     varlen_attn = None
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import attention_kernels  # noqa: E402
 
 
 def timed(fn, repeats: int = 20) -> float:
@@ -71,6 +77,18 @@ def fa2_varlen(q, k, v, cu, max_len):
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))
 
 
+def fa4_varlen(q, k, v, cu, max_len):
+    """FlashAttention 4 through the model's custom op (what training runs)."""
+    return attention_kernels.fa4_attention(q, k, v, cu, max_len)
+
+
+def fa4_dense(q, k, v, cu, row_len):
+    """FlashAttention 4 dense causal over whole rows: right only for one document per row."""
+    total, h, hd = q.shape
+    rows = [z.view(total // row_len, row_len, h, hd) for z in (q, k, v)]
+    return attention_kernels.fa4_attention(*rows).view(total, h, hd)
+
+
 class FlexDocuments:
     """FlexAttention over rows of packed documents, with a (same document, causal) block mask built
     once per batch layout, as a model would build it once per microbatch for all its layers."""
@@ -106,11 +124,16 @@ def reference(q, k, v, cu) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def candidates() -> dict:
+def candidates(only: list[str] | None = None) -> dict:
     found = {"cuDNN ragged": cudnn_ragged, "FlexAttention": FlexDocuments()}
     if varlen_attn is not None:
         found["varlen FA2"] = fa2_varlen
-    return found
+    reason = attention_kernels.fa4_unavailable_reason(torch.device("cuda"), 64)
+    if reason is None:
+        found["FA4 varlen"] = fa4_varlen
+    else:
+        print(f"FlashAttention 4 not timed: {reason}")
+    return {name: fn for name, fn in found.items() if not only or name in only}
 
 
 def correctness(args) -> None:
@@ -127,7 +150,7 @@ def correctness(args) -> None:
     def relative(a, b):
         return float((a.double() - b).norm() / b.norm())
     print(f"\ncorrectness against fp64, {len(cu) - 1} documents in {rows} rows of {t}:")
-    for name, fn in candidates().items():
+    for name, fn in candidates(args.kernels).items():
         try:
             inputs = [z.bfloat16().requires_grad_() for z in (q, k, v)]
             out = fn(*inputs, cu, t)
@@ -164,6 +187,8 @@ def attention(args) -> None:
         print(f"\n{layout}: {len(cu_cpu) - 1} documents in {b} rows, {pairs / (b * t):.0f} causal pairs per token")
         inputs = [z.clone().requires_grad_() for z in (q, k, v)]
         kernels = candidates()
+        if layout == "one-doc" and "FA4 varlen" in kernels:
+            kernels["FA4 dense"] = fa4_dense
         if layout == "one-doc":
             for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
                 def sdpa(q, k, v, cu, max_len, backend=backend):
@@ -171,8 +196,13 @@ def attention(args) -> None:
                         qs, ks, vs = (z.view(b, t, h, hd).transpose(1, 2) for z in (q, k, v))
                         return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(1, 2).reshape(b * t, h, hd)
                 kernels[f"SDPA {backend.name}"] = sdpa
+        kernels = {name: fn for name, fn in kernels.items() if not args.kernels or name in args.kernels}
         for name, fn in kernels.items():
             try:
+                started = time.perf_counter()
+                fn(*inputs, cu, t).backward(grad)  # the first call compiles (FA4: JIT), kept out of the timing
+                torch.cuda.synchronize()
+                print(f"{layout} {name}: first forward+backward {time.perf_counter() - started:.2f} s")
                 report(f"{layout} {name} forward", timed(lambda: fn(*inputs, cu, t)), fwd_flops)
                 report(f"{layout} {name} forward+backward", timed(lambda: fn(*inputs, cu, t).backward(grad)),
                        fwd_flops + bwd_flops)
@@ -201,6 +231,7 @@ def main() -> int:
     parser.add_argument("--microbatch", type=int, default=32)
     parser.add_argument("--docs-mean", type=float, default=1000.0)
     parser.add_argument("--gemms", action="store_true", help="also time the model's matrix-product shapes")
+    parser.add_argument("--kernels", nargs="*", default=None, help="only these candidates (e.g. 'varlen FA2' 'FA4 varlen')")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("kernel_bench needs a CUDA device", file=sys.stderr)
