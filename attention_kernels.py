@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
@@ -70,6 +71,9 @@ def fa4_interface():
     global _fa4, _fa4_error
     if _fa4 is None and _fa4_error is None:
         _prepare_environment()
+        # The CuTe DSL warns at every kernel compilation that FA4's aux_data argument is not a JIT
+        # argument (FA4 passes it on purpose as a compile-time value): noise in the training log.
+        warnings.filterwarnings("ignore", message="Argument aux_data .* cannot be converted to a JitArgument")
         try:
             import flash_attn.cute.interface as interface
         except Exception as error:  # noqa: BLE001 - missing package, missing CUDA libraries, wrong Python

@@ -234,6 +234,8 @@ class GPT(nn.Module):
         recorded with the batch kind it served; the first use of each is logged."""
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.wte.weight.dtype
         kernel = attention_kernels.choose(self.config.attention, device, dtype, self.config.n_embd // self.config.n_head)
+        if torch.compiler.is_compiling():  # traced inside someone's compiled forward: no bookkeeping in the graph
+            return kernel
         kind = "packed rows" if packed else "one-document rows"
         used = attention_kernels.describe(kernel, packed)
         if self.attention_kernels.get(kind) != used:
