@@ -226,17 +226,106 @@ def gemms(args) -> None:
         report(f"gemm {name} grad weight", timed(lambda: g.t() @ a), flops)
 
 
+def fused(args) -> None:
+    """Issue 14 point 4's candidates at the trainer's shapes, each against what the trainer runs now
+    (inductor's kernels), with its error against an fp32 reference: quack's LayerNorm and its fused
+    cross-entropy (loss and gradient in one pass), and FP8 (e4m3, per-tensor scales) for the
+    forward GEMMs with the cost of the casts. Bytes are the fewest each must move."""
+    dev = torch.device("cuda")
+    n, d, vocab, padded, chunk = args.microbatch * 4096, 768, 50257, 50304, 16384
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def bandwidth(name, ms, nbytes):
+        print(f"{name:<60} {ms:8.3f} ms  {nbytes / ms / 1e9:6.2f} TB/s", flush=True)
+
+    def relative(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    print("\nfused kernels (point 4)")
+    x = torch.randn(n, d, device=dev, generator=gen).bfloat16().requires_grad_()
+    w = (1 + 0.1 * torch.randn(d, device=dev, generator=gen)).requires_grad_()
+    bias = (0.1 * torch.randn(d, device=dev, generator=gen)).requires_grad_()
+    g = torch.randn(n, d, device=dev, generator=gen).bfloat16()
+    inductor_ln = torch.compile(lambda x, w, b: F.layer_norm(x.float(), (d,), w, b, 1e-5).to(torch.bfloat16))
+    with torch.no_grad():
+        bandwidth("LayerNorm fwd, inductor (as the trunk)", timed(lambda: inductor_ln(x, w, bias)), 4 * n * d)
+    bandwidth("LayerNorm fwd+bwd, inductor", timed(lambda: inductor_ln(x, w, bias).backward(g)), 10 * n * d)
+    reference = F.layer_norm(x.detach().float().requires_grad_(), (d,), w, bias, 1e-5)
+    ref_grads = torch.autograd.grad(reference, [w, bias], g.float())
+    try:
+        from quack.rmsnorm import layernorm_bwd, layernorm_fwd
+
+        def quack_ln(backward: bool):
+            out, rstd, mean = layernorm_fwd(x.detach(), w.detach(), bias.detach(), 1e-5, return_rstd=True, return_mean=True)
+            return (out, *layernorm_bwd(x.detach(), w.detach(), g, rstd, mean)) if backward else (out,)
+        results = quack_ln(True)
+        print(f"  quack LayerNorm relative error out/dw/db vs fp32: {relative(results[0], reference):.2e} "
+              f"{relative(results[2], ref_grads[0]):.2e} {relative(results[3], ref_grads[1]):.2e}")
+        bandwidth("LayerNorm fwd, quack", timed(lambda: quack_ln(False)), 4 * n * d)
+        bandwidth("LayerNorm fwd+bwd, quack", timed(lambda: quack_ln(True)), 10 * n * d)
+    except Exception as error:  # noqa: BLE001
+        print(f"  quack LayerNorm: {type(error).__name__}: {str(error)[:300]}")
+
+    from model import _chunk_loss_and_grad
+    logits = (2 * torch.randn(chunk, padded, device=dev, generator=gen)).bfloat16()
+    targets = torch.randint(0, vocab, (chunk,), device=dev, generator=gen)
+    ours = torch.compile(_chunk_loss_and_grad, dynamic=False)
+    loss, grad = ours(logits, targets, vocab, torch.bfloat16)
+    bandwidth("loss chunk 16384 x 50304 (loss + grad), inductor (as the trainer)",
+              timed(lambda: ours(logits, targets, vocab, torch.bfloat16)), 4 * chunk * padded)
+    try:
+        from quack.cross_entropy import cross_entropy_fwd
+
+        view = logits[:, :vocab]
+        quack_loss, quack_grad = cross_entropy_fwd(view, targets, return_dx=True)
+        print(f"  quack cross-entropy relative error loss/grad vs the trainer's: {relative(quack_loss.sum(), loss):.2e} "
+              f"{relative(quack_grad, grad[:, :vocab]):.2e}")
+        bandwidth("loss chunk (loss + grad), quack cross_entropy_fwd(return_dx)",
+                  timed(lambda: cross_entropy_fwd(view, targets, return_dx=True)), 4 * chunk * vocab)
+    except Exception as error:  # noqa: BLE001
+        print(f"  quack cross-entropy: {type(error).__name__}: {str(error)[:300]}")
+
+    f8 = torch.float8_e4m3fn
+    fp8_max = torch.finfo(f8).max
+
+    @torch.compile
+    def to_fp8(t):  # per-tensor scale: amax, scale, cast (what a tensorwise FP8 linear adds per operand)
+        scale = fp8_max / t.abs().amax().float().clamp(min=1e-12)
+        return (t.float() * scale).clamp(-fp8_max, fp8_max).to(f8), scale.reciprocal()
+    for name, m, kdim, ndim in [("qkv", n, 768, 2304), ("mlp fc", n, 768, 3072), ("mlp proj", n, 3072, 768)]:
+        a = torch.randn(m, kdim, device=dev, generator=gen).bfloat16()
+        wt = (0.02 * torch.randn(ndim, kdim, device=dev, generator=gen)).bfloat16()
+        try:
+            a8, sa = to_fp8(a)
+            w8, sw = to_fp8(wt)
+            out8 = torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16)
+            error = relative(out8, a.float() @ wt.float().t())
+            bf16_ms = timed(lambda: a @ wt.t())
+            fp8_ms = timed(lambda: torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16))
+            cast_ms = timed(lambda: (to_fp8(a), to_fp8(wt)))
+            flops = 2 * m * kdim * ndim
+            print(f"gemm {name} forward bf16 {bf16_ms:.3f} ms ({flops / bf16_ms / 1e9:.0f} TFLOP/s), fp8 {fp8_ms:.3f} ms "
+                  f"({flops / fp8_ms / 1e9:.0f}), casts {cast_ms:.3f} ms: fp8+casts / bf16 = "
+                  f"{(fp8_ms + cast_ms) / bf16_ms:.2f}; relative error {error:.1e}", flush=True)
+        except Exception as error:  # noqa: BLE001
+            print(f"gemm {name} fp8: {type(error).__name__}: {str(error)[:300]}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--microbatch", type=int, default=32)
     parser.add_argument("--docs-mean", type=float, default=1000.0)
     parser.add_argument("--gemms", action="store_true", help="also time the model's matrix-product shapes")
+    parser.add_argument("--fused", action="store_true", help="only point 4's candidates: quack LayerNorm and cross-entropy, FP8 GEMMs")
     parser.add_argument("--kernels", nargs="*", default=None, help="only these candidates (e.g. 'varlen FA2' 'FA4 varlen')")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("kernel_bench needs a CUDA device", file=sys.stderr)
         return 1
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
+    if args.fused:
+        fused(args)
+        return 0
     correctness(args)
     attention(args)
     if args.gemms:
