@@ -122,7 +122,7 @@ def choose(requested: str, device: torch.device, dtype: torch.dtype, head_dim: i
             return "fa4"
         if requested == "fa4":
             raise RuntimeError(f"model.attention is 'fa4' but FlashAttention 4 cannot run: {reason}. "
-                               f"Install the optional extra (pip install -r requirements-fa4.txt) or use 'auto'.")
+                               f"Install it (README: Optional: FlashAttention 4) or use 'auto'.")
         if (requested, reason) not in _reported:
             _reported.add((requested, reason))
             log.info("attention: FlashAttention 4 not used (%s); PyTorch's kernels instead", reason)
