@@ -20,10 +20,8 @@ nothing is written, not even the CuTe DSL's default ``/tmp`` cache.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
-import threading
 import warnings
 from functools import lru_cache
 from importlib import metadata
@@ -68,37 +66,21 @@ def _prepare_environment() -> None:
         os.environ.setdefault("CUTE_DSL_CACHE_DIR", os.devnull)
 
 
-_import_lock = threading.Lock()
-
-
 def fa4_interface():
     """flash_attn.cute.interface, imported on first use (seconds: it loads the CuTe DSL); None if absent."""
     global _fa4, _fa4_error
-    with _import_lock:  # preload's thread may be importing it right now
-        if _fa4 is None and _fa4_error is None:
-            _prepare_environment()
-            # The CuTe DSL warns at every kernel compilation that FA4's aux_data argument is not a JIT
-            # argument (FA4 passes it on purpose as a compile-time value): noise in the training log.
-            warnings.filterwarnings("ignore", message="Argument aux_data .* cannot be converted to a JitArgument")
-            try:
-                import flash_attn.cute.interface as interface
-            except Exception as error:  # noqa: BLE001 - missing package, missing CUDA libraries, wrong Python
-                _fa4_error = f"flash_attn.cute does not import ({type(error).__name__}: {str(error)[:200]})"
-            else:
-                _fa4 = interface
+    if _fa4 is None and _fa4_error is None:
+        _prepare_environment()
+        # The CuTe DSL warns at every kernel compilation that FA4's aux_data argument is not a JIT
+        # argument (FA4 passes it on purpose as a compile-time value): noise in the training log.
+        warnings.filterwarnings("ignore", message="Argument aux_data .* cannot be converted to a JitArgument")
+        try:
+            import flash_attn.cute.interface as interface
+        except Exception as error:  # noqa: BLE001 - missing package, missing CUDA libraries, wrong Python
+            _fa4_error = f"flash_attn.cute does not import ({type(error).__name__}: {str(error)[:200]})"
+        else:
+            _fa4 = interface
     return _fa4
-
-
-def preload(requested: str) -> threading.Thread | None:
-    """Start importing FA4 on a helper thread, so that its seconds overlap what the caller does
-    next (the probe builds its trainer and model meanwhile); the first attention waits for it."""
-    if requested not in ("auto", "fa4") or _fa4 is not None or _fa4_error is not None:
-        return None
-    if importlib.util.find_spec("flash_attn") is None:
-        return None
-    thread = threading.Thread(target=fa4_interface, name="fa4-import", daemon=True)
-    thread.start()
-    return thread
 
 
 @lru_cache(maxsize=1)

@@ -500,7 +500,6 @@ def run_probe_local(cfg: RunConfig, microbatch: int, world: int, platform_fracti
     device = torch.device("cuda", local_device()) if accelerator == "gpu" else torch.device("cpu")
     if accelerator == "gpu":
         limit_gpu_memory(cfg, device.index, platform_fraction, 0.0 if compiled else cfg.trainer.probe_margin_gib)
-        attention_kernels.preload(cfg.model.attention)  # FA4's import (seconds) overlaps building the trainer and model
     accumulation = 2 if EFFECTIVE_BATCH_SIZE // (microbatch * world) >= 2 else 1
     kinds = probe_batches(microbatch, cfg.model.max_seq_len, cfg.model.vocab_size, accumulation * world)
     batches = DataLoader(kinds * PROBE_PASSES, batch_size=None)

@@ -239,16 +239,3 @@ def test_the_fa4_import_is_lazy():
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
-
-
-def test_preload_imports_on_a_helper_thread_once_and_only_when_fa4_may_run(monkeypatch):
-    calls = []
-    monkeypatch.setattr(attention_kernels, "_fa4", None)
-    monkeypatch.setattr(attention_kernels, "_fa4_error", None)
-    monkeypatch.setattr(attention_kernels, "fa4_interface", lambda: calls.append(1))
-    monkeypatch.setattr(attention_kernels.importlib.util, "find_spec", lambda name: object())
-    assert attention_kernels.preload("varlen") is None and attention_kernels.preload("sdpa") is None
-    attention_kernels.preload("auto").join()
-    assert calls == [1]
-    monkeypatch.setattr(attention_kernels.importlib.util, "find_spec", lambda name: None)  # not installed
-    assert attention_kernels.preload("fa4") is None and calls == [1]
