@@ -43,9 +43,10 @@ class GPTConfig:
     init_std: float = 0.02
     activation_checkpointing: bool = False
     activation_memory_budget: float = 0.75  # compiled trunk: below 1, the partitioner recomputes cheap ops to save activations
-    # "auto": FlashAttention 4 where it is installed and the GPU supports it, else "varlen"; "fa4": FA4 or an
-    # error; "varlen": PyTorch's CUDA kernels (varlen flash for packed rows, fused causal SDPA for one-document
-    # rows); "sdpa": SDPA with a document mask. CPU and fp32 always take SDPA (attention_kernels.choose).
+    # "auto": FlashAttention 4 where it is installed and the GPU supports it, else "varlen"; "fa4": FA4, and an
+    # error on a GPU where it cannot run; "varlen": PyTorch's CUDA kernels (varlen flash for packed rows, fused
+    # causal SDPA for one-document rows); "sdpa": SDPA with a document mask. CPU and fp32 always take SDPA
+    # (attention_kernels.choose).
     attention: str = "auto"
     loss_chunk_tokens: int = 16384  # LM head + cross-entropy in chunks of this many tokens; 0: all at once
     compile_scope: str = "trunk"  # what torch.compile takes: "trunk" (one graph) or "blocks" (one graph all blocks share)
