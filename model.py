@@ -9,6 +9,7 @@ crosses that boundary.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,12 +19,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import attention_kernels
+
 try:  # the flash-attention varlen kernel; absent from older PyTorch and CPU-only builds it can't use
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:
     varlen_attn = None
 
 IGNORE_INDEX = -100
+ATTENTION_CHOICES = ("auto", "fa4", "varlen", "sdpa")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,15 +43,19 @@ class GPTConfig:
     init_std: float = 0.02
     activation_checkpointing: bool = False
     activation_memory_budget: float = 0.75  # compiled trunk: below 1, the partitioner recomputes cheap ops to save activations
-    attention: str = "auto"  # "auto": varlen flash kernel on CUDA in bf16/fp16, else SDPA with a mask
+    # "auto": FlashAttention 4 where it is installed and the GPU supports it, else "varlen"; "fa4": FA4, and an
+    # error on a GPU where it cannot run; "varlen": PyTorch's CUDA kernels (varlen flash for packed rows, fused
+    # causal SDPA for one-document rows); "sdpa": SDPA with a document mask. CPU and fp32 always take SDPA
+    # (attention_kernels.choose).
+    attention: str = "auto"
     loss_chunk_tokens: int = 16384  # LM head + cross-entropy in chunks of this many tokens; 0: all at once
     compile_scope: str = "trunk"  # what torch.compile takes: "trunk" (one graph) or "blocks" (one graph all blocks share)
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.attention not in ("auto", "sdpa", "varlen"):
-            raise ValueError(f"attention must be 'auto', 'sdpa' or 'varlen', not {self.attention!r}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, not {self.attention!r}")
         if self.compile_scope not in ("trunk", "blocks"):
             raise ValueError(f"compile_scope must be 'trunk' or 'blocks', not {self.compile_scope!r}")
 
@@ -71,20 +81,25 @@ def document_offsets(positions: torch.Tensor) -> torch.Tensor:
 
 
 class DocumentLayout:
-    """Where the documents of a batch of rows start, in the forms the attention kernels want.
+    """Where the documents of a batch of rows start, in the forms the attention kernels want, and
+    which kernel family runs (``attention_kernels.choose``: "fa4", "flash" or "sdpa").
 
     Built once per forward and shared by every layer. ``cu_seqlens`` usually comes precomputed
     with the batch (host side, no device sync); the mask is only built if a layer needs it.
+    ``positions`` None means one document per row.
     """
 
-    def __init__(self, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None, mode: str) -> None:
+    def __init__(self, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None, kernel: str) -> None:
         self.positions = positions
         self.cu_seqlens = cu_seqlens
-        self.mode = mode
+        self.kernel = kernel
         self._mask: torch.Tensor | None = None
 
+    def use_fa4(self, q: torch.Tensor) -> bool:
+        return self.kernel == "fa4" and q.is_cuda
+
     def use_varlen(self, q: torch.Tensor) -> bool:
-        if self.positions is None or self.mode == "sdpa" or not q.is_cuda or varlen_attn is None:
+        if self.positions is None or self.kernel != "flash" or not q.is_cuda or varlen_attn is None:
             return False
         return q.dtype in (torch.float16, torch.bfloat16)
 
@@ -102,10 +117,17 @@ class DocumentLayout:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
     """Causal attention over [B, T, H, hd] that never crosses a document boundary; returns [B, T, H, hd].
 
-    The one place attention is computed: the varlen flash kernel on CUDA (documents as
-    separate sequences), PyTorch SDPA elsewhere (one row per sequence, document mask).
+    The one place attention is computed: FlashAttention 4 (varlen for packed rows, dense causal
+    for one-document rows) or PyTorch's varlen flash kernel on CUDA (documents as separate
+    sequences), PyTorch SDPA elsewhere (one row per sequence, document mask).
     """
     b, t, h, hd = q.shape
+    if layout.use_fa4(q):
+        if layout.positions is None:
+            return attention_kernels.fa4_attention(q, k, v)
+        cu = layout.offsets()
+        flat = [z.reshape(b * t, h, hd) for z in (q, k, v)]
+        return attention_kernels.fa4_attention(*flat, cu, t).view(b, t, h, hd)
     if layout.use_varlen(q):
         cu = layout.offsets()
         flat = [z.reshape(b * t, h, hd) for z in (q, k, v)]
@@ -166,6 +188,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
         self._compiled_trunk: Callable | None = None  # what training calls instead of _trunk
         self._compiled_loss_chunk = None
+        self.attention_kernels: dict[str, str] = {}  # batch kind -> the kernel that ran it (run record, log)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -198,20 +221,35 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {input_ids.shape[1]} exceeds max_seq_len {self.config.max_seq_len}")
         if cu_seqlens is not None and cu_seqlens.shape[0] == input_ids.shape[0] + 1:
             # As many documents as rows, and every row starts one: each row is a single document
-            # with positions 0..T-1, plain causal attention, which fused SDPA does fastest.
+            # with positions 0..T-1, plain causal attention, which dense causal kernels do fastest.
             positions = cu_seqlens = None
+        kernel = self.attention_kernel(input_ids.device, packed=positions is not None)
         if self._compiled_trunk is not None and self.training:
             if cu_seqlens is not None:
                 torch._dynamo.mark_dynamic(cu_seqlens, 0)  # document counts vary: one graph for all
-            return self._compiled_trunk(input_ids, positions, cu_seqlens)
-        return self._trunk(input_ids, positions, cu_seqlens)
+            return self._compiled_trunk(input_ids, positions, cu_seqlens, kernel)
+        return self._trunk(input_ids, positions, cu_seqlens, kernel)
+
+    def attention_kernel(self, device: torch.device, packed: bool) -> str:
+        """The attention kernel family for this forward (decided here, outside any compiled graph),
+        recorded with the batch kind it served; the first use of each is logged."""
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.wte.weight.dtype
+        kernel = attention_kernels.choose(self.config.attention, device, dtype, self.config.n_embd // self.config.n_head)
+        if torch.compiler.is_compiling():  # traced inside someone's compiled forward: no bookkeeping in the graph
+            return kernel
+        kind = "packed rows" if packed else "one-document rows"
+        used = attention_kernels.describe(kernel, packed)
+        if self.attention_kernels.get(kind) != used:
+            self.attention_kernels[kind] = used
+            log.info("attention for %s: %s", kind, used)
+        return kernel
 
     def _trunk(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-        blocks: list[nn.Module] | None = None,
+        kernel: str = "sdpa", blocks: list[nn.Module] | None = None,
     ) -> torch.Tensor:
         b, t = input_ids.shape
-        layout = DocumentLayout(positions, cu_seqlens, self.config.attention)
+        layout = DocumentLayout(positions, cu_seqlens, kernel)
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
         x = self.wte(input_ids) + self.wpe(positions)

@@ -29,6 +29,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 
+import attention_kernels
 import launcher
 from callbacks.export import ExportModel
 from callbacks.graceful_stop import GracefulStop
@@ -110,7 +111,7 @@ def setup_process(cfg: RunConfig) -> None:
     """Logging to stderr, quiet about what we chose on purpose, seeded."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[%(asctime)s %(name)s] %(message)s")
-    for name in ("train", "datamodule", "callbacks", "lightning.pytorch"):
+    for name in ("train", "datamodule", "callbacks", "model", "attention_kernels", "lightning.pytorch"):
         logging.getLogger(name).setLevel(logging.INFO)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*Consider setting `persistent_workers`.*")
@@ -142,9 +143,9 @@ def lightning_trainer(cfg: RunConfig, accelerator: str, world: int, **overrides)
 
 
 def prepare_compile(folder: Path, world: int) -> None:
-    """Inductor and Triton caches go to the output's disposable data/ folder (RunFab's /tmp holds
-    256 MiB), and compilation uses few subprocesses: RunFab has 2 cores and 8 GiB for the whole
-    job, and each compile worker holds a few hundred MB of RAM.
+    """Inductor, Triton and FlashAttention 4 (CuTe DSL) caches go to the output's disposable data/
+    folder (RunFab's /tmp holds 256 MiB), and compilation uses few subprocesses: RunFab has 2 cores
+    and 8 GiB for the whole job, and each compile worker holds a few hundred MB of RAM.
 
     A cache folder the environment names is kept, unless it is the library's own default: importing
     Lightning already makes inductor write its /tmp default into the environment."""
@@ -154,6 +155,7 @@ def prepare_compile(folder: Path, world: int) -> None:
         named = os.environ.get(variable)
         if named is None or Path(named).absolute() == default.absolute():
             os.environ[variable] = str(ours)
+    attention_kernels.use_cache_folder(folder)  # FA4's kernels, compiled at first use
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
         import torch._inductor.config as inductor_config
 

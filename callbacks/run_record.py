@@ -19,6 +19,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
+import attention_kernels
 from callbacks.observe import ObservationWindows
 from callbacks.runfab_metrics import RunFabMetrics
 from contract_check import folder_bytes
@@ -26,7 +27,8 @@ from model import count_parameters
 
 log = logging.getLogger(__name__)
 
-LIBRARIES = ("torch", "lightning", "transformers", "tokenizers", "tiktoken", "safetensors", "torchmetrics", "omegaconf", "numpy")
+LIBRARIES = ("torch", "lightning", "transformers", "tokenizers", "tiktoken", "safetensors", "torchmetrics", "omegaconf",
+             "numpy", "flash-attn-4", "nvidia-cutlass-dsl")
 SOURCE_SUFFIXES = (".py", ".yaml", ".yml", ".json", ".toml", ".txt")
 SKIPPED_DIRS = {"tests", "output", "dist", "data", "__pycache__", ".git", ".venv", ".ci"}
 
@@ -108,6 +110,7 @@ class RunRecord(L.Callback):
             "summary": metrics.summary(trainer, pl_module) if metrics else None,
             "observations": observer.files if observer else [],
             "compile_cache": self.compile_cache_usage(),
+            "attention": {"requested": pl_module.model.config.attention, "kernels": dict(pl_module.model.attention_kernels)},
             "input": self.stream_stats() if self.stream_stats else None,  # data parallel: the feeder fills it in
             "dataset": dataset_descriptor(self.bundle_root),
             "environment": {
@@ -125,8 +128,10 @@ class RunRecord(L.Callback):
         if not self.compiled:
             return None
         usage = {}
-        for name, variable in (("inductor", "TORCHINDUCTOR_CACHE_DIR"), ("triton", "TRITON_CACHE_DIR")):
-            folder = Path(os.environ[variable]) if variable in os.environ else None
+        folders = {name: Path(os.environ[variable]) if variable in os.environ else None
+                   for name, variable in (("inductor", "TORCHINDUCTOR_CACHE_DIR"), ("triton", "TRITON_CACHE_DIR"))}
+        folders |= attention_kernels.cache_usage_folders()  # FlashAttention 4's and the CuTe DSL's, when training wrote them
+        for name, folder in folders.items():
             if folder is not None and folder.is_dir():
                 usage[name] = {"path": str(folder), "bytes": folder_bytes(folder)}
                 log.info("%s compile cache: %.1f MiB in %s", name, usage[name]["bytes"] / 2**20, folder)

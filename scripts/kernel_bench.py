@@ -4,7 +4,8 @@ The trainer's step is mostly attention and matrix products; this says how fast e
 kernel runs at the trainer's shapes (microbatch 32 x 4096, 12 heads of 64, d 768), and whether the
 candidates agree, so a choice between them rests on figures. Prints one line per measurement.
 
-Usage (GPU): python scripts/kernel_bench.py [--microbatch 32] [--docs-mean 1000]
+Usage (GPU): python scripts/kernel_bench.py [--microbatch 32] [--docs-mean 1000] [--kernels 'varlen FA2' 'FA4 varlen']
+FlashAttention 4 (varlen, and dense for one-document rows) is a candidate when flash_attn.cute imports.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,6 +26,9 @@ try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:
     varlen_attn = None
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import attention_kernels  # noqa: E402
 
 
 def timed(fn, repeats: int = 20) -> float:
@@ -71,6 +77,18 @@ def fa2_varlen(q, k, v, cu, max_len):
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))
 
 
+def fa4_varlen(q, k, v, cu, max_len):
+    """FlashAttention 4 through the model's custom op (what training runs)."""
+    return attention_kernels.fa4_attention(q, k, v, cu, max_len)
+
+
+def fa4_dense(q, k, v, cu, row_len):
+    """FlashAttention 4 dense causal over whole rows: right only for one document per row."""
+    total, h, hd = q.shape
+    rows = [z.view(total // row_len, row_len, h, hd) for z in (q, k, v)]
+    return attention_kernels.fa4_attention(*rows).view(total, h, hd)
+
+
 class FlexDocuments:
     """FlexAttention over rows of packed documents, with a (same document, causal) block mask built
     once per batch layout, as a model would build it once per microbatch for all its layers."""
@@ -106,11 +124,16 @@ def reference(q, k, v, cu) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def candidates() -> dict:
+def candidates(only: list[str] | None = None) -> dict:
     found = {"cuDNN ragged": cudnn_ragged, "FlexAttention": FlexDocuments()}
     if varlen_attn is not None:
         found["varlen FA2"] = fa2_varlen
-    return found
+    reason = attention_kernels.fa4_unavailable_reason(torch.device("cuda"), 64)
+    if reason is None:
+        found["FA4 varlen"] = fa4_varlen
+    else:
+        print(f"FlashAttention 4 not timed: {reason}")
+    return {name: fn for name, fn in found.items() if not only or name in only}
 
 
 def correctness(args) -> None:
@@ -127,7 +150,7 @@ def correctness(args) -> None:
     def relative(a, b):
         return float((a.double() - b).norm() / b.norm())
     print(f"\ncorrectness against fp64, {len(cu) - 1} documents in {rows} rows of {t}:")
-    for name, fn in candidates().items():
+    for name, fn in candidates(args.kernels).items():
         try:
             inputs = [z.bfloat16().requires_grad_() for z in (q, k, v)]
             out = fn(*inputs, cu, t)
@@ -164,6 +187,8 @@ def attention(args) -> None:
         print(f"\n{layout}: {len(cu_cpu) - 1} documents in {b} rows, {pairs / (b * t):.0f} causal pairs per token")
         inputs = [z.clone().requires_grad_() for z in (q, k, v)]
         kernels = candidates()
+        if layout == "one-doc" and "FA4 varlen" in kernels:
+            kernels["FA4 dense"] = fa4_dense
         if layout == "one-doc":
             for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
                 def sdpa(q, k, v, cu, max_len, backend=backend):
@@ -171,8 +196,13 @@ def attention(args) -> None:
                         qs, ks, vs = (z.view(b, t, h, hd).transpose(1, 2) for z in (q, k, v))
                         return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(1, 2).reshape(b * t, h, hd)
                 kernels[f"SDPA {backend.name}"] = sdpa
+        kernels = {name: fn for name, fn in kernels.items() if not args.kernels or name in args.kernels}
         for name, fn in kernels.items():
             try:
+                started = time.perf_counter()
+                fn(*inputs, cu, t).backward(grad)  # the first call compiles (FA4: JIT), kept out of the timing
+                torch.cuda.synchronize()
+                print(f"{layout} {name}: first forward+backward {time.perf_counter() - started:.2f} s")
                 report(f"{layout} {name} forward", timed(lambda: fn(*inputs, cu, t)), fwd_flops)
                 report(f"{layout} {name} forward+backward", timed(lambda: fn(*inputs, cu, t).backward(grad)),
                        fwd_flops + bwd_flops)
@@ -196,16 +226,109 @@ def gemms(args) -> None:
         report(f"gemm {name} grad weight", timed(lambda: g.t() @ a), flops)
 
 
+def fused(args) -> None:
+    """Issue 14 point 4's candidates at the trainer's shapes, each against what the trainer runs now
+    (inductor's kernels), with its error against an fp32 reference: quack's LayerNorm and its fused
+    cross-entropy (loss and gradient in one pass), and FP8 (e4m3, per-tensor scales) for the
+    forward GEMMs with the cost of the casts. Bytes are the fewest each must move."""
+    dev = torch.device("cuda")
+    n, d, vocab, padded, chunk = args.microbatch * 4096, 768, 50257, 50304, 16384
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def bandwidth(name, ms, nbytes):
+        print(f"{name:<60} {ms:8.3f} ms  {nbytes / ms / 1e9:6.2f} TB/s", flush=True)
+
+    def relative(a, b):
+        return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
+
+    print("\nfused kernels (point 4)")
+    x = torch.randn(n, d, device=dev, generator=gen).bfloat16().requires_grad_()
+    w = (1 + 0.1 * torch.randn(d, device=dev, generator=gen)).requires_grad_()
+    bias = (0.1 * torch.randn(d, device=dev, generator=gen)).requires_grad_()
+    g = torch.randn(n, d, device=dev, generator=gen).bfloat16()
+    inductor_ln = torch.compile(lambda x, w, b: F.layer_norm(x.float(), (d,), w, b, 1e-5).to(torch.bfloat16))
+    with torch.no_grad():
+        bandwidth("LayerNorm fwd, inductor (as the trunk)", timed(lambda: inductor_ln(x, w, bias)), 4 * n * d)
+    bandwidth("LayerNorm fwd+bwd, inductor", timed(lambda: inductor_ln(x, w, bias).backward(g)), 10 * n * d)
+    reference = F.layer_norm(x.detach().float().requires_grad_(), (d,), w, bias, 1e-5)
+    ref_grads = torch.autograd.grad(reference, [w, bias], g.float())
+    try:
+        from quack.rmsnorm import layernorm_bwd, layernorm_fwd
+
+        def quack_ln(backward: bool):
+            out, rstd, mean = layernorm_fwd(x.detach(), w.detach(), bias.detach(), 1e-5, return_rstd=True, return_mean=True)
+            return (out, *layernorm_bwd(x.detach(), w.detach(), g, rstd, mean)) if backward else (out,)
+        results = quack_ln(True)
+        print(f"  quack LayerNorm relative error out/dw/db vs fp32: {relative(results[0], reference):.2e} "
+              f"{relative(results[2], ref_grads[0]):.2e} {relative(results[3], ref_grads[1]):.2e}")
+        bandwidth("LayerNorm fwd, quack", timed(lambda: quack_ln(False)), 4 * n * d)
+        bandwidth("LayerNorm fwd+bwd, quack", timed(lambda: quack_ln(True)), 10 * n * d)
+    except Exception as error:  # noqa: BLE001
+        print(f"  quack LayerNorm: {type(error).__name__}: {str(error)[:300]}")
+
+    from model import _chunk_loss_and_grad
+    logits = (2 * torch.randn(chunk, padded, device=dev, generator=gen)).bfloat16()
+    targets = torch.randint(0, vocab, (chunk,), device=dev, generator=gen)
+    ours = torch.compile(_chunk_loss_and_grad, dynamic=False)
+    loss, grad = ours(logits, targets, vocab, torch.bfloat16)
+    bandwidth("loss chunk 16384 x 50304 (loss + grad), inductor (as the trainer)",
+              timed(lambda: ours(logits, targets, vocab, torch.bfloat16)), 4 * chunk * padded)
+    try:
+        from quack.cross_entropy import cross_entropy_fwd
+
+        # The trainer's padded columns carry -inf, so they take no probability. (quack refused the
+        # 50,257-column view of the padded logits: its 16-bit row alignment is not a supported copy.)
+        masked = logits.clone()
+        masked[:, vocab:] = float("-inf")
+        quack_loss, quack_grad = cross_entropy_fwd(masked, targets, return_dx=True)
+        print(f"  quack cross-entropy relative error loss/grad vs the trainer's: {relative(quack_loss.sum(), loss):.2e} "
+              f"{relative(quack_grad, grad):.2e}")
+        bandwidth("loss chunk (loss + grad), quack cross_entropy_fwd(return_dx)",
+                  timed(lambda: cross_entropy_fwd(masked, targets, return_dx=True)), 4 * chunk * padded)
+    except Exception as error:  # noqa: BLE001
+        print(f"  quack cross-entropy: {type(error).__name__}: {str(error)[:300]}")
+
+    f8 = torch.float8_e4m3fn
+    fp8_max = torch.finfo(f8).max
+
+    @torch.compile
+    def to_fp8(t):  # per-tensor scale: amax, scale, cast (what a tensorwise FP8 linear adds per operand)
+        scale = fp8_max / t.abs().amax().float().clamp(min=1e-12)
+        return (t.float() * scale).clamp(-fp8_max, fp8_max).to(f8), scale.reciprocal()
+    for name, m, kdim, ndim in [("qkv", n, 768, 2304), ("mlp fc", n, 768, 3072), ("mlp proj", n, 3072, 768)]:
+        a = torch.randn(m, kdim, device=dev, generator=gen).bfloat16()
+        wt = (0.02 * torch.randn(ndim, kdim, device=dev, generator=gen)).bfloat16()
+        try:
+            a8, sa = to_fp8(a)
+            w8, sw = to_fp8(wt)
+            out8 = torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16)
+            error = relative(out8, a.float() @ wt.float().t())
+            bf16_ms = timed(lambda: a @ wt.t())
+            fp8_ms = timed(lambda: torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16))
+            cast_ms = timed(lambda: (to_fp8(a), to_fp8(wt)))
+            flops = 2 * m * kdim * ndim
+            print(f"gemm {name} forward bf16 {bf16_ms:.3f} ms ({flops / bf16_ms / 1e9:.0f} TFLOP/s), fp8 {fp8_ms:.3f} ms "
+                  f"({flops / fp8_ms / 1e9:.0f}), casts {cast_ms:.3f} ms: fp8+casts / bf16 = "
+                  f"{(fp8_ms + cast_ms) / bf16_ms:.2f}; relative error {error:.1e}", flush=True)
+        except Exception as error:  # noqa: BLE001
+            print(f"gemm {name} fp8: {type(error).__name__}: {str(error)[:300]}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--microbatch", type=int, default=32)
     parser.add_argument("--docs-mean", type=float, default=1000.0)
     parser.add_argument("--gemms", action="store_true", help="also time the model's matrix-product shapes")
+    parser.add_argument("--fused", action="store_true", help="only point 4's candidates: quack LayerNorm and cross-entropy, FP8 GEMMs")
+    parser.add_argument("--kernels", nargs="*", default=None, help="only these candidates (e.g. 'varlen FA2' 'FA4 varlen')")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("kernel_bench needs a CUDA device", file=sys.stderr)
         return 1
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
+    if args.fused:
+        fused(args)
+        return 0
     correctness(args)
     attention(args)
     if args.gemms:

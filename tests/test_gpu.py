@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 
-from model import GPT, IGNORE_INDEX, GPTConfig, document_offsets, token_loss_sum, varlen_attn
+import attention_kernels
+from model import GPT, IGNORE_INDEX, DocumentLayout, GPTConfig, attend, document_offsets, token_loss_sum, varlen_attn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+FA4_MISSING = attention_kernels.fa4_unavailable_reason(torch.device("cuda"), 64) if torch.cuda.is_available() else "no GPU"
+needs_fa4 = pytest.mark.skipif(FA4_MISSING is not None, reason=f"FlashAttention 4: {FA4_MISSING}")
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -97,7 +103,7 @@ def test_one_document_rows_use_fused_causal_sdpa_and_match_the_varlen_kernel(mon
         fast.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             if path == "varlen":
-                hidden = fast._trunk(tokens, positions, cu_seqlens)  # several-document path, forced
+                hidden = fast._trunk(tokens, positions, cu_seqlens, "flash")  # several-document path, forced
             else:
                 calls = []
                 monkeypatch.setattr("model.varlen_attn", lambda *a, **k: calls.append(1))
@@ -133,6 +139,111 @@ def test_the_compiled_trunk_and_loss_match_eager_forward_and_backward(scope):
         assert relative_error(results[0][1][name], expected) < 2e-2, name
     # the trunk is one graph, or every block shares one; with the loss chunk's, two either way
     assert counters["stats"]["unique_graphs"] <= 2  # unshared blocks would make three
+    assert not counters["graph_break"]  # FA4's custom ops (when installed) trace into the graph
+    if FA4_MISSING is None:
+        assert fast.attention_kernels["packed rows"].startswith("FlashAttention 4 varlen")
+
+
+# ----------------------------------------------------------------------------- FlashAttention 4
+
+
+def lognormal_offsets(rows: int, t: int, mean: float, seed: int) -> torch.Tensor:
+    """cu_seqlens of rows packed with lognormal documents (sigma 1, as the benchmark's records)."""
+    generator = torch.Generator().manual_seed(seed)
+    starts = []
+    for r in range(rows):
+        at = 0
+        while at < t:
+            starts.append(r * t + at)
+            at += max(1, round(float(torch.empty(1).log_normal_(math.log(mean) - 0.5, 1.0, generator=generator))))
+    return torch.tensor(starts + [rows * t], dtype=torch.int32)
+
+
+def plain_attention(q, k, v, cu):
+    """The plain path in fp32 on the bf16 inputs: SDPA with the document-causal mask, row by row."""
+    b, t, h, hd = q.shape
+    flat = cu.tolist()
+    segment = torch.zeros(b * t, dtype=torch.int64, device=q.device)
+    segment[torch.tensor(flat[1:-1], device=q.device).long()] = 1
+    segment = segment.cumsum(0).view(b, t)
+    mask = (segment[:, :, None] == segment[:, None, :]) & torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    qs, ks, vs = (z.float().transpose(1, 2) for z in (q, k, v))
+    return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[:, None]).transpose(1, 2)
+
+
+@needs_fa4
+@pytest.mark.parametrize("layout", ["realistic", "one-doc"])
+def test_fa4_matches_the_plain_path_forward_and_gradients_at_the_trainers_shapes(layout):
+    """12 heads of 64, rows of 4096 (2 rows: the fp32 reference holds the full score matrix)."""
+    b, t, h, hd = 2, 4096, 12, 64
+    cu = lognormal_offsets(b, t, 1000, seed=7) if layout == "realistic" else torch.arange(0, b * t + 1, t, dtype=torch.int32)
+    cu = cu.cuda()
+    positions = None if layout == "one-doc" else torch.ones(b, t, device="cuda")  # only "several documents" matters
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    qkv = torch.randn(b, t, 3 * h * hd, device="cuda", generator=gen).bfloat16().requires_grad_()
+    grad = torch.randn(b, t, h, hd, device="cuda", generator=gen).bfloat16()
+
+    def run(kernel):
+        qkv.grad = None
+        q, k, v = (z.view(b, t, h, hd) for z in qkv.split(h * hd, dim=-1))
+        if kernel == "plain":
+            out = plain_attention(q, k, v, cu)
+        else:
+            out = attend(q, k, v, DocumentLayout(positions, cu if positions is not None else None, kernel))
+        out.backward(grad.to(out.dtype))
+        return [out.detach()] + list(qkv.grad.float().split(h * hd, dim=-1))
+
+    expected = run("plain")
+    fa4 = run("fa4")
+    torch2 = run("flash")  # PyTorch's kernels (FA2 varlen, or fused SDPA for one-document rows), for scale
+    for name, got, theirs, want in zip(("out", "dq", "dk", "dv"), fa4, torch2, expected):
+        error, baseline = relative_error(got, want), relative_error(theirs, want)
+        assert error < 1e-2 and error < 2 * baseline + 1e-3, (name, error, baseline)
+
+
+@needs_fa4
+def test_fa4_varlen_never_crosses_documents_and_agrees_with_fa4_dense():
+    torch.manual_seed(0)
+    base = dict(vocab_size=512, n_layer=2, n_head=2, n_embd=128, max_seq_len=256, init_std=0.05)  # head dim 64
+    fast = GPT(GPTConfig(**base, attention="fa4")).cuda()
+    batch = packed_batch(rows=2, seq_len=256, vocab=512, seed=2)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        packed = fast(batch["input_ids"], batch["positions"]).float()
+        starts = batch["cu_seqlens"].tolist()
+        flat_ids = batch["input_ids"].flatten()
+        flat_logits = packed.flatten(0, 1)
+        for a, b in zip(starts, starts[1:]):
+            alone = fast(flat_ids[a:b][None]).float()[0]  # one document alone: FA4 dense causal
+            assert relative_error(flat_logits[a:b], alone) < 1e-2
+    assert fast.attention_kernels["packed rows"].startswith("FlashAttention 4 varlen")
+    assert fast.attention_kernels["one-document rows"].startswith("FlashAttention 4 dense causal")
+
+
+@needs_fa4
+def test_the_compiled_trunk_runs_fa4_without_a_graph_break_and_matches_eager():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    base = dict(vocab_size=512, n_layer=3, n_head=2, n_embd=128, max_seq_len=256, init_std=0.05, attention="fa4")
+    fast, eager = GPT(GPTConfig(**base)).cuda(), GPT(GPTConfig(**base)).cuda()
+    eager.load_state_dict(fast.state_dict())
+    fast.compile_trunk()
+    for seed in (5, 6):  # two document counts: one graph (cu_seqlens is dynamic)
+        batch = packed_batch(rows=4, seq_len=256, vocab=512, seed=seed)
+        results = []
+        for model in (fast, eager):
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model.loss_sum(batch)
+            loss.backward()
+            results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        assert relative_error(results[0][0], results[1][0]) < 1e-3
+        for name, expected in results[1][1].items():
+            assert relative_error(results[0][1][name], expected) < 2e-2, name
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] <= 2  # the trunk and the loss chunk
 
 
 def test_a_memory_window_dumps_a_snapshot_the_memory_viz_reads(tmp_path, monkeypatch):

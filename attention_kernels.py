@@ -1,0 +1,234 @@
+"""Which attention kernel runs, and FlashAttention 4 as PyTorch custom ops.
+
+``model.attend()`` stays the single entry; this module answers two questions for it:
+
+- **Which kernel family** (``choose``): ``"fa4"`` (FlashAttention 4, the optional ``flash-attn-4``
+  package: varlen for packed rows, dense causal for one-document rows), ``"flash"`` (PyTorch's own
+  CUDA kernels: ``varlen_attn`` for packed rows, fused causal SDPA for one-document rows) or
+  ``"sdpa"`` (SDPA with a document mask; every device and dtype). ``model.attention: auto`` takes
+  FA4 where it imports and the GPU is one it supports, else today's kernels.
+- **How FA4 runs inside a compiled graph**: ``runfab::fa4_forward`` and ``runfab::fa4_backward``
+  are ``torch.library`` custom ops with fake (shape-only) implementations, so ``torch.compile``
+  traces the trunk as one graph instead of breaking at every layer's CuTe-DSL launch; the
+  forward's autograd formula calls the backward op.
+
+FA4 compiles its kernels at first use (a few seconds each). ``use_cache_folder`` (called by
+``train.prepare_compile``) makes those compilations persist under the output's disposable
+``data/compile-cache/`` folder; without it (the probe, tests, evaluation) they stay in memory and
+nothing is written, not even the CuTe DSL's default ``/tmp`` cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FAMILIES = ("fa4", "flash", "sdpa")
+FA4_PACKAGE = "flash-attn-4"
+FA4_COMPUTE_CAPABILITIES = (9, 10)  # Hopper (measured) and Blackwell data-centre parts (sm_100, not measured here)
+FA4_HEAD_DIMS = range(8, 129, 8)  # what FA4 compiles on both: multiples of 8 up to 128
+
+# The caches' environment variables, read once when flash_attn.cute and the CuTe DSL are imported.
+CACHE_VARIABLES = {
+    "flash-attn": "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",  # FA4's compiled kernels (.o), when enabled
+    "cute-dsl": "CUTE_DSL_CACHE_DIR",  # the CuTe DSL's own IR cache (default /tmp/<user>/cutlass_python_cache)
+}
+_cache_folder: Path | None = None
+_fa4: object | None = None  # flash_attn.cute.interface once imported
+_fa4_error: str | None = None  # why it could not be imported
+
+
+def use_cache_folder(folder: Path) -> None:
+    """FA4's and the CuTe DSL's compile caches go under ``folder`` (the output's data/compile-cache),
+    unless the environment already names folders. Takes effect if FA4 was not imported yet."""
+    global _cache_folder
+    _cache_folder = Path(folder)
+    if _fa4 is not None:
+        log.info("FlashAttention 4 was imported before its cache folder was set: its kernels stay in memory")
+
+
+def _prepare_environment() -> None:
+    if _cache_folder is not None:  # training: compiled kernels persist under the output
+        for name, variable in CACHE_VARIABLES.items():
+            os.environ.setdefault(variable, str(_cache_folder / name))
+        os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    else:  # probe, tests, evaluation: in memory only. With file caching off the DSL never creates
+        # its cache folder, so naming one spares the /tmp folder it would otherwise make on import.
+        os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
+        os.environ.setdefault("CUTE_DSL_CACHE_DIR", os.devnull)
+
+
+def fa4_interface():
+    """flash_attn.cute.interface, imported on first use (seconds: it loads the CuTe DSL); None if absent."""
+    global _fa4, _fa4_error
+    if _fa4 is None and _fa4_error is None:
+        _prepare_environment()
+        # The CuTe DSL warns at every kernel compilation that FA4's aux_data argument is not a JIT
+        # argument (FA4 passes it on purpose as a compile-time value): noise in the training log.
+        warnings.filterwarnings("ignore", message="Argument aux_data .* cannot be converted to a JitArgument")
+        try:
+            import flash_attn.cute.interface as interface
+        except Exception as error:  # noqa: BLE001 - missing package, missing CUDA libraries, wrong Python
+            _fa4_error = f"flash_attn.cute does not import ({type(error).__name__}: {str(error)[:200]})"
+        else:
+            _fa4 = interface
+    return _fa4
+
+
+@lru_cache(maxsize=1)
+def fa4_version() -> str | None:
+    try:
+        return metadata.version(FA4_PACKAGE)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _compute_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def fa4_unavailable_reason(device: torch.device, head_dim: int) -> str | None:
+    """None when FA4 can run attention of ``head_dim`` on ``device``, else why not."""
+    if device.type != "cuda":
+        return f"needs a CUDA device, not {device.type}"
+    major, minor = _compute_capability(device)
+    if major not in FA4_COMPUTE_CAPABILITIES:
+        return f"compute capability {major}.{minor} is not one FA4 supports here (9.x, 10.x)"
+    if head_dim not in FA4_HEAD_DIMS:
+        return f"head dimension {head_dim} is not a multiple of 8 up to 128"
+    if fa4_interface() is None:
+        return _fa4_error
+    return None
+
+
+_reported: set = set()
+
+
+def choose(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """The kernel family for ``model.attention`` = ``requested`` ("auto", "fa4", "varlen", "sdpa")."""
+    if requested == "sdpa" or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return "sdpa"
+    if requested in ("auto", "fa4"):
+        reason = fa4_unavailable_reason(device, head_dim)
+        if reason is None:
+            return "fa4"
+        if requested == "fa4":
+            raise RuntimeError(f"model.attention is 'fa4' but FlashAttention 4 cannot run: {reason}. "
+                               f"Install it (README: Optional: FlashAttention 4) or use 'auto'.")
+        if (requested, reason) not in _reported:
+            _reported.add((requested, reason))
+            log.info("attention: FlashAttention 4 not used (%s); PyTorch's kernels instead", reason)
+    return "flash"
+
+
+def describe(family: str, packed: bool) -> str:
+    """What runs for a batch: packed rows (several documents) or one document per row."""
+    if family == "fa4":
+        version = fa4_version() or "?"
+        return f"FlashAttention 4 {'varlen' if packed else 'dense causal'} (flash-attn-4 {version})"
+    if family == "flash":
+        return "varlen_attn (FlashAttention 2)" if packed else "SDPA is_causal (cuDNN/flash)"
+    return "SDPA with a document mask" if packed else "SDPA is_causal"
+
+
+def cache_usage_folders() -> dict[str, Path]:
+    """FA4's and the CuTe DSL's cache folders when this process persists them (training)."""
+    if os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") != "1":
+        return {}
+    return {name: Path(os.environ[variable]) for name, variable in CACHE_VARIABLES.items() if variable in os.environ}
+
+
+# ----------------------------------------------------------------------------- the custom ops
+#
+# The implementation behind the ops is a pair of functions, FA4's by default; tests on machines
+# without FA4 swap in a reference (see tests/test_attention_kernels.py), which is why the ops are
+# registered for every device rather than CUDA alone.
+
+
+def _fa4_forward_impl(q, k, v, cu_seqlens, max_seqlen):
+    fa = fa4_interface()
+    varlen = cu_seqlens is not None
+    result = fa._flash_attn_fwd(
+        q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+        max_seqlen_q=max_seqlen if varlen else None, max_seqlen_k=max_seqlen if varlen else None,
+        causal=True, return_lse=True,
+    )
+    return result[0], result[1]
+
+
+def _fa4_backward_impl(dout, q, k, v, out, lse, cu_seqlens, max_seqlen):
+    fa = fa4_interface()
+    varlen = cu_seqlens is not None
+    dq, dk, dv = fa._flash_attn_bwd(
+        q, k, v, out, dout, lse, causal=True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+        max_seqlen_q=max_seqlen if varlen else None, max_seqlen_k=max_seqlen if varlen else None,
+    )[:3]
+    return dq, dk, dv
+
+
+IMPLEMENTATION = {"forward": _fa4_forward_impl, "backward": _fa4_backward_impl}
+
+
+def _lse_shape(q: torch.Tensor, varlen: bool) -> tuple[int, ...]:
+    if varlen:  # q [total, H, hd] -> [H, total]
+        return (q.shape[1], q.shape[0])
+    return (q.shape[0], q.shape[2], q.shape[1])  # q [B, T, H, hd] -> [B, H, T]
+
+
+@torch.library.custom_op("runfab::fa4_forward", mutates_args=())
+def fa4_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention and its log-sum-exp (fp32). Dense: q/k/v [B, T, H, hd], cu_seqlens None.
+    Varlen: [total, H, hd] with int32 document offsets ``cu_seqlens`` and the longest length bound."""
+    out, lse = IMPLEMENTATION["forward"](q, k, v, cu_seqlens, max_seqlen)
+    return out.contiguous(), lse.contiguous()  # the layouts the fake implementation promises
+
+
+@fa4_forward.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen):
+    return q.new_empty(q.shape), q.new_empty(_lse_shape(q, cu_seqlens is not None), dtype=torch.float32)
+
+
+@torch.library.custom_op("runfab::fa4_backward", mutates_args=())
+def fa4_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens: torch.Tensor | None, max_seqlen: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = IMPLEMENTATION["backward"](dout, q, k, v, out, lse, cu_seqlens, max_seqlen)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@fa4_backward.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_seqlens, max_seqlen = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.max_seqlen = max_seqlen
+
+
+def _backward(ctx, grad_out, grad_lse):  # the log-sum-exp is not differentiated: attention returns only out
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen)
+    return dq, dk, dv, None, None
+
+
+fa4_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                  max_seqlen: int = 0) -> torch.Tensor:
+    """Causal FA4 attention: dense [B, T, H, hd] when ``cu_seqlens`` is None, else varlen [total, H, hd]."""
+    return fa4_forward(q, k, v, cu_seqlens, max_seqlen)[0]

@@ -1,0 +1,241 @@
+"""Kernel selection and the FlashAttention 4 custom ops, on CPU.
+
+FA4 itself needs a Hopper or Blackwell GPU (tests/test_gpu.py runs it there). Here the selection
+runs against fakes of the import and the GPU, and the custom ops run with a float32 reference
+implementation behind them: that checks their fake (shape) functions, their autograd formula and
+that torch.compile traces them without a graph break, on any machine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import attention_kernels
+import model as model_module
+from model import GPT, GPTConfig, document_offsets
+
+CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A GPU of the given compute capability and an FA4 that imports (or not)."""
+    state = {"capability": (9, 0), "imports": True, "imported": 0}
+
+    def interface():
+        state["imported"] += 1
+        if not state["imports"]:
+            monkeypatch.setattr(attention_kernels, "_fa4_error", "flash_attn.cute does not import (ModuleNotFoundError)")
+            return None
+        return object()
+
+    monkeypatch.setattr(attention_kernels, "_compute_capability", lambda device: state["capability"])
+    monkeypatch.setattr(attention_kernels, "fa4_interface", interface)
+    return state
+
+
+def test_auto_takes_fa4_on_hopper_when_it_imports(fake_gpu):
+    assert attention_kernels.choose("auto", CUDA, torch.bfloat16, 64) == "fa4"
+    assert attention_kernels.choose("fa4", CUDA, torch.float16, 64) == "fa4"
+    fake_gpu["capability"] = (10, 0)
+    assert attention_kernels.choose("auto", CUDA, torch.bfloat16, 64) == "fa4"
+
+
+@pytest.mark.parametrize("capability, imports, head_dim", [((8, 0), True, 64), ((9, 0), False, 64), ((9, 0), True, 160)])
+def test_auto_keeps_pytorchs_kernels_where_fa4_cannot_run_and_fa4_says_why(fake_gpu, capability, imports, head_dim):
+    fake_gpu.update(capability=capability, imports=imports)
+    assert attention_kernels.choose("auto", CUDA, torch.bfloat16, head_dim) == "flash"
+    with pytest.raises(RuntimeError, match="FlashAttention 4 cannot run"):
+        attention_kernels.choose("fa4", CUDA, torch.bfloat16, head_dim)
+
+
+def test_cpu_fp32_and_explicit_choices_never_import_fa4(fake_gpu):
+    assert attention_kernels.choose("auto", torch.device("cpu"), torch.float32, 64) == "sdpa"
+    assert attention_kernels.choose("auto", CUDA, torch.float32, 64) == "sdpa"  # FA4 and FA2 want half precision
+    assert attention_kernels.choose("varlen", CUDA, torch.bfloat16, 64) == "flash"
+    assert attention_kernels.choose("sdpa", CUDA, torch.bfloat16, 64) == "sdpa"
+    assert fake_gpu["imported"] == 0
+
+
+def test_the_model_records_and_describes_the_kernel_each_batch_kind_used():
+    model = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, max_seq_len=32))
+    ids = torch.randint(0, 64, (2, 32))
+    two_docs = torch.cat([torch.arange(10), torch.arange(22)]).expand(2, 32)
+    with torch.no_grad():
+        model.hidden_states(ids)
+        model.hidden_states(ids, two_docs, document_offsets(two_docs))
+    assert model.attention_kernels == {"one-document rows": "SDPA is_causal", "packed rows": "SDPA with a document mask"}
+    assert attention_kernels.describe("fa4", packed=True).startswith("FlashAttention 4 varlen")
+    assert attention_kernels.describe("fa4", packed=False).startswith("FlashAttention 4 dense causal")
+    assert attention_kernels.describe("flash", packed=True) == "varlen_attn (FlashAttention 2)"
+
+
+def test_fa4_caches_go_under_the_output_in_training_and_nowhere_otherwise(monkeypatch, tmp_path):
+    for variable in (*attention_kernels.CACHE_VARIABLES.values(), "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",
+                     "CUTE_DSL_DISABLE_FILE_CACHING"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(attention_kernels, "_cache_folder", None)
+    attention_kernels._prepare_environment()  # the probe, tests: memory only, no folder made anywhere
+    assert os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] == "1" and os.environ["CUTE_DSL_CACHE_DIR"] == os.devnull
+    assert attention_kernels.cache_usage_folders() == {}
+
+    for variable in ("CUTE_DSL_DISABLE_FILE_CACHING", "CUTE_DSL_CACHE_DIR"):
+        monkeypatch.delenv(variable)
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(tmp_path / "mine"))  # a folder someone chose stays
+    attention_kernels.use_cache_folder(tmp_path / "data/compile-cache")  # what train.prepare_compile does
+    attention_kernels._prepare_environment()
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    assert attention_kernels.cache_usage_folders() == {
+        "flash-attn": tmp_path / "mine", "cute-dsl": tmp_path / "data/compile-cache/cute-dsl"}
+
+
+def test_prepare_compile_hands_its_folder_to_fa4(monkeypatch, tmp_path):
+    import train
+
+    monkeypatch.setattr(attention_kernels, "_cache_folder", None)
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # leave inductor's settings alone
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    train.prepare_compile(tmp_path / "data/compile-cache", 1)
+    assert attention_kernels._cache_folder == tmp_path / "data/compile-cache"
+
+
+# ----------------------------------------------------------------------------- the custom ops
+
+
+def _segments(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int, int]]:
+    """(row, start, end) of each document; dense rows are one document each."""
+    if cu_seqlens is None:
+        return [(row, 0, q.shape[1]) for row in range(q.shape[0])]
+    bounds = cu_seqlens.tolist()
+    return [(0, a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _probabilities(q, k, a, b):
+    """Causal softmax of one document's scores [H, t, t], and the scale."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    scores = torch.einsum("thd,shd->hts", q[a:b], k[a:b]) * scale
+    return scores.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf")), scale
+
+
+def reference_forward(q, k, v, cu_seqlens, max_seqlen):
+    """FA4's contract in float32: causal attention per document, and the log-sum-exp FA4 returns
+    ([B, H, T] dense, [H, total] varlen)."""
+    dense = cu_seqlens is None
+    qs, ks, vs = (z.float() if dense else z.float()[None] for z in (q, k, v))
+    out = torch.empty_like(qs)
+    lse = torch.empty(qs.shape[0], qs.shape[2], qs.shape[1])
+    for row, a, b in _segments(q, cu_seqlens):
+        scores, _ = _probabilities(qs[row], ks[row], a, b)
+        lse[row, :, a:b] = torch.logsumexp(scores, dim=-1)
+        out[row, a:b] = torch.einsum("hts,shd->thd", scores.softmax(-1), vs[row, a:b])
+    return (out.to(q.dtype), lse) if dense else (out[0].to(q.dtype), lse[0])
+
+
+def reference_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen):
+    """The textbook gradients (custom ops run below autograd, so no autograd here)."""
+    dense = cu_seqlens is None
+    qs, ks, vs, dos = (z.float() if dense else z.float()[None] for z in (q, k, v, dout))
+    dq, dk, dv = (torch.zeros_like(z) for z in (qs, ks, vs))
+    for row, a, b in _segments(q, cu_seqlens):
+        scores, scale = _probabilities(qs[row], ks[row], a, b)
+        p = scores.softmax(-1)
+        d_out = dos[row, a:b]
+        dv[row, a:b] = torch.einsum("hts,thd->shd", p, d_out)
+        dp = torch.einsum("thd,shd->hts", d_out, vs[row, a:b])
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale
+        dq[row, a:b] = torch.einsum("hts,shd->thd", ds, ks[row, a:b])
+        dk[row, a:b] = torch.einsum("hts,thd->shd", ds, qs[row, a:b])
+    grads = (dq, dk, dv) if dense else (dq[0], dk[0], dv[0])
+    return tuple(g.to(z.dtype) for g, z in zip(grads, (q, k, v)))
+
+
+@pytest.fixture
+def reference_fa4(monkeypatch):
+    monkeypatch.setitem(attention_kernels.IMPLEMENTATION, "forward", reference_forward)
+    monkeypatch.setitem(attention_kernels.IMPLEMENTATION, "backward", reference_backward)
+    monkeypatch.setattr(model_module.DocumentLayout, "use_fa4", lambda self, q: self.kernel == "fa4")
+
+
+def packed_qkv(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    b, t, h, hd = 2, 24, 2, 8
+    qkv = torch.randn(b, t, 3 * h * hd, generator=generator, requires_grad=True)
+    positions = torch.cat([torch.arange(7), torch.arange(17)]).expand(b, t)
+    return qkv, positions, (b, t, h, hd)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_custom_op_passes_pytorchs_op_checks(reference_fa4, packed):
+    generator = torch.Generator().manual_seed(0)
+    shape = (40, 2, 8) if packed else (2, 20, 2, 8)
+    q, k, v = (torch.randn(shape, generator=generator, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 13, 40], dtype=torch.int32) if packed else None
+    torch.library.opcheck(attention_kernels.fa4_forward, (q, k, v, cu, 20 if packed else 0))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_attend_through_fa4_matches_the_plain_path_and_compiles_without_a_graph_break(reference_fa4, packed):
+    from torch._dynamo.utils import counters
+
+    qkv, positions, (b, t, h, hd) = packed_qkv(seed=1)
+    positions = positions if packed else None
+    cu = document_offsets(positions) if packed else None
+    grad = torch.randn(b, t, h, hd, generator=torch.Generator().manual_seed(2))
+
+    def attention(qkv, cu, kernel):
+        q, k, v = (z.view(b, t, h, hd) for z in qkv.split(h * hd, dim=-1))
+        return model_module.attend(q, k, v, model_module.DocumentLayout(positions, cu, kernel))
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)  # fullgraph: a break raises
+    results = []
+    for fn, kernel in ((attention, "sdpa"), (attention, "fa4"), (compiled, "fa4")):
+        qkv.grad = None
+        out = fn(qkv, cu, kernel)
+        out.backward(grad)
+        results.append((out.detach(), qkv.grad.clone()))
+    for out, dqkv in results[1:]:
+        torch.testing.assert_close(out, results[0][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dqkv, results[0][1], rtol=1e-5, atol=1e-5)
+    assert not counters["graph_break"]
+
+
+def test_the_compiled_trunk_with_fa4_is_one_graph_for_every_document_count(reference_fa4):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=64, n_layer=3, n_head=2, n_embd=32, max_seq_len=32)
+    model = GPT(config)
+    trunk = torch.compile(model._trunk, backend="aot_eager")
+    for split in (5, 11):
+        positions = torch.cat([torch.arange(split), torch.arange(32 - split)]).expand(2, 32)
+        cu = document_offsets(positions)
+        torch._dynamo.mark_dynamic(cu, 0)
+        ids = torch.randint(0, 64, (2, 32))
+        expected = model._trunk(ids, positions, cu, "sdpa")
+        torch.testing.assert_close(trunk(ids, positions, cu, "fa4"), expected, rtol=1e-4, atol=1e-5)
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_the_fa4_import_is_lazy():
+    """Importing the model (and so train.py) never loads the CuTe DSL: it takes seconds."""
+    import subprocess
+    import sys
+
+    code = "import sys, model, attention_kernels; print('flash_attn' in sys.modules, 'cutlass' in sys.modules)"
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
