@@ -41,6 +41,10 @@ class TrainerConfig:
     memory_headroom_gib: float = 2.0  # GPU memory the allocator leaves free, in the probe and in training alike
     probe_margin_gib: float = 0.5  # the eager probe's cap is this much tighter than training's (compiled) cap
     cuda_alloc_conf: str | None = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF unless the platform set one
+    host_memory_budget_gib: float = 8.0  # RunFab's RAM for the whole job; a GPU count projected over it is refused (0: no check)
+    host_memory_trim: bool = True  # return the heap compilation freed to the system after the first updates
+    ddp_bucket_cap_mb: float = 25.0  # gradient all-reduce bucket size (DDP's default)
+    ddp_bf16_gradients: bool = False  # all-reduce gradients in bf16 (half the bytes, bf16 rounding of the sum)
 
 
 @dataclass

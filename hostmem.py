@@ -1,0 +1,197 @@
+"""Host memory as a container charges it, the job's budget for it, and what a GPU process gives back.
+
+RunFab grants the whole job 8 GiB of RAM however many GPUs it has. A memory cgroup charges a page
+once, whoever maps it, so the figure that matters is PSS (proportional set size: each shared page
+split among the processes that map it), summed over the process tree. RSS counts a shared library
+once per process that maps it and overstates a tree of several CUDA processes by gigabytes; it is
+reported beside PSS, never instead of it.
+
+- ``read_rollup`` / ``tree_memory``: /proc/PID/smaps_rollup of one process, or summed over a tree.
+- ``projected_host_gib`` / ``check_host_budget``: the job's peak PSS for a GPU count, from the
+  figures measured on 2 H200s (docs/PERFORMANCE.md, 2026-11-30); train() and probe_batch() refuse
+  a count that cannot fit before they read any data or start any worker.
+- ``HostMemory``: a callback that returns freed heap to the system after the compiling updates
+  (glibc keeps it otherwise) and records the process's memory at each stage of a run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import lightning as L
+
+log = logging.getLogger(__name__)
+
+FIELDS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Pss_Shmem", "Anonymous")
+STAGE_LOG_ENV = "RUNFAB_HOST_MEMORY_LOG"  # a file: one JSON line per stage, from every process (benchmarks)
+GIB = 2**30
+
+# Peak PSS of the whole job on nvidia-h200-x2 under taskset -c 0,1 (docs/PERFORMANCE.md, 2026-11-30):
+# the feeder (the process RunFab started: torch, Lightning, tokenizer, buffers) and what each GPU
+# process adds at its own peak (CUDA context, libraries, compiled graphs, the export on rank 0).
+# One GPU trains in RunFab's own process, so it is counted as one GPU process and no feeder.
+FEEDER_GIB = 0.75
+PER_GPU_GIB = 1.6
+SINGLE_PROCESS_GIB = 2.6
+
+
+def read_rollup(pid: int | str = "self") -> dict[str, int]:
+    """The fields of FIELDS in bytes, from /proc/PID/smaps_rollup; {} when the process is gone."""
+    found = dict.fromkeys(FIELDS, 0)
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in found:
+            try:
+                found[key] = int(rest.split()[0]) * 1024
+            except (IndexError, ValueError):
+                continue
+    return found
+
+
+def tree_memory(pids) -> dict[str, int]:
+    """FIELDS summed over ``pids`` (a process and its descendants), plus how many were read."""
+    totals = dict.fromkeys(FIELDS, 0)
+    counted = 0
+    for pid in pids:
+        rollup = read_rollup(pid)
+        if rollup:
+            counted += 1
+            for key in FIELDS:
+                totals[key] += rollup[key]
+    totals["processes"] = counted
+    return totals
+
+
+# ----------------------------------------------------------------------------- budget
+
+
+def projected_host_gib(world: int, in_workers: bool) -> float:
+    """The job's projected peak PSS: the feeder plus one GPU process per device, or one process alone."""
+    if not in_workers:
+        return SINGLE_PROCESS_GIB
+    return FEEDER_GIB + PER_GPU_GIB * world
+
+
+def host_budget_problem(budget_gib: float, world: int, in_workers: bool) -> str | None:
+    """Why ``world`` GPU processes cannot fit ``budget_gib`` of host memory, or None when they can."""
+    if budget_gib <= 0 or not in_workers:
+        return None
+    need = projected_host_gib(world, in_workers)
+    if need <= budget_gib:
+        return None
+    fits = max(0, int((budget_gib - FEEDER_GIB) // PER_GPU_GIB))
+    return (
+        f"{world} GPUs need about {need:.1f} GiB of host memory (PSS of the feeder {FEEDER_GIB:.2f} GiB + "
+        f"{world} x {PER_GPU_GIB:.2f} GiB per GPU process, measured on 2 H200s), over the job's budget of "
+        f"{budget_gib:.1f} GiB (trainer.host_memory_budget_gib); RunFab grants 8 GiB whatever the GPU count. "
+        f"Use at most {fits} GPUs (trainer.devices {fits})"
+    )
+
+
+# ----------------------------------------------------------------------------- giving memory back
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim, libc.mallopt  # noqa: B018 - glibc only
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+M_ARENA_MAX = -8
+
+
+def limit_malloc_arenas(arenas: int = 2) -> None:
+    """Fewer glibc heaps (one per thread by default, up to 8 per core): less memory held by idle threads.
+
+    The environment's MALLOC_ARENA_MAX wins when set; workers inherit ours from launcher.py.
+    """
+    libc = _libc()
+    if libc is not None and "MALLOC_ARENA_MAX" not in os.environ:
+        libc.mallopt(M_ARENA_MAX, arenas)
+
+
+def release_freed_memory() -> None:
+    """Collect garbage and hand the heap's free pages back to the system (glibc keeps them otherwise)."""
+    gc.collect()
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def _process_age() -> float:
+    """Seconds since this process started (from /proc), so stages read as a timeline."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def record_stage(name: str, rank: int | None = None) -> dict:
+    """This process's memory now: logged, and appended to $RUNFAB_HOST_MEMORY_LOG when set."""
+    rank = int(os.environ.get("LOCAL_RANK", 0)) if rank is None else rank
+    rollup = read_rollup()
+    entry = {"stage": name, "rank": rank, "pid": os.getpid(), "age_seconds": round(_process_age(), 2),
+             "time": time.time(), **{k: v for k, v in rollup.items()}}
+    log.info("host memory, rank %d, %s: PSS %.2f GiB (anonymous %.2f, files %.2f), RSS %.2f GiB, %.1f s after start",
+             rank, name, rollup.get("Pss", 0) / GIB, rollup.get("Pss_Anon", 0) / GIB, rollup.get("Pss_File", 0) / GIB,
+             rollup.get("Rss", 0) / GIB, entry["age_seconds"])
+    path = os.environ.get(STAGE_LOG_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+    return entry
+
+
+class HostMemory(L.Callback):
+    """Returns freed heap to the system after the updates that compile, and records each stage.
+
+    The compiled graphs are built in the first updates (the first shape, then once more when
+    document boundaries make dynamo mark a size dynamic); what compilation freed stays in glibc's
+    heap unless trimmed. ``trim`` off keeps everything as it was, for measuring what the trim buys.
+    """
+
+    STAGE_UPDATES = (1, 2, 3, 5, 10)
+
+    def __init__(self, trim: bool = True) -> None:
+        self.trim = trim
+        self._done: set[int] = set()
+
+    def stage(self, name: str, trainer: L.Trainer | None = None) -> None:
+        record_stage(name, trainer.global_rank if trainer is not None else None)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.stage("process group and device ready", trainer)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.stage("model on the device, optimizer built", trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        update = trainer.global_step
+        if update not in self.STAGE_UPDATES or update in self._done:
+            return
+        self._done.add(update)
+        self.stage(f"update {update}", trainer)
+        if self.trim:
+            release_freed_memory()
+            self.stage(f"update {update}, freed heap returned", trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.stage("training ended", trainer)
