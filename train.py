@@ -134,6 +134,18 @@ def lightning_trainer(cfg: RunConfig, accelerator: str, world: int, **overrides)
     return L.Trainer(**arguments)
 
 
+class SameStreamDDP(L.pytorch.strategies.DDPStrategy):
+    """Lightning wraps the model in DDP on a side CUDA stream; DDP keeps the gradient accumulators it
+    made there, and PyTorch then warns at every backward that their stream does not match the
+    stream producing the gradients ("may incur unnecessary synchronization"; its advice: wrap on the
+    stream the forward runs on). This wraps on the current stream, as that warning asks."""
+
+    def _setup_model(self, model):
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+
+
 def ddp_strategy(cfg: RunConfig, accelerator: str) -> L.pytorch.strategies.DDPStrategy:
     """DDP joining the launcher's processes. Gradients are bucket views (no copy into the buckets,
     one gradient-sized buffer less per GPU); ``trainer.ddp_bf16_gradients`` all-reduces them in bf16."""
@@ -142,7 +154,7 @@ def ddp_strategy(cfg: RunConfig, accelerator: str) -> L.pytorch.strategies.DDPSt
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         hook = {"ddp_comm_hook": default_hooks.bf16_compress_hook}
-    return L.pytorch.strategies.DDPStrategy(
+    return SameStreamDDP(
         process_group_backend="nccl" if accelerator == "gpu" else "gloo",
         gradient_as_bucket_view=True, bucket_cap_mb=cfg.trainer.ddp_bucket_cap_mb, **hook,
     )
@@ -461,7 +473,9 @@ def run_worker() -> int:
     platform_fraction = spec.get("platform_memory_fraction")
     if spec.get("probe"):
         run_probe_local(cfg, spec["microbatch"], world, platform_fraction)
-        return 0
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # a probe keeps nothing: skip the interpreter's teardown of CUDA, NCCL and modules (seconds)
     encoder = load_encoder(cfg)
     settings = stream_settings(cfg, encoder, spec["microbatch"], spec["accumulation"], world)
     pool = ValidationPool(cfg.data.val_max_tokens)

@@ -182,8 +182,9 @@ def read_stages(path: Path, started: float) -> list[dict]:
 
 
 def scaling(args) -> dict:
-    """The same microbatch per GPU on 1 GPU (accumulating 2) and on 2 GPUs, one job, cold compile caches."""
-    args.cold = True
+    """The same microbatch per GPU on 1 GPU (accumulating 2) and on 2 GPUs, one job, cold compile caches
+    unless --warm (then the job's one cache: same speed, less time, not RunFab's host memory)."""
+    args.cold = not args.warm
     layout = args.layouts[0] if args.layouts else "realistic"
     runs = {}
     for gpus in args.scaling_gpus:
@@ -417,6 +418,7 @@ def main() -> int:
     parser.add_argument("--memory-sweep", action="store_true", help="compiled against eager probe peaks")
     parser.add_argument("--host-pipeline", action="store_true", help="the data pipeline alone, no GPU (use 2 cores)")
     parser.add_argument("--scaling", action="store_true", help="1 GPU against 2 GPUs, same microbatch per GPU")
+    parser.add_argument("--warm", action="store_true", help="with --scaling: share one compile cache (throughput only)")
     parser.add_argument("--scaling-gpus", type=int, nargs="+", default=[1, 2], help="with --scaling: GPU counts to run")
     parser.add_argument("--records", type=Path, help="NDJSON records to feed instead of a generator running beside the job")
     parser.add_argument("--trace", action="store_true", help="with --scaling: a profiler trace of one update per rank")
