@@ -7,18 +7,16 @@ once per process that maps it and overstates a tree of several CUDA processes by
 reported beside PSS, never instead of it.
 
 - ``read_rollup`` / ``tree_memory``: /proc/PID/smaps_rollup of one process, or summed over a tree.
-- ``projected_host_gib`` / ``check_host_budget``: the job's peak PSS for a GPU count, from the
+- ``projected_host_gib`` / ``host_budget_problem``: the job's peak PSS for a GPU count, from the
   figures measured on 2 H200s (docs/PERFORMANCE.md, 2026-11-30); train() and probe_batch() refuse
   a count that cannot fit before they read any data or start any worker.
-- ``HostMemory``: a callback that records the process's memory at each stage of a run, returns
-  freed heap to the system after the compiling updates, and keeps Lightning's teardown from copying
-  weights, gradients and optimizer state into host memory once a GPU run is over.
+- ``HostMemory``: a callback that records the process's memory at each stage of a run and keeps
+  Lightning's teardown from copying weights, gradients and optimizer state into host memory once a
+  GPU run is over (that copy was the job's peak: 2 GiB per GPU process).
 """
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import json
 import logging
 import os
@@ -34,13 +32,16 @@ FIELDS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Pss_Shmem", "Anonymous")
 STAGE_LOG_ENV = "RUNFAB_HOST_MEMORY_LOG"  # a file: one JSON line per stage, from every process (benchmarks)
 GIB = 2**30
 
-# Peak PSS of the whole job on nvidia-h200-x2 under taskset -c 0,1 (docs/PERFORMANCE.md, 2026-11-30):
-# the feeder (the process RunFab started: torch, Lightning, tokenizer, buffers) and what each GPU
-# process adds at its own peak (CUDA context, libraries, compiled graphs, the export on rank 0).
-# One GPU trains in RunFab's own process, so it is counted as one GPU process and no feeder.
-FEEDER_GIB = 0.75
-PER_GPU_GIB = 1.6
-SINGLE_PROCESS_GIB = 2.6
+# The job's peak PSS with several GPUs, measured on nvidia-h200-x2 under taskset -c 0,1 with the
+# reference config (docs/PERFORMANCE.md, 2026-11-30): the feeder alone (the process RunFab started:
+# torch, Lightning, the tokenizer, full buffers) held 0.72 GiB, and the whole tree with 2 GPU
+# processes peaked at 4.27 GiB (emulate, microbatch 16 x 1), so each GPU process is counted at
+# (4.27 - 0.72) / 2 = 1.78 GiB (one worker's stages: modules imported 0.57, CUDA context and model
+# 0.17, process group, NCCL and DDP 0.37, the first compiled update 0.54; rank 0's export folded in). The margin covers what a sampler every 0.5 s can miss and the spread
+# between runs. One GPU trains in RunFab's own process (no feeder, no worker) and is not projected.
+FEEDER_GIB = 0.72
+PER_GPU_GIB = 1.78
+MARGIN_GIB = 0.25
 
 
 def read_rollup(pid: int | str = "self") -> dict[str, int]:
@@ -77,10 +78,8 @@ def tree_memory(pids) -> dict[str, int]:
 # ----------------------------------------------------------------------------- budget
 
 
-def projected_host_gib(world: int, in_workers: bool) -> float:
-    """The job's projected peak PSS: the feeder plus one GPU process per device, or one process alone."""
-    if not in_workers:
-        return SINGLE_PROCESS_GIB
+def projected_host_gib(world: int) -> float:
+    """The job's projected peak PSS with ``world`` GPU processes and the feeder (the margin excluded)."""
     return FEEDER_GIB + PER_GPU_GIB * world
 
 
@@ -88,49 +87,16 @@ def host_budget_problem(budget_gib: float, world: int, in_workers: bool) -> str 
     """Why ``world`` GPU processes cannot fit ``budget_gib`` of host memory, or None when they can."""
     if budget_gib <= 0 or not in_workers:
         return None
-    need = projected_host_gib(world, in_workers)
-    if need <= budget_gib:
+    need = projected_host_gib(world)
+    if need + MARGIN_GIB <= budget_gib:
         return None
-    fits = max(0, int((budget_gib - FEEDER_GIB) // PER_GPU_GIB))
+    fits = max(0, int((budget_gib - MARGIN_GIB - FEEDER_GIB) // PER_GPU_GIB))
     return (
-        f"{world} GPUs need about {need:.1f} GiB of host memory (PSS of the feeder {FEEDER_GIB:.2f} GiB + "
-        f"{world} x {PER_GPU_GIB:.2f} GiB per GPU process, measured on 2 H200s), over the job's budget of "
-        f"{budget_gib:.1f} GiB (trainer.host_memory_budget_gib); RunFab grants 8 GiB whatever the GPU count. "
-        f"Use at most {fits} GPUs (trainer.devices {fits})"
+        f"{world} GPUs need about {need:.1f} GiB of host memory (PSS: the feeder {FEEDER_GIB:.2f} GiB + {world} x "
+        f"{PER_GPU_GIB:.2f} GiB per GPU process, measured on 2 H200s, + {MARGIN_GIB:.2f} GiB margin), over the job's "
+        f"budget of {budget_gib:.1f} GiB (trainer.host_memory_budget_gib; RunFab grants 8 GiB whatever the GPU "
+        f"count). Use at most {fits} GPUs: --trainer.devices {fits}, or fewer GPUs on RunFab's slider"
     )
-
-
-# ----------------------------------------------------------------------------- giving memory back
-
-
-def _libc():
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim, libc.mallopt  # noqa: B018 - glibc only
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-M_ARENA_MAX = -8
-
-
-def limit_malloc_arenas(arenas: int = 2) -> None:
-    """Fewer glibc heaps (one per thread by default, up to 8 per core): less memory held by idle threads.
-
-    The environment's MALLOC_ARENA_MAX wins when set; workers inherit ours from launcher.py.
-    """
-    libc = _libc()
-    if libc is not None and "MALLOC_ARENA_MAX" not in os.environ:
-        libc.mallopt(M_ARENA_MAX, arenas)
-
-
-def release_freed_memory() -> None:
-    """Collect garbage and hand the heap's free pages back to the system (glibc keeps them otherwise)."""
-    gc.collect()
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
 
 
 # ----------------------------------------------------------------------------- stages
@@ -163,17 +129,12 @@ def record_stage(name: str, rank: int | None = None) -> dict:
 
 
 class HostMemory(L.Callback):
-    """Returns freed heap to the system after the updates that compile, and records each stage.
-
-    The compiled graphs are built in the first updates (the first shape, then once more when
-    document boundaries make dynamo mark a size dynamic); what compilation freed stays in glibc's
-    heap unless trimmed. ``trim`` off keeps everything as it was, for measuring what the trim buys.
-    """
+    """Records this process's memory at each stage of a run, and keeps Lightning's teardown from
+    copying a finished GPU run's weights, gradients and optimizer state into host memory."""
 
     STAGE_UPDATES = (1, 2, 3, 5, 10)
 
-    def __init__(self, trim: bool = True) -> None:
-        self.trim = trim
+    def __init__(self) -> None:
         self._done: set[int] = set()
 
     def stage(self, name: str, trainer: L.Trainer | None = None) -> None:
@@ -191,9 +152,6 @@ class HostMemory(L.Callback):
             return
         self._done.add(update)
         self.stage(f"update {update}", trainer)
-        if self.trim:
-            release_freed_memory()
-            self.stage(f"update {update}, freed heap returned", trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
         """Runs after the export and the run record (callbacks run in order; this one is last).

@@ -38,9 +38,6 @@ log = logging.getLogger(__name__)
 WORKER_SPEC_ENV = "RUNFAB_WORKER_SPEC"
 POLL_SECONDS = 0.2
 STDERR_TAIL_LINES = 40
-# Two malloc heaps per worker: glibc's default of 8 per core keeps freed memory in the heaps of
-# threads that have gone idle. The environment wins.
-WORKER_ENV_DEFAULTS = {"MALLOC_ARENA_MAX": "2"}
 
 
 class WorkerFailed(RuntimeError):
@@ -171,7 +168,7 @@ class WorkerGroup:
         self._threads: list[threading.Thread] = []
         for rank in range(world_size):
             env = dict(
-                WORKER_ENV_DEFAULTS | dict(os.environ), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size),
+                os.environ, LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size),
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{WORKER_SPEC_ENV: json.dumps(spec | {"rank": rank})},
             )
             process = subprocess.Popen(

@@ -147,16 +147,11 @@ class SameStreamDDP(L.pytorch.strategies.DDPStrategy):
 
 
 def ddp_strategy(cfg: RunConfig, accelerator: str) -> L.pytorch.strategies.DDPStrategy:
-    """DDP joining the launcher's processes. Gradients are bucket views (no copy into the buckets,
-    one gradient-sized buffer less per GPU); ``trainer.ddp_bf16_gradients`` all-reduces them in bf16."""
-    hook = {}
-    if cfg.trainer.ddp_bf16_gradients:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        hook = {"ddp_comm_hook": default_hooks.bf16_compress_hook}
+    """DDP joining the launcher's processes. Gradients are views into DDP's buckets (no copy into
+    them, one gradient-sized buffer less per GPU); buckets of ``trainer.ddp_bucket_cap_mb``."""
     return SameStreamDDP(
         process_group_backend="nccl" if accelerator == "gpu" else "gloo",
-        gradient_as_bucket_view=True, bucket_cap_mb=cfg.trainer.ddp_bucket_cap_mb, **hook,
+        gradient_as_bucket_view=True, bucket_cap_mb=cfg.trainer.ddp_bucket_cap_mb,
     )
 
 
@@ -354,8 +349,7 @@ def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodu
     """
     accelerator = resolve_accelerator(cfg)
     on_gpu = accelerator == "gpu"
-    hostmem.limit_malloc_arenas()
-    host_memory = hostmem.HostMemory(trim=cfg.trainer.host_memory_trim)
+    host_memory = hostmem.HostMemory()
     if on_gpu:
         limit_gpu_memory(cfg, local_device(), platform_fraction)
         host_memory.stage("CUDA initialized")
@@ -557,7 +551,7 @@ def run_probe_local(cfg: RunConfig, microbatch: int, world: int, platform_fracti
     batches = DataLoader(kinds * PROBE_PASSES, batch_size=None)
     trainer = lightning_trainer(
         cfg, accelerator, world, max_steps=len(kinds) * PROBE_PASSES // accumulation, accumulate_grad_batches=accumulation,
-        limit_val_batches=0, enable_progress_bar=False, callbacks=[hostmem.HostMemory(trim=False)],
+        limit_val_batches=0, enable_progress_bar=False, callbacks=[hostmem.HostMemory()],
     )
     module = build_module(cfg, device if accelerator == "gpu" else None)
     if compiled:
