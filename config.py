@@ -41,8 +41,8 @@ class TrainerConfig:
     memory_headroom_gib: float = 2.0  # GPU memory the allocator leaves free, in the probe and in training alike
     probe_margin_gib: float = 0.5  # the eager probe's cap is this much tighter than training's (compiled) cap
     cuda_alloc_conf: str | None = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF unless the platform set one
-    host_memory_budget_gib: float = 8.0  # RunFab's RAM for the whole job; a GPU count projected over it is refused (0: no check)
-    ddp_bucket_cap_mb: float = 25.0  # gradient all-reduce bucket size (DDP's default; dynamo splits the compiled trunk at buckets)
+    host_memory_budget_gib: float = 8.0  # RunFab's RAM for the job; GPU counts projected over it are refused (0: off)
+    ddp_bucket_cap_mb: float = 25.0  # all-reduce bucket size (DDP's default); dynamo splits the compiled trunk there
 
 
 @dataclass

@@ -5,8 +5,9 @@
    in a fresh process with RunFab's 120 s limit; stop at the first failure; take the largest fit.
 3. Call ``train(microbatch, accumulation)`` in a fresh process with this process's stdin,
    ``RUNFABRIC_OUTPUT`` set and TMPDIR in the sandbox, while a watchdog samples host memory of
-   the whole process tree (PSS, as a memory cgroup charges it; RSS beside it), the size of TMPDIR and of the output, and stops the run (as the
-   platform would) when one goes over RunFab's budget: 8 GiB RAM, 256 MiB /tmp, 3 GiB output.
+   the whole process tree (PSS, as a memory cgroup charges it; RSS beside it), the size of TMPDIR
+   and of the output, and stops the run (as the platform would) when one goes over RunFab's
+   budget: 8 GiB RAM, 256 MiB /tmp, 3 GiB output.
 4. Write a summary, SVG plots of loss and throughput over ``elapsed_seconds`` from the metric
    lines, as the platform's graphs show them, and ``report.html``: report.py's page of the
    emulated run's output root, written before the sandbox is removed.
@@ -137,7 +138,8 @@ def watch(process: subprocess.Popen, sandbox: contract_check.Sandbox, usage: Usa
                 continue
             setattr(usage, attribute, max(getattr(usage, attribute), value))
             if value > limit and usage.exceeded is None:
-                usage.exceeded = f"{name}{' (PSS)' if name == 'RAM' else ''}: {value / 2**20:.0f} MiB > {limit / 2**20:.0f} MiB"
+                measured = f"{name} (PSS)" if name == "RAM" else name
+                usage.exceeded = f"{measured}: {value / 2**20:.0f} MiB > {limit / 2**20:.0f} MiB"
                 contract_check.kill_group(process.pid)
         time.sleep(SAMPLE_SECONDS)
 
@@ -206,7 +208,8 @@ def emulate(bundle: Path, report: Path, cuda: bool, gpus: int | None, microbatch
             result.probes.append(outcome)
             print(f"emulate: probe microbatch {k}: {'fits' if outcome['fits'] else 'fails'} "
                   f"({outcome['seconds']} s, host PSS {outcome['peak_host_pss_gib']:.2f} GiB, RSS "
-                  f"{outcome['peak_host_rss_gib']:.2f} GiB){'' if outcome['fits'] else ': ' + outcome['reason']}", file=log)
+                  f"{outcome['peak_host_rss_gib']:.2f} GiB){'' if outcome['fits'] else ': ' + outcome['reason']}",
+                  file=log)
             if not outcome["fits"]:
                 break
         fitting = [p["microbatch"] for p in result.probes if p["fits"]]
@@ -225,7 +228,8 @@ def emulate(bundle: Path, report: Path, cuda: bool, gpus: int | None, microbatch
     (report / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     u = result.usage
     print(f"emulate: exit {code} after {result.train_seconds} s, {lines} metric lines; peaks: RAM "
-          f"{u.peak_pss_bytes / 2**30:.2f} GiB PSS ({u.peak_rss_bytes / 2**30:.2f} GiB RSS), /tmp {u.peak_tmp_bytes / 2**20:.1f} MiB, output "
+          f"{u.peak_pss_bytes / 2**30:.2f} GiB PSS ({u.peak_rss_bytes / 2**30:.2f} GiB RSS), "
+          f"/tmp {u.peak_tmp_bytes / 2**20:.1f} MiB, output "
           f"{u.peak_output_bytes / 2**20:.1f} MiB{'; STOPPED: ' + u.exceeded if u.exceeded else ''}; "
           f"report {page}, summary and plots in {report}", file=log)
     return result

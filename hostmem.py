@@ -37,8 +37,9 @@ GIB = 2**30
 # torch, Lightning, the tokenizer, full buffers) held 0.72 GiB, and the whole tree with 2 GPU
 # processes peaked at 4.27 GiB (emulate, microbatch 16 x 1), so each GPU process is counted at
 # (4.27 - 0.72) / 2 = 1.78 GiB (one worker's stages: modules imported 0.57, CUDA context and model
-# 0.17, process group, NCCL and DDP 0.37, the first compiled update 0.54; rank 0's export folded in). The margin covers what a sampler every 0.5 s can miss and the spread
-# between runs. One GPU trains in RunFab's own process (no feeder, no worker) and is not projected.
+# 0.17, process group, NCCL and DDP 0.37, the first compiled update 0.54; rank 0's export folded in).
+# The margin covers what a sampler every 0.5 s can miss and the spread between runs. One GPU
+# trains in RunFab's own process (no feeder, no worker) and is not projected.
 FEEDER_GIB = 0.72
 PER_GPU_GIB = 1.78
 MARGIN_GIB = 0.25

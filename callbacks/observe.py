@@ -6,7 +6,8 @@ activity and is exported as a Chrome/Perfetto JSON trace; the allocator history 
 dumped as a snapshot for https://pytorch.org/memory_viz. LitGPT marks zero_grad, forward,
 backward and optimizer_step with ``record_function``, so both views name the phases.
 The metrics callback reports observed updates apart (``"observed": 1``) and leaves them out of
-the run summary. Files go to ``<output>/run/``, never into ``model/``; every rank writes its trace (ranks wait for the slowest), rank 0 the memory snapshot.
+the run summary. Files go to ``<output>/run/``, never into ``model/``. Every rank writes its trace
+(data-parallel ranks wait for the slowest); rank 0 alone writes the memory snapshot.
 """
 
 from __future__ import annotations

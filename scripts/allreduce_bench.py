@@ -39,9 +39,9 @@ def worker(rank: int, world: int, port: int, parameters: int, repeats: int) -> N
         seconds = statistics.median(times)
         size = buffer.numel() * buffer.element_size()
         if rank == 0:
+            bus = 2 * (world - 1) / world * size / seconds / 1e9
             print(f"all-reduce {size / 2**20:.0f} MiB {str(dtype).removeprefix('torch.')} over {world} GPUs: "
-                  f"{seconds * 1e3:.2f} ms median, bus bandwidth {2 * (world - 1) / world * size / seconds / 1e9:.1f} GB/s",
-                  flush=True)
+                  f"{seconds * 1e3:.2f} ms median, bus bandwidth {bus:.1f} GB/s", flush=True)
     dist.destroy_process_group()
 
 

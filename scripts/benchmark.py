@@ -194,7 +194,8 @@ def scaling(args) -> dict:
         runs[gpus] = run_lightning(layout, args, args.out, f"gpus{gpus}", extra)
         r = runs[gpus]
         print(f"{gpus} GPU(s): {r['tokens_per_second']:,.0f} tokens/s, host peak PSS {r['peak_host_pss_gib']:.2f} GiB "
-              f"(RSS {r['peak_host_rss_gib']:.2f}) at {r['peak_pss_at_seconds']} s, process {r['process_seconds']:.0f} s",
+              f"(RSS {r['peak_host_rss_gib']:.2f}) at {r['peak_pss_at_seconds']} s, "
+              f"process {r['process_seconds']:.0f} s",
               file=sys.stderr, flush=True)
     result = {"layout": layout, "microbatch_per_gpu": args.microbatch, "runs": runs,
               "scaling": runs[2]["tokens_per_second"] / (2 * runs[1]["tokens_per_second"]) if len(runs) == 2 else None}
@@ -420,7 +421,8 @@ def main() -> int:
     parser.add_argument("--scaling", action="store_true", help="1 GPU against 2 GPUs, same microbatch per GPU")
     parser.add_argument("--warm", action="store_true", help="with --scaling: share one compile cache (throughput only)")
     parser.add_argument("--scaling-gpus", type=int, nargs="+", default=[1, 2], help="with --scaling: GPU counts to run")
-    parser.add_argument("--records", type=Path, help="NDJSON records to feed instead of a generator running beside the job")
+    parser.add_argument("--records", type=Path,
+                        help="NDJSON records to feed instead of a generator running beside the job")
     parser.add_argument("--trace", action="store_true", help="with --scaling: a profiler trace of one update per rank")
     parser.add_argument("--probe-timing", type=int, metavar="K", help="time RunFab's probe of microbatch K")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
@@ -441,7 +443,8 @@ def main() -> int:
         for gpus, r in result["runs"].items():
             print(f"{gpus} GPU(s), microbatch {args.microbatch} per GPU: {r['tokens_per_second']:,.0f} tokens/s, "
                   f"MFU {(r['mfu'] or 0):.1%}, data wait {r['data_wait_seconds']:.2f} s, host peak PSS "
-                  f"{r['peak_host_pss_gib']:.2f} GiB (RSS {r['peak_host_rss_gib']:.2f}) at {r['peak_pss_at_seconds']} s "
+                  f"{r['peak_host_pss_gib']:.2f} GiB (RSS {r['peak_host_rss_gib']:.2f}) "
+                  f"at {r['peak_pss_at_seconds']} s "
                   f"of {r['process_seconds']:.0f} s")
             print_stages(r["stages"])
         print(f"scaling: 2 GPUs = {result['scaling'] or 0:.1%} of twice 1 GPU (target 95 %); overrides "

@@ -73,7 +73,8 @@ def summarize(trace: dict, top: int) -> str:
         comm_busy, compute_busy = busy_time(communication), busy_time(compute)
         exposed = busy - compute_busy
         lines.append(f"communication {comm_busy / 1e3:.1f} ms, of which exposed (no compute kernel beside it) "
-                     f"{exposed / 1e3:.1f} ms; computation {compute_busy / 1e3:.1f} ms; GPU idle {(span - busy) / 1e3:.1f} ms")
+                     f"{exposed / 1e3:.1f} ms; computation {compute_busy / 1e3:.1f} ms; "
+                     f"GPU idle {(span - busy) / 1e3:.1f} ms")
     phases = defaultdict(float)
     for e in trace.get("traceEvents", []):
         if e.get("cat") == "user_annotation" and "dur" in e and e.get("name") in PHASES:

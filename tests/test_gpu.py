@@ -229,7 +229,8 @@ def test_one_and_two_gpus_train_the_same_updates_and_both_ranks_end_at_an_awkwar
         record = json.loads((out / "model/run_record.json").read_text())
         assert record["input"]["end_of_input"] and record["optimizer_steps"] == record["input"]["updates"] >= 3
         assert record["world_size"] == gpus
-        losses = [(line["step"], line["loss"]) for line in map(json.loads, result.stdout.splitlines()) if "loss" in line]
+        lines = [json.loads(line) for line in result.stdout.splitlines()]
+        losses = [(line["step"], line["loss"]) for line in lines if "loss" in line]
         runs[gpus] = (losses, load_file(out / "model/model.safetensors"), record["input"]["input_sha256"])
     (one, weights_one, input_one), (two, weights_two, input_two) = runs[1], runs[2]
     assert input_one == input_two

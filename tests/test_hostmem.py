@@ -33,7 +33,8 @@ def test_pss_of_a_tree_counts_a_child_and_shares_what_parent_and_child_map():
 
 
 def test_a_gpu_count_over_the_host_budget_is_refused_before_any_input_is_read():
-    cfg = load_config("conf/smoke.yaml", ["trainer.accelerator=gpu", "trainer.devices=8", "trainer.host_memory_budget_gib=8"])
+    overrides = ["trainer.accelerator=gpu", "trainer.devices=8", "trainer.host_memory_budget_gib=8"]
+    cfg = load_config("conf/smoke.yaml", overrides)
     need = hostmem.projected_host_gib(8)
     assert need > 8  # the projection from the 2-GPU measurements: 8 GPU processes do not fit
     stdin = io.BytesIO(b'{"text": "never read"}\n')
