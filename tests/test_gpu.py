@@ -238,4 +238,7 @@ def test_one_and_two_gpus_train_the_same_updates_and_both_ranks_end_at_an_awkwar
     for (step, a), (_, b) in zip(one, two):
         assert b == pytest.approx(a, rel=2e-3), f"update {step}"
     for name, expected in weights_one.items():
+        if not expected.any():  # the export's zero biases (GPT-2's Conv1D has them, our Linear does not)
+            assert not weights_two[name].any(), name
+            continue
         assert relative_error(weights_two[name], expected) < 1e-2, name
