@@ -42,6 +42,8 @@ class TrainerConfig:
     memory_headroom_gib: float = 2.0  # GPU memory the allocator leaves free, in the probe and in training alike
     probe_margin_gib: float = 0.5  # the eager probe's cap is this much tighter than training's (compiled) cap
     cuda_alloc_conf: str | None = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF unless the platform set one
+    host_memory_budget_gib: float = 8.0  # RunFab's RAM for the job; GPU counts projected over it are refused (0: off)
+    ddp_bucket_cap_mb: float = 25.0  # all-reduce bucket size (DDP's default); dynamo splits the compiled trunk there
 
 
 @dataclass
@@ -144,6 +146,8 @@ def check_config(cfg: RunConfig) -> None:
         problems.append("data.val_fraction must lie in [0, 1)")
     if cfg.trainer.memory_headroom_gib < 0 or cfg.trainer.probe_margin_gib < 0:
         problems.append("trainer.memory_headroom_gib and trainer.probe_margin_gib must be >= 0")
+    if cfg.trainer.host_memory_budget_gib < 0 or cfg.trainer.ddp_bucket_cap_mb <= 0:
+        problems.append("trainer.host_memory_budget_gib must be >= 0 (0: no check) and trainer.ddp_bucket_cap_mb > 0")
     if cfg.metrics.interval_seconds < 0:
         problems.append("metrics.interval_seconds must be >= 0 (0 reports every update)")
     problems.extend(cfg.observe.problems())

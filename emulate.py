@@ -5,8 +5,9 @@
    in a fresh process with RunFab's 120 s limit; stop at the first failure; take the largest fit.
 3. Call ``train(microbatch, accumulation)`` in a fresh process with this process's stdin,
    ``RUNFABRIC_OUTPUT`` set and TMPDIR in the sandbox, while a watchdog samples host memory of
-   the whole process tree, the size of TMPDIR and of the output, and stops the run (as the
-   platform would) when one goes over RunFab's budget: 8 GiB RAM, 256 MiB /tmp, 3 GiB output.
+   the whole process tree (PSS, as a memory cgroup charges it; RSS beside it), the size of TMPDIR
+   and of the output, and stops the run (as the platform would) when one goes over RunFab's
+   budget: 8 GiB RAM, 256 MiB /tmp, 3 GiB output.
 4. Write a summary, SVG plots of loss and throughput over ``elapsed_seconds`` from the metric
    lines, as the platform's graphs show them, and ``report.html``: report.py's page of the
    emulated run's output root, written before the sandbox is removed.
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TextIO
 
 import contract_check
+import hostmem
 import report as run_report
 
 RAM_BUDGET = 8 << 30
@@ -41,7 +42,8 @@ SAMPLE_SECONDS = 0.5
 class Usage:
     """Peaks seen by the watchdog, and the budget that stopped the run, if any."""
 
-    peak_rss_bytes: int = 0
+    peak_pss_bytes: int = 0  # what the RAM budget is checked against
+    peak_rss_bytes: int = 0  # shared libraries counted once per process: reported, not budgeted
     peak_tmp_bytes: int = 0
     peak_output_bytes: int = 0
     exceeded: str | None = None
@@ -66,19 +68,37 @@ def candidates(effective_batch_size: int, gpus: int) -> list[int]:
 
 
 def probe(sandbox: contract_check.Sandbox, microbatch: int, cuda: bool, limit: float) -> dict:
+    """One candidate in a fresh process, as RunFab runs it; host memory of its tree sampled meanwhile."""
     command = [sys.executable, "-c", f"import train; train.probe_batch({microbatch})"]
     start = time.monotonic()
     measured: dict = {}
+    usage = Usage()
+    process = subprocess.Popen(command, cwd=sandbox.bundle, env=sandbox.env(cuda), stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    sampler = threading.Thread(target=sample_memory, args=(process, usage), daemon=True)
+    sampler.start()
     try:
-        result = subprocess.run(command, cwd=sandbox.bundle, env=sandbox.env(cuda), stdin=subprocess.DEVNULL,
-                                capture_output=True, timeout=limit)
-        stderr = result.stderr.decode("utf-8", "replace").strip().splitlines()
-        ok, reason = result.returncode == 0, stderr[-1:]
+        _, err = process.communicate(timeout=limit)
+        stderr = err.decode("utf-8", "replace").strip().splitlines()
+        ok, reason = process.returncode == 0, stderr[-1:]
         measured = probe_figures(stderr)
     except subprocess.TimeoutExpired:
+        contract_check.kill_group(process.pid)
+        process.communicate()
         ok, reason = False, [f"over the {limit:.0f} s limit"]
+    sampler.join()
     return {"microbatch": microbatch, "fits": ok, "seconds": round(time.monotonic() - start, 1),
-            "reason": None if ok else (reason[0] if reason else "failed"), **measured}
+            "reason": None if ok else (reason[0] if reason else "failed"),
+            "peak_host_pss_gib": round(usage.peak_pss_bytes / 2**30, 2),
+            "peak_host_rss_gib": round(usage.peak_rss_bytes / 2**30, 2), **measured}
+
+
+def sample_memory(process: subprocess.Popen, usage: Usage) -> None:
+    """Peak tree PSS and RSS of a process until it ends (no budget: a probe is short and RunFab's own)."""
+    while process.poll() is None:
+        pss, rss = tree_memory(process.pid)
+        usage.peak_pss_bytes, usage.peak_rss_bytes = max(usage.peak_pss_bytes, pss), max(usage.peak_rss_bytes, rss)
+        time.sleep(SAMPLE_SECONDS)
 
 
 def probe_figures(stderr: list[str]) -> dict:
@@ -94,21 +114,20 @@ def probe_figures(stderr: list[str]) -> dict:
     return {}
 
 
-def tree_rss(pid: int) -> int:
-    """Resident memory of a process and all its descendants (from /proc, no psutil needed)."""
-    total = 0
-    for member in contract_check.process_family(pid):
-        try:
-            fields = Path(f"/proc/{member}/statm").read_text().split()
-            total += int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, IndexError, ValueError):
-            continue
-    return total
+def tree_memory(pid: int) -> tuple[int, int]:
+    """(PSS, RSS) in bytes of a process and all its descendants, from /proc/PID/smaps_rollup."""
+    totals = hostmem.tree_memory(contract_check.process_family(pid))
+    return totals["Pss"], totals["Rss"]
 
 
 def watch(process: subprocess.Popen, sandbox: contract_check.Sandbox, usage: Usage) -> None:
     """Sample until the process ends; past a budget, record which and stop the run."""
-    budgets = (("RAM", RAM_BUDGET, "peak_rss_bytes", lambda: tree_rss(process.pid)),
+    def ram() -> int:
+        pss, rss = tree_memory(process.pid)
+        usage.peak_rss_bytes = max(usage.peak_rss_bytes, rss)
+        return pss
+
+    budgets = (("RAM", RAM_BUDGET, "peak_pss_bytes", ram),
                ("/tmp", TMP_BUDGET, "peak_tmp_bytes", lambda: contract_check.folder_bytes(sandbox.tmp)),
                ("output", OUTPUT_BUDGET, "peak_output_bytes", lambda: contract_check.folder_bytes(sandbox.output)))
     while process.poll() is None:
@@ -119,7 +138,8 @@ def watch(process: subprocess.Popen, sandbox: contract_check.Sandbox, usage: Usa
                 continue
             setattr(usage, attribute, max(getattr(usage, attribute), value))
             if value > limit and usage.exceeded is None:
-                usage.exceeded = f"{name}: {value / 2**20:.0f} MiB > {limit / 2**20:.0f} MiB"
+                measured = f"{name} (PSS)" if name == "RAM" else name
+                usage.exceeded = f"{measured}: {value / 2**20:.0f} MiB > {limit / 2**20:.0f} MiB"
                 contract_check.kill_group(process.pid)
         time.sleep(SAMPLE_SECONDS)
 
@@ -187,7 +207,9 @@ def emulate(bundle: Path, report: Path, cuda: bool, gpus: int | None, microbatch
             outcome = probe(sandbox, k, cuda, PROBE_LIMIT)
             result.probes.append(outcome)
             print(f"emulate: probe microbatch {k}: {'fits' if outcome['fits'] else 'fails'} "
-                  f"({outcome['seconds']} s){'' if outcome['fits'] else ': ' + outcome['reason']}", file=log)
+                  f"({outcome['seconds']} s, host PSS {outcome['peak_host_pss_gib']:.2f} GiB, RSS "
+                  f"{outcome['peak_host_rss_gib']:.2f} GiB){'' if outcome['fits'] else ': ' + outcome['reason']}",
+                  file=log)
             if not outcome["fits"]:
                 break
         fitting = [p["microbatch"] for p in result.probes if p["fits"]]
@@ -206,7 +228,8 @@ def emulate(bundle: Path, report: Path, cuda: bool, gpus: int | None, microbatch
     (report / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     u = result.usage
     print(f"emulate: exit {code} after {result.train_seconds} s, {lines} metric lines; peaks: RAM "
-          f"{u.peak_rss_bytes / 2**30:.2f} GiB, /tmp {u.peak_tmp_bytes / 2**20:.1f} MiB, output "
+          f"{u.peak_pss_bytes / 2**30:.2f} GiB PSS ({u.peak_rss_bytes / 2**30:.2f} GiB RSS), "
+          f"/tmp {u.peak_tmp_bytes / 2**20:.1f} MiB, output "
           f"{u.peak_output_bytes / 2**20:.1f} MiB{'; STOPPED: ' + u.exceeded if u.exceeded else ''}; "
           f"report {page}, summary and plots in {report}", file=log)
     return result

@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 
 import attention_kernels
+import hostmem
 import launcher
 from callbacks.export import ExportModel
 from callbacks.graceful_stop import GracefulStop
@@ -124,11 +125,10 @@ def lightning_trainer(cfg: RunConfig, accelerator: str, world: int, **overrides)
     With several ranks the processes already exist (launcher.py started them), so Lightning's
     DDP strategy joins them instead of launching any.
     """
-    backend = "nccl" if accelerator == "gpu" else "gloo"
     arguments = dict(
         accelerator=accelerator,
         devices=world,
-        strategy="auto" if world == 1 else L.pytorch.strategies.DDPStrategy(process_group_backend=backend),
+        strategy="auto" if world == 1 else ddp_strategy(cfg, accelerator),
         precision=resolve_precision(cfg, accelerator),
         max_epochs=1,  # the stream is one pass
         num_sanity_val_steps=0,
@@ -140,6 +140,43 @@ def lightning_trainer(cfg: RunConfig, accelerator: str, world: int, **overrides)
     )
     arguments.update(overrides)
     return L.Trainer(**arguments)
+
+
+class SameStreamDDP(L.pytorch.strategies.DDPStrategy):
+    """Lightning wraps the model in DDP on a side CUDA stream; DDP keeps the gradient accumulators it
+    made there, and PyTorch then warns at every backward that their stream does not match the
+    stream producing the gradients ("may incur unnecessary synchronization"; its advice: wrap on the
+    stream the forward runs on). This wraps on the current stream, as that warning asks."""
+
+    def _setup_model(self, model):
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+
+
+def ddp_strategy(cfg: RunConfig, accelerator: str) -> L.pytorch.strategies.DDPStrategy:
+    """DDP joining the launcher's processes. Gradients are views into DDP's buckets (no copy into
+    them, one gradient-sized buffer less per GPU); buckets of ``trainer.ddp_bucket_cap_mb``."""
+    return SameStreamDDP(
+        process_group_backend="nccl" if accelerator == "gpu" else "gloo",
+        gradient_as_bucket_view=True, bucket_cap_mb=cfg.trainer.ddp_bucket_cap_mb,
+    )
+
+
+def build_module(cfg: RunConfig, device: torch.device | None) -> LitGPT:
+    """The LightningModule, its weights initialized on ``device``: on a GPU no full fp32 copy of the
+    model is ever made in host memory, and no core spends seconds drawing 127M random numbers."""
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        return LitGPT(cfg.model, cfg.optim)
+
+
+def check_host_memory(cfg: RunConfig, world: int, in_workers: bool) -> None:
+    """Refuse, before any data is read or worker started, a GPU count whose host memory cannot fit."""
+    if resolve_accelerator(cfg) != "gpu":
+        return  # the projection is of CUDA processes; CPU workers hold far less
+    problem = hostmem.host_budget_problem(cfg.trainer.host_memory_budget_gib, world, in_workers)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def prepare_compile(folder: Path, world: int) -> None:
@@ -334,11 +371,12 @@ def run_training(cfg: RunConfig, microbatch: int, accumulation: int, stdin=None)
     world = world_size(cfg)
     check_batch(microbatch, accumulation, world)
     check_output_budget(cfg)
+    in_workers = world > 1 or bool(cfg.trainer.worker_processes)
+    check_host_memory(cfg, world, in_workers)
     setup_process(cfg)
     with claimed_output(Path(cfg.output.root)):
         use_allocator_settings(cfg)
         platform_fraction = platform_memory_fraction()
-        in_workers = world > 1 or bool(cfg.trainer.worker_processes)
         encoder = load_encoder(cfg)
         settings = stream_settings(cfg, encoder, microbatch, accumulation, world)
         feeder = UpdateFeeder(
@@ -385,8 +423,10 @@ def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodu
     """
     accelerator = resolve_accelerator(cfg)
     on_gpu = accelerator == "gpu"
+    host_memory = hostmem.HostMemory()
     if on_gpu:
         limit_gpu_memory(cfg, local_device(), platform_fraction)
+        host_memory.stage("CUDA initialized")
     model_dir = Path(cfg.output.root) / "model"
     compiled = cfg.trainer.compile if cfg.trainer.compile is not None else on_gpu
     tokenizer_path = bundle_path(cfg.data.tokenizer)
@@ -412,6 +452,7 @@ def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodu
         ExportModel(model_dir, tokenizer_path),
         RunRecord(model_dir, BUNDLE_ROOT, static, input_summary, compiled, early_end),
         GracefulStop(end_input),
+        host_memory,
     ]
     every = cfg.trainer.checkpoint_every_steps
     if every > 0:
@@ -430,7 +471,8 @@ def fit(cfg: RunConfig, microbatch: int, accumulation: int, world: int, datamodu
         callbacks=callbacks,
         logger=experiment_loggers(cfg, run_dir / "logs") or False,
     )
-    module = LitGPT(cfg.model, cfg.optim)
+    module = build_module(cfg, torch.device("cuda", local_device()) if on_gpu else None)
+    host_memory.stage("model built")
     if compiled:
         prepare_compile(Path(cfg.output.root) / "data" / "compile-cache", world)
         module.model.compile_trunk()
@@ -485,14 +527,19 @@ def train_data_parallel(cfg: RunConfig, microbatch: int, accumulation: int, worl
 def run_worker() -> int:
     """``python train.py worker``: one data-parallel rank, started by train_data_parallel or run_probe."""
     launcher.exit_with_parent()
+    hostmem.record_stage("worker started, modules imported")
     spec = launcher.worker_spec()
     cfg = load_config_dict(spec["config"])
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     setup_process(cfg)
+    if resolve_accelerator(cfg) == "gpu":
+        torch.set_num_threads(1)  # a GPU worker only launches kernels; RunFab's 2 cores serve feeder and workers
     platform_fraction = spec.get("platform_memory_fraction")
     if spec.get("probe"):
         run_probe_local(cfg, spec["microbatch"], world, platform_fraction)
-        return 0
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # a probe keeps nothing: skip the interpreter's teardown of CUDA, NCCL and modules (seconds)
     encoder = load_encoder(cfg)
     settings = stream_settings(cfg, encoder, spec["microbatch"], spec["accumulation"], world)
     pool = ValidationPool(cfg.data.val_max_tokens)
@@ -534,10 +581,11 @@ def run_probe(cfg: RunConfig, microbatch: int) -> dict:
     """
     if not 1 <= microbatch <= EFFECTIVE_BATCH_SIZE:
         raise ConfigError(f"microbatch must lie in 1..{EFFECTIVE_BATCH_SIZE}, not {microbatch}")
+    world = world_size(cfg)
+    check_host_memory(cfg, world, world > 1 or bool(cfg.trainer.worker_processes))
     setup_process(cfg)
     use_allocator_settings(cfg)
     platform_fraction = platform_memory_fraction()
-    world = world_size(cfg)
     if world == 1 and not cfg.trainer.worker_processes:
         return run_probe_local(cfg, microbatch, 1, platform_fraction)
     restore_signals = launcher.raise_on_signals()
@@ -574,9 +622,9 @@ def run_probe_local(cfg: RunConfig, microbatch: int, world: int, platform_fracti
     batches = DataLoader(kinds * PROBE_PASSES, batch_size=None)
     trainer = lightning_trainer(
         cfg, accelerator, world, max_steps=len(kinds) * PROBE_PASSES // accumulation, accumulate_grad_batches=accumulation,
-        limit_val_batches=0, enable_progress_bar=False,
+        limit_val_batches=0, enable_progress_bar=False, callbacks=[hostmem.HostMemory()],
     )
-    module = LitGPT(cfg.model, cfg.optim)
+    module = build_module(cfg, device if accelerator == "gpu" else None)
     if compiled:
         module.model.compile_trunk()
     if accelerator == "gpu":

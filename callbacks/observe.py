@@ -6,7 +6,8 @@ activity and is exported as a Chrome/Perfetto JSON trace; the allocator history 
 dumped as a snapshot for https://pytorch.org/memory_viz. LitGPT marks zero_grad, forward,
 backward and optimizer_step with ``record_function``, so both views name the phases.
 The metrics callback reports observed updates apart (``"observed": 1``) and leaves them out of
-the run summary. Files go to ``<output>/run/``, never into ``model/``; rank 0 observes.
+the run summary. Files go to ``<output>/run/``, never into ``model/``. Every rank writes its trace
+(data-parallel ranks wait for the slowest); rank 0 alone writes the memory snapshot.
 """
 
 from __future__ import annotations
@@ -61,8 +62,6 @@ class ObservationWindows(L.Callback):
         self._traced = self._snapshotted = False  # each window runs once, even if an update number repeats
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if not trainer.is_global_zero:
-            return
         update = trainer.global_step + 1  # the update this microbatch belongs to
         profiled = self.config.profiled()
         if update == profiled.start and self._profiler is None and not self._traced:
@@ -72,6 +71,8 @@ class ObservationWindows(L.Callback):
             self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
             self._profiler.start()
             log.info("profiling updates %d to %d", profiled.start, profiled.stop - 1)
+        if not trainer.is_global_zero:
+            return  # every rank writes a trace (data parallelism waits for the slowest); rank 0 the snapshot
         if update == self.config.memory_update and not self._recording_memory and not self._snapshotted:
             if pl_module.device.type != "cuda":
                 log.warning("observe.memory_update needs a CUDA device; no memory snapshot on %s", pl_module.device)
@@ -84,11 +85,15 @@ class ObservationWindows(L.Callback):
         finished = trainer.global_step  # an update that just completed; mid-accumulation it is the previous one
         if self._profiler is not None and finished == self.config.profiled().stop - 1:
             self._profiler.stop()
-            path = self.run_dir / "profile" / f"trace-updates-{self.config.profiled().start}-{finished}.json"
+            rank = f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""
+            path = self.run_dir / "profile" / f"trace-updates-{self.config.profiled().start}-{finished}{rank}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             self._profiler.export_chrome_trace(str(path))
             self._profiler, self._traced = None, True
-            self._written(path)
+            if trainer.is_global_zero:
+                self._written(path)
+            else:
+                log.info("observation written: %s (%.1f MiB)", path, path.stat().st_size / 2**20)
         if self._recording_memory and finished == self.config.memory_update:
             path = self.run_dir / "memory" / f"snapshot-update-{finished}.pickle"
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,11 @@ Extra runs, in the same job:
   --memory-sweep  the probe (eager, as RunFab runs it) and the same probe compiled, at every
                   candidate microbatch: compiled peak memory must not exceed eager.
   --host-pipeline the data pipeline alone (stdin -> tokens -> rows -> updates), no GPU needed.
+  --scaling       data parallelism: `train.py` on 1 GPU (microbatch x 2) then on 2 GPUs (microbatch x 1
+                  each), the same job, each with a cold compile cache as on RunFab: tokens/s, scaling, peak
+                  host memory (PSS summed over the tree, RSS beside it) and each process's memory by stage.
+  --probe-timing  RunFab's probe of one candidate (`import train; train.probe_batch(K)` in a fresh
+                  process on every visible GPU): whole-process seconds and peak host memory.
 
 Usage (on a GPU machine): python scripts/benchmark.py [--layouts realistic one-doc] [--microbatch 32]
 """
@@ -38,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import hostmem  # noqa: E402
 import train  # noqa: E402
 from callbacks.runfab_metrics import peak_memory  # noqa: E402
 from config import load_config  # noqa: E402
@@ -66,29 +72,24 @@ def tree_memory(pid: int) -> tuple[int, int, int]:
     """(RSS, PSS, anonymous RSS) in bytes summed over a process and its descendants. PSS shares each
     shared page among the processes mapping it, which is what a memory cgroup charges once; RSS counts
     it in each; anonymous memory (heaps, not mapped files) is what every extra process adds for sure."""
-    totals = {"Rss:": 0, "Pss:": 0, "Anonymous:": 0}
-    for member in process_family(pid):
-        try:
-            for line in Path(f"/proc/{member}/smaps_rollup").read_text().splitlines():
-                key = line.split(maxsplit=1)[0] if line else ""
-                if key in totals:
-                    totals[key] += int(line.split()[1]) * 1024
-        except (OSError, ValueError):
-            continue
-    return totals["Rss:"], totals["Pss:"], totals["Anonymous:"]
+    totals = hostmem.tree_memory(process_family(pid))
+    return totals["Rss"], totals["Pss"], totals["Anonymous"]
 
 
 class MemorySampler(threading.Thread):
-    """Peak tree RSS and PSS of a process, sampled every half second until it ends."""
+    """Peak tree RSS and PSS of a process, sampled every half second until it ends; the timeline too."""
 
     def __init__(self, process: subprocess.Popen) -> None:
         super().__init__(daemon=True)
         self.process = process
         self.peak_rss = self.peak_pss = self.peak_anonymous = 0
+        self.timeline: list[tuple[float, int, int, int]] = []  # (time, PSS, RSS, processes)
 
     def run(self) -> None:
         while self.process.poll() is None:
-            rss, pss, anonymous = tree_memory(self.process.pid)
+            totals = hostmem.tree_memory(process_family(self.process.pid))
+            rss, pss, anonymous = totals["Rss"], totals["Pss"], totals["Anonymous"]
+            self.timeline.append((time.time(), pss, rss, totals["processes"]))
             self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
             self.peak_anonymous = max(self.peak_anonymous, anonymous)
             time.sleep(0.5)
@@ -100,30 +101,45 @@ class MemorySampler(threading.Thread):
 def run_lightning(layout: str, args, out: Path, name: str = "lightning", extra: tuple[str, ...] = ()) -> dict:
     """`python train.py` with the records on stdin; figures from its run record's summary."""
     output = out / f"{name}-{layout}"
-    env = dict(os.environ, RUNFABRIC_OUTPUT=str(output))
+    stages = out / f"{name}-{layout}-stages.jsonl"
+    stages.unlink(missing_ok=True)
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(output), **{hostmem.STAGE_LOG_ENV: str(stages)})
+    if getattr(args, "cold", False):  # RunFab starts with no compile cache: train.py puts one under its output
+        for variable in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+            env.pop(variable, None)
     overrides = [
         "--microbatch", str(args.microbatch), "--trainer.max_steps", str(args.steps), "--trainer.val_every_steps", "0",
         "--data.val_fraction", "0", "--metrics.interval_seconds", "1", "--optim.warmup_steps", "5",
         "--observe.warmup_updates", str(args.warmup), *as_flags(args.set), *extra,
     ]
-    generator = subprocess.Popen(records_command(layout, args.docs), stdout=subprocess.PIPE)
+    if args.records:  # written beforehand: no generator competing for the 2 cores the job is pinned to
+        generator, source = None, args.records.open("rb")
+    else:
+        generator = subprocess.Popen(records_command(layout, args.docs), stdout=subprocess.PIPE)
+        source = generator.stdout
     started = time.perf_counter()
-    process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *overrides], stdin=generator.stdout, env=env,
+    process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *overrides], stdin=source, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     sampler = MemorySampler(process)
     sampler.start()
     stdout, stderr = process.communicate()
     sampler.join()
-    generator.kill()
+    if generator is not None:
+        generator.kill()
+    source.close()
     if process.returncode:
         raise RuntimeError(f"train.py {' '.join(extra)} failed:\n{stderr[-4000:]}")
     record = json.loads((output / "model/run_record.json").read_text())
     summary = record["summary"]
+    (out / f"{name}-{layout}-stderr.log").write_text(stderr)
+    write_timeline(out / f"{name}-{layout}-timeline.jsonl", sampler, started)
     return {
+        "stages": read_stages(stages, started),
+        "peak_pss_at_seconds": peak_time(sampler, started),
         "tokens_per_second": summary["tokens_per_second"],
         "mfu": summary["mfu"],
-        "peak_allocated_gib": summary["peak_allocated_gib"],
-        "peak_reserved_gib": summary["peak_reserved_gib"],
+        "peak_allocated_gib": summary.get("peak_allocated_gib", 0.0),
+        "peak_reserved_gib": summary.get("peak_reserved_gib", 0.0),
         "measured_seconds": summary["normal_region"]["seconds"],
         "normal_updates": summary["normal_region"]["updates"],
         "data_wait_seconds": record["input"]["training_wait_seconds"],
@@ -134,6 +150,86 @@ def run_lightning(layout: str, args, out: Path, name: str = "lightning", extra: 
         "observations": {f: (output / "run" / f).stat().st_size for f in record["observations"]},
         "metric_lines": len(stdout.splitlines()),
     }
+
+
+def write_timeline(path: Path, sampler: MemorySampler, started: float) -> None:
+    wall = time.time() - (time.perf_counter() - started)
+    with path.open("w") as f:
+        for t, pss, rss, processes in sampler.timeline:
+            f.write(json.dumps({"seconds": round(t - wall, 1), "pss_gib": round(pss / 2**30, 3),
+                                "rss_gib": round(rss / 2**30, 3), "processes": processes}) + "\n")
+
+
+def peak_time(sampler: MemorySampler, started: float) -> float | None:
+    """Seconds after the start at which the tree's PSS peaked."""
+    if not sampler.timeline:
+        return None
+    wall = time.time() - (time.perf_counter() - started)
+    return round(max(sampler.timeline, key=lambda s: s[1])[0] - wall, 1)
+
+
+def read_stages(path: Path, started: float) -> list[dict]:
+    """hostmem's stage records of every process of a run, in GiB, in time order."""
+    if not path.is_file():
+        return []
+    wall = time.time() - (time.perf_counter() - started)
+    rows = []
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        rows.append({"rank": entry["rank"], "stage": entry["stage"], "run_seconds": round(entry["time"] - wall, 1),
+                     **{k.lower(): round(entry.get(k, 0) / 2**30, 3) for k in ("Pss", "Pss_Anon", "Pss_File", "Rss")}})
+    return sorted(rows, key=lambda r: r["run_seconds"])
+
+
+def scaling(args) -> dict:
+    """The same microbatch per GPU on 1 GPU (accumulating 2) and on 2 GPUs, one job, cold compile caches
+    unless --warm (then the job's one cache: same speed, less time, not RunFab's host memory)."""
+    args.cold = not args.warm
+    layout = args.layouts[0] if args.layouts else "realistic"
+    runs = {}
+    for gpus in args.scaling_gpus:
+        extra = ("--trainer.devices", str(gpus), *(as_flags(args.compare) if gpus == 2 else ()))
+        if gpus == 2 and args.trace:
+            extra += ("--observe.profile_update", str(args.warmup + 3), "--observe.profile_updates", "1")
+        runs[gpus] = run_lightning(layout, args, args.out, f"gpus{gpus}", extra)
+        r = runs[gpus]
+        print(f"{gpus} GPU(s): {r['tokens_per_second']:,.0f} tokens/s, host peak PSS {r['peak_host_pss_gib']:.2f} GiB "
+              f"(RSS {r['peak_host_rss_gib']:.2f}) at {r['peak_pss_at_seconds']} s, "
+              f"process {r['process_seconds']:.0f} s",
+              file=sys.stderr, flush=True)
+    result = {"layout": layout, "microbatch_per_gpu": args.microbatch, "runs": runs,
+              "scaling": runs[2]["tokens_per_second"] / (2 * runs[1]["tokens_per_second"]) if len(runs) == 2 else None}
+    return result
+
+
+def print_stages(stages: list[dict]) -> None:
+    for s in stages:
+        print(f"  {s['run_seconds']:>6.1f} s rank {s['rank']} {s['stage']:<45} PSS {s['pss']:5.2f} "
+              f"(anon {s['pss_anon']:5.2f}, file {s['pss_file']:5.2f}) RSS {s['rss']:5.2f} GiB")
+
+
+def probe_timing(args) -> dict:
+    """RunFab's probe of one candidate, as RunFab runs it: a fresh process, every visible GPU."""
+    stages = args.out / f"probe-{args.probe_timing}-stages.jsonl"
+    stages.unlink(missing_ok=True)
+    env = dict(os.environ, **{hostmem.STAGE_LOG_ENV: str(stages)})
+    started = time.perf_counter()
+    process = subprocess.Popen([sys.executable, "-c", f"import train; train.probe_batch({args.probe_timing})"],
+                               cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    sampler = MemorySampler(process)
+    sampler.start()
+    _, stderr = process.communicate()
+    sampler.join()
+    seconds = time.perf_counter() - started
+    (args.out / f"probe-{args.probe_timing}-stderr.log").write_text(stderr)
+    if process.returncode:
+        raise RuntimeError(f"probe failed:\n{stderr[-4000:]}")
+    result = {"microbatch": args.probe_timing, "seconds": seconds, "peak_host_pss_gib": sampler.peak_pss / 2**30,
+              "peak_host_rss_gib": sampler.peak_rss / 2**30, "stages": read_stages(stages, started)}
+    print(f"probe {args.probe_timing}: {seconds:.1f} s whole process, host peak PSS {result['peak_host_pss_gib']:.2f} "
+          f"GiB (RSS {result['peak_host_rss_gib']:.2f})")
+    print_stages(result["stages"])
+    return result
 
 
 def run_plain(layout: str, args) -> dict:
@@ -326,6 +422,13 @@ def main() -> int:
     parser.add_argument("--workers", action="store_true", help="add a run through the data-parallel worker path")
     parser.add_argument("--memory-sweep", action="store_true", help="compiled against eager probe peaks")
     parser.add_argument("--host-pipeline", action="store_true", help="the data pipeline alone, no GPU (use 2 cores)")
+    parser.add_argument("--scaling", action="store_true", help="1 GPU against 2 GPUs, same microbatch per GPU")
+    parser.add_argument("--warm", action="store_true", help="with --scaling: share one compile cache (throughput only)")
+    parser.add_argument("--scaling-gpus", type=int, nargs="+", default=[1, 2], help="with --scaling: GPU counts to run")
+    parser.add_argument("--records", type=Path,
+                        help="NDJSON records to feed instead of a generator running beside the job")
+    parser.add_argument("--trace", action="store_true", help="with --scaling: a profiler trace of one update per rank")
+    parser.add_argument("--probe-timing", type=int, metavar="K", help="time RunFab's probe of microbatch K")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     parser.add_argument("--compare", nargs="*", default=[], metavar="KEY=VALUE",
                         help="add a Lightning run with these overrides on top of --set")
@@ -335,6 +438,22 @@ def main() -> int:
     cache = Path(os.environ.get("BENCH_COMPILE_CACHE", args.out / "compile-cache"))
     train.prepare_compile(cache, 1)  # shared by every run of the job: train.py keeps a folder the environment names
     results: dict = {}
+    if args.probe_timing:
+        (args.out / f"probe-{args.probe_timing}.json").write_text(json.dumps(probe_timing(args), indent=2))
+        return 0
+    if args.scaling:
+        result = scaling(args)
+        (args.out / "scaling.json").write_text(json.dumps(result, indent=2))
+        for gpus, r in result["runs"].items():
+            print(f"{gpus} GPU(s), microbatch {args.microbatch} per GPU: {r['tokens_per_second']:,.0f} tokens/s, "
+                  f"MFU {(r['mfu'] or 0):.1%}, data wait {r['data_wait_seconds']:.2f} s, host peak PSS "
+                  f"{r['peak_host_pss_gib']:.2f} GiB (RSS {r['peak_host_rss_gib']:.2f}) "
+                  f"at {r['peak_pss_at_seconds']} s "
+                  f"of {r['process_seconds']:.0f} s")
+            print_stages(r["stages"])
+        print(f"scaling: 2 GPUs = {result['scaling'] or 0:.1%} of twice 1 GPU (target 95 %); overrides "
+              f"{' '.join(args.set) or 'none'}; 2 GPUs also {' '.join(args.compare) or 'nothing'}")
+        return 0
     if args.host_pipeline:
         results["host_pipeline"] = host_pipeline(args)
         (args.out / "host_pipeline.json").write_text(json.dumps(results["host_pipeline"], indent=2))

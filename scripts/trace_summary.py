@@ -16,12 +16,16 @@ from collections import defaultdict
 from pathlib import Path
 
 FAMILIES = (  # first match wins; names are lower-cased
+    ("communication (nccl)", ("nccl",)),
     ("attention", ("flash", "fmha", "cudnn", "attn")),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "matmul")),
     ("optimizer", ("multi_tensor", "adam", "foreach", "norm_kernel")),
     ("compiled (triton)", ("triton",)),
     ("copy/fill", ("memcpy", "memset", "copy", "fill")),
 )
+
+
+PHASES = ("zero_grad", "forward", "backward", "optimizer_step")
 
 
 def family(name: str) -> str:
@@ -63,6 +67,21 @@ def summarize(trace: dict, top: int) -> str:
     total = sum(by_family.values())
     lines = [f"window {span / 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms ({busy / span:.1%}), "
              f"{len(kernels)} kernels, kernel time {total / 1e3:.1f} ms"]
+    communication = [iv for iv, e in zip(intervals, kernels) if family(e["name"]).startswith("communication")]
+    if communication:  # data parallelism: how much of the all-reduce time no computation hides
+        compute = [iv for iv, e in zip(intervals, kernels) if not family(e["name"]).startswith("communication")]
+        comm_busy, compute_busy = busy_time(communication), busy_time(compute)
+        exposed = busy - compute_busy
+        lines.append(f"communication {comm_busy / 1e3:.1f} ms, of which exposed (no compute kernel beside it) "
+                     f"{exposed / 1e3:.1f} ms; computation {compute_busy / 1e3:.1f} ms; "
+                     f"GPU idle {(span - busy) / 1e3:.1f} ms")
+    phases = defaultdict(float)
+    for e in trace.get("traceEvents", []):
+        if e.get("cat") == "user_annotation" and "dur" in e and e.get("name") in PHASES:
+            phases[e["name"]] += e["dur"]
+    if phases:
+        lines.append("host time in the phases (CPU, record_function): " + ", ".join(
+            f"{name} {phases[name] / 1e3:.1f} ms" for name in PHASES if name in phases))
     for label, us in sorted(by_family.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {label:<20} {us / 1e3:9.1f} ms  {us / total:6.1%}")
     lines.append(f"top {top} kernels:")

@@ -1,0 +1,171 @@
+"""Host memory as a container charges it, the job's budget for it, and what a GPU process gives back.
+
+RunFab grants the whole job 8 GiB of RAM however many GPUs it has. A memory cgroup charges a page
+once, whoever maps it, so the figure that matters is PSS (proportional set size: each shared page
+split among the processes that map it), summed over the process tree. RSS counts a shared library
+once per process that maps it and overstates a tree of several CUDA processes by gigabytes; it is
+reported beside PSS, never instead of it.
+
+- ``read_rollup`` / ``tree_memory``: /proc/PID/smaps_rollup of one process, or summed over a tree.
+- ``projected_host_gib`` / ``host_budget_problem``: the job's peak PSS for a GPU count, from the
+  figures measured on 2 H200s (docs/PERFORMANCE.md, 2026-11-30); train() and probe_batch() refuse
+  a count that cannot fit before they read any data or start any worker.
+- ``HostMemory``: a callback that records the process's memory at each stage of a run and keeps
+  Lightning's teardown from copying weights, gradients and optimizer state into host memory once a
+  GPU run is over (that copy was the job's peak: 2 GiB per GPU process).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+
+log = logging.getLogger(__name__)
+
+FIELDS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Pss_Shmem", "Anonymous")
+STAGE_LOG_ENV = "RUNFAB_HOST_MEMORY_LOG"  # a file: one JSON line per stage, from every process (benchmarks)
+GIB = 2**30
+
+# The job's peak PSS with several GPUs, measured on nvidia-h200-x2 under taskset -c 0,1 with the
+# reference config (docs/PERFORMANCE.md, 2026-11-30): the feeder alone (the process RunFab started:
+# torch, Lightning, the tokenizer, full buffers) held 0.72 GiB, and the whole tree with 2 GPU
+# processes peaked at 4.27 GiB (emulate, microbatch 16 x 1), so each GPU process is counted at
+# (4.27 - 0.72) / 2 = 1.78 GiB (one worker's stages: modules imported 0.57, CUDA context and model
+# 0.17, process group, NCCL and DDP 0.37, the first compiled update 0.54; rank 0's export folded in).
+# The margin covers what a sampler every 0.5 s can miss and the spread between runs. One GPU
+# trains in RunFab's own process (no feeder, no worker) and is not projected.
+FEEDER_GIB = 0.72
+PER_GPU_GIB = 1.78
+MARGIN_GIB = 0.25
+
+
+def read_rollup(pid: int | str = "self") -> dict[str, int]:
+    """The fields of FIELDS in bytes, from /proc/PID/smaps_rollup; {} when the process is gone."""
+    found = dict.fromkeys(FIELDS, 0)
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in found:
+            try:
+                found[key] = int(rest.split()[0]) * 1024
+            except (IndexError, ValueError):
+                continue
+    return found
+
+
+def tree_memory(pids) -> dict[str, int]:
+    """FIELDS summed over ``pids`` (a process and its descendants), plus how many were read."""
+    totals = dict.fromkeys(FIELDS, 0)
+    counted = 0
+    for pid in pids:
+        rollup = read_rollup(pid)
+        if rollup:
+            counted += 1
+            for key in FIELDS:
+                totals[key] += rollup[key]
+    totals["processes"] = counted
+    return totals
+
+
+# ----------------------------------------------------------------------------- budget
+
+
+def projected_host_gib(world: int) -> float:
+    """The job's projected peak PSS with ``world`` GPU processes and the feeder (the margin excluded)."""
+    return FEEDER_GIB + PER_GPU_GIB * world
+
+
+def host_budget_problem(budget_gib: float, world: int, in_workers: bool) -> str | None:
+    """Why ``world`` GPU processes cannot fit ``budget_gib`` of host memory, or None when they can."""
+    if budget_gib <= 0 or not in_workers:
+        return None
+    need = projected_host_gib(world)
+    if need + MARGIN_GIB <= budget_gib:
+        return None
+    fits = max(0, int((budget_gib - MARGIN_GIB - FEEDER_GIB) // PER_GPU_GIB))
+    return (
+        f"{world} GPUs need about {need:.1f} GiB of host memory (PSS: the feeder {FEEDER_GIB:.2f} GiB + {world} x "
+        f"{PER_GPU_GIB:.2f} GiB per GPU process, measured on 2 H200s, + {MARGIN_GIB:.2f} GiB margin), over the job's "
+        f"budget of {budget_gib:.1f} GiB (trainer.host_memory_budget_gib; RunFab grants 8 GiB whatever the GPU "
+        f"count). Use at most {fits} GPUs: --trainer.devices {fits}, or fewer GPUs on RunFab's slider"
+    )
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def _process_age() -> float:
+    """Seconds since this process started (from /proc), so stages read as a timeline."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def record_stage(name: str, rank: int | None = None) -> dict:
+    """This process's memory now: logged, and appended to $RUNFAB_HOST_MEMORY_LOG when set."""
+    rank = int(os.environ.get("LOCAL_RANK", 0)) if rank is None else rank
+    rollup = read_rollup()
+    entry = {"stage": name, "rank": rank, "pid": os.getpid(), "age_seconds": round(_process_age(), 2),
+             "time": time.time(), **{k: v for k, v in rollup.items()}}
+    log.info("host memory, rank %d, %s: PSS %.2f GiB (anonymous %.2f, files %.2f), RSS %.2f GiB, %.1f s after start",
+             rank, name, rollup.get("Pss", 0) / GIB, rollup.get("Pss_Anon", 0) / GIB, rollup.get("Pss_File", 0) / GIB,
+             rollup.get("Rss", 0) / GIB, entry["age_seconds"])
+    path = os.environ.get(STAGE_LOG_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+    return entry
+
+
+class HostMemory(L.Callback):
+    """Records this process's memory at each stage of a run, and keeps Lightning's teardown from
+    copying a finished GPU run's weights, gradients and optimizer state into host memory."""
+
+    STAGE_UPDATES = (1, 2, 3, 5, 10)
+
+    def __init__(self) -> None:
+        self._done: set[int] = set()
+
+    def stage(self, name: str, trainer: L.Trainer | None = None) -> None:
+        record_stage(name, trainer.global_rank if trainer is not None else None)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.stage("process group and device ready", trainer)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.stage("model on the device, optimizer built", trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        update = trainer.global_step
+        if update not in self.STAGE_UPDATES or update in self._done:
+            return
+        self._done.add(update)
+        self.stage(f"update {update}", trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        """Runs after the export and the run record (callbacks run in order; this one is last).
+
+        Lightning's teardown then copies the optimizer state and the module to the CPU, which for
+        the reference model is 2 GiB of host memory per GPU process (weights, gradients, two AdamW
+        moments) just before the process exits: measured, it was the job's peak. On a GPU nothing
+        is needed after this point, so the copy is made of nothing."""
+        self.stage("training ended", trainer)
+        if pl_module.device.type != "cuda":
+            return
+        for optimizer in trainer.optimizers:
+            optimizer.state.clear()
+        for parameter in pl_module.parameters():
+            parameter.grad = None
+            parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
