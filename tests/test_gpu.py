@@ -262,7 +262,8 @@ def test_a_memory_window_dumps_a_snapshot_the_memory_viz_reads(tmp_path, monkeyp
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(train.inductor_default_cache()))
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     cfg = load_config("conf/smoke.yaml", [*TINY, f"output.root={tmp_path}", "trainer.max_steps=3",
-                                          "trainer.val_every_steps=0", "observe.memory_update=2"])
+                                          "trainer.val_every_steps=0", "observe.memory_update=2",
+                                          "trainer.devices=1"])  # one process, also on a host of several GPUs
     monkeypatch.setattr("sys.stdout", io.StringIO())
     train.run_training(cfg, microbatch=8, accumulation=4, stdin=Stdin(io.BytesIO(records(600))))
     record = json.loads((tmp_path / "model/run_record.json").read_text())
