@@ -147,9 +147,11 @@ def test_callback_exports_on_rank_zero_only(gpt, tokenizer_path, tmp_path):
     callback = ExportModel(tmp_path / "hf", tokenizer_path)
     module = SimpleNamespace(model=torch.compile(gpt))  # compiled lazily: wrapping costs nothing
 
-    callback.on_train_end(SimpleNamespace(is_global_zero=False), module)
+    callback.on_train_end(SimpleNamespace(is_global_zero=False, global_step=3), module)
+    assert not (tmp_path / "hf").exists()
+    callback.on_train_end(SimpleNamespace(is_global_zero=True, global_step=0), module)  # nothing trained
     assert not (tmp_path / "hf").exists()
 
-    callback.on_train_end(SimpleNamespace(is_global_zero=True), module)
+    callback.on_train_end(SimpleNamespace(is_global_zero=True, global_step=3), module)
     hf_model, _ = load(tmp_path / "hf")
     assert max_logit_diff(hf_model, gpt) < 1e-4
