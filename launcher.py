@@ -316,6 +316,7 @@ def _serve(feeder, listener: Listener, world_size: int) -> None:
                     in_flight += 1
                 send_item(conn, item)
             send_item(conn, End(feeder.early_end, feeder.stats.as_dict()))
+            _drain(conn)
         except (BrokenPipeError, ConnectionResetError, EOFError):
             feeder.stop()  # the worker is gone; WorkerGroup.wait reports why
         except BaseException as error:
@@ -330,6 +331,16 @@ def _serve(feeder, listener: Listener, world_size: int) -> None:
         thread.start()
     for thread in threads:
         thread.join()
+
+
+def _drain(conn: Connection) -> None:
+    """Read the worker's last acknowledgements until it closes its end. A socket closed with unread
+    bytes resets the connection, and the worker could lose the end of the stream still in flight."""
+    try:
+        while True:
+            conn.recv_bytes()
+    except (EOFError, OSError):
+        pass
 
 
 def new_listener() -> tuple[Listener, bytes]:
