@@ -25,6 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
+from typing import NamedTuple
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 
@@ -105,17 +106,26 @@ def send_item(conn: Connection, item: object) -> None:
         conn.send_bytes(item.tokens.astype(np.int32).tobytes())
     elif isinstance(item, BaseException):
         conn.send_bytes(json.dumps({"kind": "error", "message": f"{type(item).__name__}: {item}"}).encode())
-    else:  # the end; ``item`` is why it came early (a signal, an input error), or None at the end of input
-        conn.send_bytes(json.dumps({"kind": "end", "early": item}).encode())
+    else:  # the end: an End, or None
+        end = item or End()
+        conn.send_bytes(json.dumps({"kind": "end", "early": end.early, "input": end.input_summary}).encode())
 
 
-def receive_items(conn: Connection, on_end=lambda early: None) -> Iterator[dict | np.ndarray]:
+class End(NamedTuple):
+    """The end of a rank's stream: why it came early (a signal, an input error) or None at the end of
+    input or a step limit, and the feeder's input summary, which rank 0 writes into the run record."""
+
+    early: str | None = None
+    input_summary: dict | None = None
+
+
+def receive_items(conn: Connection, on_end=lambda end: None) -> Iterator[dict | np.ndarray]:
     """Microbatches (dicts) and held-out documents (int32 arrays) until the feeder says it ended;
-    ``on_end`` receives why the end came early, or None."""
+    ``on_end`` receives the End."""
     while True:
         header = json.loads(conn.recv_bytes())
         if header["kind"] == "end":
-            on_end(header.get("early"))
+            on_end(End(header.get("early"), header.get("input")))
             return
         if header["kind"] == "error":
             raise RuntimeError(f"the feeder stopped: {header['message']}")
@@ -145,19 +155,23 @@ class FeederConnection:
         self.conn.send_bytes(str(rank).encode())
         self.pool = pool
         self.early_end: str | None = None  # the feeder's reason for ending before the input did
+        self.input_summary: dict | None = None  # what the feeder read, sent with the end
         self._done = False
         self._acknowledging = True
 
     def batches(self) -> Iterator[dict]:
         if self._done:
             return
-        for item in receive_items(self.conn, on_end=lambda early: setattr(self, "early_end", early)):
+        for item in receive_items(self.conn, on_end=self._ended):
             if isinstance(item, np.ndarray):
                 self.pool.offer(item)
             else:
                 self._acknowledge()
                 yield item
         self._done = True
+
+    def _ended(self, end: End) -> None:
+        self.early_end, self.input_summary = end.early, end.input_summary
 
     def _acknowledge(self) -> None:
         """Taken: the feeder may send one more (see _serve). Once it has sent its last item it closes
@@ -188,7 +202,7 @@ def free_port() -> int:
 class WorkerGroup:
     """Starts one worker per rank, forwards rank 0's stdout, keeps each stderr's tail, stops them all."""
 
-    def __init__(self, world_size: int, spec: dict, bundle_root: Path, command: str = "worker") -> None:
+    def __init__(self, world_size: int, spec: dict, bundle_root: Path) -> None:
         self.world_size = world_size
         port = free_port()
         self.processes: list[subprocess.Popen] = []
@@ -200,7 +214,7 @@ class WorkerGroup:
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{WORKER_SPEC_ENV: json.dumps(spec | {"rank": rank})},
             )
             process = subprocess.Popen(
-                [sys.executable, str(bundle_root / "train.py"), command], env=env, stdin=subprocess.DEVNULL,
+                [sys.executable, str(bundle_root / "train.py"), "worker"], env=env, stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stderr=subprocess.PIPE,
                 start_new_session=True,  # so a signal to the feeder's group does not race our own shutdown
             )
@@ -301,7 +315,8 @@ def _serve(feeder, listener: Listener, world_size: int) -> None:
                         in_flight -= 1
                     in_flight += 1
                 send_item(conn, item)
-            send_item(conn, feeder.early_end)
+            send_item(conn, End(feeder.early_end, feeder.stats.as_dict()))
+            _drain(conn)
         except (BrokenPipeError, ConnectionResetError, EOFError):
             feeder.stop()  # the worker is gone; WorkerGroup.wait reports why
         except BaseException as error:
@@ -316,6 +331,16 @@ def _serve(feeder, listener: Listener, world_size: int) -> None:
         thread.start()
     for thread in threads:
         thread.join()
+
+
+def _drain(conn: Connection) -> None:
+    """Read the worker's last acknowledgements until it closes its end. A socket closed with unread
+    bytes resets the connection, and the worker could lose the end of the stream still in flight."""
+    try:
+        while True:
+            conn.recv_bytes()
+    except (EOFError, OSError):
+        pass
 
 
 def new_listener() -> tuple[Listener, bytes]:

@@ -50,7 +50,6 @@ class LitGPT(L.LightningModule):
 
     def __init__(self, model_config: GPTConfig, optim_config: OptimConfig) -> None:
         super().__init__()
-        self.model_config = model_config
         self.optim_config = optim_config
         self.model = GPT(model_config)
         self.val_loss = MeanMetric()

@@ -76,15 +76,19 @@ def dataset_descriptor(root: Path) -> dict | None:
 class RunRecord(L.Callback):
     """Writes ``run_record.json`` into the model folder when training ends (rank 0)."""
 
-    def __init__(self, out_dir: Path, bundle_root: Path, static: dict, stream_stats, compiled: bool = False,
-                 early_end=lambda: None) -> None:
-        """``early_end()`` says why training ended before its input or limit (a signal, an input
-        error), or None; the record's status is then ``partial: <why>``."""
+    def __init__(self, out_dir: Path, bundle_root: Path, static: dict, input_summary, compiled: bool = False,
+                 early_end=lambda: None, metrics: RunFabMetrics | None = None,
+                 observer: ObservationWindows | None = None) -> None:
+        """``input_summary()`` gives what happened to the input; ``early_end()`` why training ended
+        before its input or limit (a signal, an input error), or None: the status is then
+        ``partial: <why>``. ``metrics`` and ``observer`` are the run's other callbacks, whose
+        figures and files the record reports."""
         self.out_dir = Path(out_dir)
         self.compiled = compiled  # training compiles: report the size of its caches
         self.bundle_root = Path(bundle_root)
         self.static = static  # config, batch settings, tokenizer: known before training
-        self.stream_stats = stream_stats  # callable returning the input summary at the end
+        self.input_summary = input_summary
+        self.metrics, self.observer = metrics, observer
         self.started = time.time()
         self.early_end = early_end
 
@@ -95,8 +99,7 @@ class RunRecord(L.Callback):
 
     def build(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
         gpu = torch.cuda.get_device_name(pl_module.device) if pl_module.device.type == "cuda" else None
-        metrics = next((c for c in trainer.callbacks if isinstance(c, RunFabMetrics)), None)
-        observer = next((c for c in trainer.callbacks if isinstance(c, ObservationWindows)), None)
+        metrics, observer = self.metrics, self.observer
         return {
             "status": self.status,
             "started_unix": round(self.started, 3),
@@ -111,7 +114,7 @@ class RunRecord(L.Callback):
             "observations": observer.files if observer else [],
             "compile_cache": self.compile_cache_usage(),
             "attention": {"requested": pl_module.model.config.attention, "kernels": dict(pl_module.model.attention_kernels)},
-            "input": self.stream_stats() if self.stream_stats else None,  # data parallel: the feeder fills it in
+            "input": self.input_summary() if self.input_summary else None,
             "dataset": dataset_descriptor(self.bundle_root),
             "environment": {
                 "libraries": library_versions(),

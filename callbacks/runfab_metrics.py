@@ -64,7 +64,6 @@ class RunFabMetrics(L.Callback):
         self._held: dict | None = None  # the interval closed when validation started, written with its val_loss
         self._pending_val_loss: float | None = None  # a validation loss waiting for the next training line
         self._log_file: TextIO | None = None
-        self.lines_written = 0
         self.last_record: dict = {}
         self.normal = {"seconds": 0.0, "target_tokens": 0, "flops": 0.0, "updates": 0, "first_update": None,
                        "last_update": None}
@@ -243,7 +242,6 @@ class RunFabMetrics(L.Callback):
             self._log_file.flush()
         for logger in getattr(trainer, "loggers", ()):
             logger.log_metrics({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-        self.lines_written += 1
         self.last_record = record
         shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items())
         log.info("metrics: %s", shown)

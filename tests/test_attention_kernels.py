@@ -90,7 +90,7 @@ def test_fa4_caches_go_under_the_output_in_training_and_nowhere_otherwise(monkey
     for variable in ("CUTE_DSL_DISABLE_FILE_CACHING", "CUTE_DSL_CACHE_DIR"):
         monkeypatch.delenv(variable)
     monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(tmp_path / "mine"))  # a folder someone chose stays
-    attention_kernels.use_cache_folder(tmp_path / "data/compile-cache")  # what train.prepare_compile does
+    attention_kernels.use_cache_folder(tmp_path / "data/compile-cache")  # what device_policy.prepare_compile does
     attention_kernels._prepare_environment()
     assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
     assert attention_kernels.cache_usage_folders() == {
@@ -98,13 +98,13 @@ def test_fa4_caches_go_under_the_output_in_training_and_nowhere_otherwise(monkey
 
 
 def test_prepare_compile_hands_its_folder_to_fa4(monkeypatch, tmp_path):
-    import train
+    import device_policy
 
     monkeypatch.setattr(attention_kernels, "_cache_folder", None)
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # leave inductor's settings alone
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    train.prepare_compile(tmp_path / "data/compile-cache", 1)
+    device_policy.prepare_compile(tmp_path / "data/compile-cache", 1)
     assert attention_kernels._cache_folder == tmp_path / "data/compile-cache"
 
 

@@ -18,6 +18,11 @@ import torch
 from torch.utils.data import DataLoader
 
 import train
+from config import BUNDLE_ROOT
+from batch_split import BatchSplit
+from config import ConfigError
+import device_policy
+import training_run
 from callbacks.runfab_metrics import NonFiniteLossError, RunFabMetrics
 from config import load_config
 from datamodule import Row, StreamStats, split_update
@@ -37,7 +42,7 @@ class Stdin(io.BufferedReader):
 
 
 def records(n: int = 400) -> bytes:
-    lines = (json.loads(line) for line in open(train.BUNDLE_ROOT / "data/sample.jsonl"))
+    lines = (json.loads(line) for line in open(BUNDLE_ROOT / "data/sample.jsonl"))
     return b"".join(json.dumps({"text": r["text"]}).encode() + b"\n" for _, r in zip(range(n), lines))
 
 
@@ -106,7 +111,7 @@ def test_training_in_process_writes_metrics_model_record_and_checkpoints_apart(t
     cfg = load_config("conf/smoke.yaml", [*TINY, f"output.root={tmp_path / 'out'}", "trainer.checkpoint_every_steps=2"])
     stdout = io.StringIO()
     monkeypatch.setattr("sys.stdout", stdout)
-    result = train.run_training(cfg, microbatch=8, accumulation=4, stdin=Stdin(io.BytesIO(records())))
+    result = training_run.run_training(cfg, BatchSplit(8, 4, 1, train.EFFECTIVE_BATCH_SIZE), stdin=Stdin(io.BytesIO(records())))
     assert result["steps"] == 4
     lines = [json.loads(line) for line in stdout.getvalue().splitlines()]
     assert lines and all(set(line) >= {"step", "elapsed_seconds"} for line in lines)
@@ -144,14 +149,14 @@ def test_the_run_record_reports_the_compile_caches_where_the_environment_puts_th
 
 def test_a_model_smaller_than_the_tokenizer_vocabulary_is_refused():
     cfg = load_config("conf/smoke.yaml", ["model.vocab_size=100"])
-    with pytest.raises(train.ConfigError, match="at least the tokenizer"):
-        train.load_encoder(cfg)
+    with pytest.raises(ConfigError, match="at least the tokenizer"):
+        training_run.load_encoder(cfg)
 
 
 def test_a_batch_split_that_does_not_make_the_effective_batch_is_refused():
-    with pytest.raises(train.ConfigError, match="EFFECTIVE_BATCH_SIZE"):
-        train.check_batch(3, 5, 1)
-    train.check_batch(4, 8, 1)
+    with pytest.raises(ConfigError, match="EFFECTIVE_BATCH_SIZE"):
+        BatchSplit(3, 5, 1, train.EFFECTIVE_BATCH_SIZE)
+    BatchSplit(4, 8, 1, train.EFFECTIVE_BATCH_SIZE)
 
 
 def test_compile_caches_go_under_the_output_even_after_imports_wrote_the_tmp_default(tmp_path, monkeypatch):
@@ -161,7 +166,7 @@ def test_compile_caches_go_under_the_output_even_after_imports_wrote_the_tmp_def
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     after_import = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env,
                                   cwd=Path(train.__file__).parent).stdout.strip()
-    assert Path(after_import) == train.inductor_default_cache()
+    assert Path(after_import) == device_policy.inductor_default_cache()
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", after_import)
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
@@ -170,12 +175,12 @@ def test_compile_caches_go_under_the_output_even_after_imports_wrote_the_tmp_def
     # prepare_compile also sets the compile thread count; config.patch puts it back afterwards (a
     # monkeypatch would delete it on undo, and inductor then reports the setting as missing).
     with inductor_config.patch(compile_threads=inductor_config.compile_threads):
-        train.prepare_compile(tmp_path / "out/data/compile-cache", world=1)
+        device_policy.prepare_compile(tmp_path / "out/data/compile-cache", world=1)
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "out/data/compile-cache/inductor")
         assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "out/data/compile-cache/triton")
 
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # a folder someone chose is kept
         monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "my-triton"))
-        train.prepare_compile(tmp_path / "out/data/compile-cache", world=1)
+        device_policy.prepare_compile(tmp_path / "out/data/compile-cache", world=1)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "my-triton")

@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 
 import train
+from batch_split import BatchSplit
+from config import ConfigError
+import training_run
 from config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,14 +49,14 @@ def test_a_signal_during_training_exports_the_model_so_far_and_exits_non_zero(tm
 
 def test_an_output_that_cannot_fit_the_budget_is_refused_before_training():
     cfg = load_config("conf/config.yaml", ["trainer.checkpoint_every_steps=100"])
-    with pytest.raises(train.ConfigError, match="GiB") as error:
-        train.check_output_budget(cfg)
+    with pytest.raises(ConfigError, match="GiB") as error:
+        training_run.check_output_budget(cfg)
     assert "checkpoint" in str(error.value)
-    train.check_output_budget(load_config("conf/config.yaml"))  # the export alone (0.5 GB) fits
-    train.check_output_budget(load_config("conf/config.yaml", ["observe.profile_update=20", "observe.memory_update=30"]))
+    training_run.check_output_budget(load_config("conf/config.yaml"))  # the export alone (0.5 GB) fits
+    training_run.check_output_budget(load_config("conf/config.yaml", ["observe.profile_update=20", "observe.memory_update=30"]))
     endless_profile = load_config("conf/config.yaml", ["observe.profile_update=20", "observe.profile_updates=200"])
-    with pytest.raises(train.ConfigError, match="observation files"):
-        train.check_output_budget(endless_profile)  # 200 profiled updates: about 3.2 GiB of traces
+    with pytest.raises(ConfigError, match="observation files"):
+        training_run.check_output_budget(endless_profile)  # 200 profiled updates: about 3.2 GiB of traces
 
 
 def test_max_time_keeps_the_export_reserve_out_of_the_training_loop():
@@ -162,7 +165,7 @@ def test_an_input_failure_after_training_started_exports_the_model_so_far(tmp_pa
                                           "data.shuffle_buffer_docs=16", f"output.root={tmp_path / 'out'}"])
     stdin = io.BufferedReader(FailingStdin(sample(1200)))
     with pytest.raises(launcher.InputFailed, match="Input/output error.*partial"):
-        train.run_training(cfg, microbatch=4, accumulation=8, stdin=stdin)
+        training_run.run_training(cfg, BatchSplit(4, 8, 1, train.EFFECTIVE_BATCH_SIZE), stdin=stdin)
     model = tmp_path / "out" / "model"
     record = json.loads((model / "run_record.json").read_text())
     assert record["status"].startswith("partial: input error: OSError") and record["optimizer_steps"] >= 1
@@ -280,7 +283,7 @@ def test_hook_arguments_of_the_wrong_type_are_refused_at_the_door(microbatch, ac
     from config import ConfigError
 
     with pytest.raises(ConfigError, match="whole number"):
-        train.check_batch(microbatch, accumulation, 1)
+        BatchSplit(microbatch, accumulation, 1, train.EFFECTIVE_BATCH_SIZE)
 
 
 def test_schedule_messages_name_what_the_user_set(tmp_path):

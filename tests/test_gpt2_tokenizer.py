@@ -196,11 +196,11 @@ def test_every_vocabulary_entry_alone_and_glued(reference, fast, plain):
 
 
 def test_reference_config_uses_gpt2_and_smoke_keeps_the_small_tokenizer():
-    import train
+    import training_run
 
     reference_cfg = load_config("conf/config.yaml")
     assert reference_cfg.data.tokenizer == "conf/gpt2/tokenizer.json"
-    encoder = train.load_encoder(reference_cfg)
+    encoder = training_run.load_encoder(reference_cfg)
     assert (encoder.vocab_size, encoder.eos_id) == (50257, EOS_ID) == (reference_cfg.model.vocab_size, EOS_ID)
     smoke = load_config("conf/smoke.yaml")
     assert smoke.data.tokenizer == "conf/tokenizer.json"

@@ -252,6 +252,13 @@ def test_a_memory_window_dumps_a_snapshot_the_memory_viz_reads(tmp_path, monkeyp
     import pickle
 
     import train
+
+    from batch_split import BatchSplit
+
+    import device_policy
+
+
+    import training_run
     from config import load_config
     from contract_check import folder_bytes
     from tests.test_callbacks import TINY, Stdin, records
@@ -259,13 +266,13 @@ def test_a_memory_window_dumps_a_snapshot_the_memory_viz_reads(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     # As in a fresh process: importing Lightning wrote inductor's /tmp default, Triton's is unset
     # (earlier tests in this process pointed both at their own outputs).
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(train.inductor_default_cache()))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(device_policy.inductor_default_cache()))
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     cfg = load_config("conf/smoke.yaml", [*TINY, f"output.root={tmp_path}", "trainer.max_steps=3",
                                           "trainer.val_every_steps=0", "observe.memory_update=2",
                                           "trainer.devices=1"])  # one process, also on a host of several GPUs
     monkeypatch.setattr("sys.stdout", io.StringIO())
-    train.run_training(cfg, microbatch=8, accumulation=4, stdin=Stdin(io.BytesIO(records(600))))
+    training_run.run_training(cfg, BatchSplit(8, 4, 1, train.EFFECTIVE_BATCH_SIZE), stdin=Stdin(io.BytesIO(records(600))))
     record = json.loads((tmp_path / "model/run_record.json").read_text())
     assert record["observations"] == ["memory/snapshot-update-2.pickle"]
     snapshot = pickle.loads((tmp_path / "run/memory/snapshot-update-2.pickle").read_bytes())
@@ -282,31 +289,32 @@ def test_a_memory_window_dumps_a_snapshot_the_memory_viz_reads(tmp_path, monkeyp
 
 
 def test_the_allocator_cap_keeps_the_headroom_and_any_smaller_platform_fraction():
-    import train
+    import device_policy
     from config import load_config
 
     cfg = load_config("conf/smoke.yaml", ["trainer.memory_headroom_gib=4"])
     total = torch.cuda.get_device_properties(0).total_memory
     try:
-        own = train.limit_gpu_memory(cfg, 0, train.platform_memory_fraction())
+        own = device_policy.limit_gpu_memory(cfg, 0, device_policy.platform_memory_fraction())
         assert own == pytest.approx(1 - 4 * 2**30 / total)
         torch.cuda.set_per_process_memory_fraction(0.25, 0)  # as a platform would, before calling a hook
-        assert train.platform_memory_fraction() == pytest.approx(0.25)
-        assert train.limit_gpu_memory(cfg, 0, train.platform_memory_fraction()) == pytest.approx(0.25)
+        assert device_policy.platform_memory_fraction() == pytest.approx(0.25)
+        assert device_policy.limit_gpu_memory(cfg, 0, device_policy.platform_memory_fraction()) == pytest.approx(0.25)
         with pytest.raises(torch.OutOfMemoryError):
             torch.empty(int(0.3 * total), dtype=torch.uint8, device="cuda")
-        assert train.limit_gpu_memory(cfg, 0, None, margin_gib=1.0) == pytest.approx(1 - 5 * 2**30 / total)  # probe
+        assert device_policy.limit_gpu_memory(cfg, 0, None, margin_gib=1.0) == pytest.approx(1 - 5 * 2**30 / total)  # probe
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
 
 
 def test_the_probe_reports_the_peak_gpu_memory_it_measured():
     import train
+    import probe
     from config import load_config
 
     cfg = load_config("conf/smoke.yaml")
     try:
-        result = train.run_probe_local(cfg, microbatch=2, world=1)
+        result = probe.run_probe_local(cfg, microbatch=2, world=1, effective=train.EFFECTIVE_BATCH_SIZE)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
     assert result["steps"] > 0

@@ -11,6 +11,9 @@ import pytest
 
 import hostmem
 import train
+from batch_split import BatchSplit
+import probe
+import training_run
 from config import ConfigError, load_config
 from contract_check import process_family
 
@@ -39,12 +42,12 @@ def test_a_gpu_count_over_the_host_budget_is_refused_before_any_input_is_read():
     assert need > 8  # the projection from the 2-GPU measurements: 8 GPU processes do not fit
     stdin = io.BytesIO(b'{"text": "never read"}\n')
     with pytest.raises(ConfigError) as error:
-        train.run_training(cfg, microbatch=4, accumulation=1, stdin=stdin)
+        training_run.run_training(cfg, BatchSplit(4, 1, 8, train.EFFECTIVE_BATCH_SIZE), stdin=stdin)
     message = str(error.value)
     assert f"{need:.1f} GiB" in message and "8.0 GiB" in message and "trainer.host_memory_budget_gib" in message
     assert stdin.tell() == 0
     with pytest.raises(ConfigError, match="host memory"):
-        train.run_probe(cfg, 4)
+        probe.run_probe(cfg, 4, train.EFFECTIVE_BATCH_SIZE)
     assert hostmem.host_budget_problem(8.0, 2, True) is None  # measured: 4.27 GiB
     assert hostmem.host_budget_problem(8.0, 3, True) is None
     assert "Use at most 3 GPUs" in hostmem.host_budget_problem(8.0, 4, True)

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from datamodule import ValidationDocument
-from launcher import receive_items, send_item
+from launcher import End, receive_items, send_item
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [
@@ -51,9 +51,9 @@ def test_the_wire_carries_microbatches_documents_end_and_errors_without_pickle()
     send_item(a, None)
     ends = []
     items = list(receive_items(b, on_end=ends.append))
-    assert ends == [None]
-    send_item(a, "SIGTERM")  # an early end carries its reason
-    assert list(receive_items(b, on_end=ends.append)) == [] and ends == [None, "SIGTERM"]
+    assert ends == [End(None, None)]
+    send_item(a, End("SIGTERM", {"records": 3}))  # an early end carries its reason and the input summary
+    assert list(receive_items(b, on_end=ends.append)) == [] and ends[-1] == End("SIGTERM", {"records": 3})
     assert torch.equal(items[0]["input_ids"], batch["input_ids"]) and items[0]["input_ids"].dtype == torch.int64
     assert torch.equal(items[0]["cu_seqlens"], batch["cu_seqlens"]) and items[0]["update_target_tokens"] == 99
     assert items[1].tolist() == [7, 8, 9]

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 import train
+from batch_split import BatchSplit
+import training_run
 from callbacks.observe import ObserveConfig
 from config import ConfigError, load_config
 from tests.test_callbacks import TINY, Stdin, records
@@ -24,7 +26,7 @@ def tiny_run(tmp_path, monkeypatch, *overrides: str) -> tuple[list[dict], dict]:
                                           *overrides])
     stdout = io.StringIO()
     monkeypatch.setattr("sys.stdout", stdout)
-    train.run_training(cfg, microbatch=8, accumulation=4, stdin=Stdin(io.BytesIO(records(600))))
+    training_run.run_training(cfg, BatchSplit(8, 4, 1, train.EFFECTIVE_BATCH_SIZE), stdin=Stdin(io.BytesIO(records(600))))
     lines = [json.loads(line) for line in stdout.getvalue().splitlines()]
     return lines, json.loads((tmp_path / "out/model/run_record.json").read_text())
 
@@ -82,7 +84,7 @@ def test_unknown_or_missing_loggers_are_refused_before_training():
     for name, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
         if importlib.util.find_spec(module) is None:  # not installed here: refused with the install command
             with pytest.raises(ConfigError, match=f"pip install {module}"):
-                train.experiment_loggers(load_config("conf/smoke.yaml", [f"observe.loggers=[{name}]"]), Path("logs"))
+                training_run.experiment_loggers(load_config("conf/smoke.yaml", [f"observe.loggers=[{name}]"]), Path("logs"))
     assert ObserveConfig(profile_update=5, profile_updates=3, memory_update=9).observed_updates() == {5, 6, 7, 9}
     assert ObserveConfig().observed_updates() == set()
 

@@ -1,0 +1,61 @@
+"""RunFab's batch contract: microbatch x accumulation x ranks rows make one optimizer update.
+
+RunFab chooses the microbatch and the accumulation; the ranks are the data-parallel processes.
+Their product must equal the bundle's literal ``EFFECTIVE_BATCH_SIZE``: it is checked here, once,
+when the split is made, and never overridden.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+from config import ConfigError
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    microbatch: int  # rows per forward/backward on one rank
+    accumulation: int  # microbatches per optimizer update on one rank
+    ranks: int  # data-parallel processes
+    effective: int  # rows per optimizer update across all ranks: train.EFFECTIVE_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        for name in ("microbatch", "accumulation"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise ConfigError(f"{name} must be a whole number of rows, not {value!r} ({type(value).__name__})")
+        if self.microbatch < 1 or self.accumulation < 1 or self.rows_per_update != self.effective:
+            raise ConfigError(
+                f"microbatch ({self.microbatch}) x accumulation ({self.accumulation}) x GPUs ({self.ranks}) must "
+                f"equal EFFECTIVE_BATCH_SIZE ({self.effective}) rows per optimizer update"
+            )
+
+    @property
+    def rows_per_update(self) -> int:
+        return self.microbatch * self.accumulation * self.ranks
+
+    @classmethod
+    def for_command_line(cls, effective: int, ranks: int, default_microbatch: int, microbatch: int | None = None,
+                         accumulation: int | None = None) -> BatchSplit:
+        """A local run names either part, or neither (the config's microbatch); the other follows."""
+        microbatch = command_line_microbatch(effective, ranks, default_microbatch, microbatch, accumulation)
+        return cls(microbatch, accumulation or max(1, effective // (microbatch * ranks)), ranks, effective)
+
+    def as_dict(self) -> dict:
+        return {"effective": self.effective, "microbatch": self.microbatch, "accumulation": self.accumulation,
+                "world_size": self.ranks}
+
+
+def command_line_microbatch(effective: int, ranks: int, default: int, microbatch: int | None,
+                            accumulation: int | None) -> int:
+    """The microbatch a local command asks for: named, implied by a named accumulation, or the config's."""
+    if microbatch:
+        return microbatch
+    return effective // (accumulation * ranks) if accumulation else default
+
+
+def probe_accumulation(effective: int, microbatch: int, ranks: int) -> int:
+    """The probe accumulates over two microbatches when the batch allows: gradients are then held
+    while the next forward runs, as in training."""
+    return 2 if effective // (microbatch * ranks) >= 2 else 1

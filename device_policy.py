@@ -1,0 +1,199 @@
+"""Where and how a process computes: devices and ranks, precision, the Lightning Trainer's shared
+arguments, GPU and host memory limits, and the compile caches' place.
+
+Training, the probe and every data-parallel worker take these decisions through the same
+functions, so a probe that fits means training fits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+
+import attention_kernels
+import hostmem
+from config import ConfigError, RunConfig
+from lit_module import LitGPT
+
+log = logging.getLogger("train")
+
+
+def world_size(cfg: RunConfig) -> int:
+    """Data-parallel ranks: ``trainer.devices`` if set, else every visible GPU (1 on CPU)."""
+    if cfg.trainer.devices is not None:
+        return cfg.trainer.devices
+    return max(1, torch.cuda.device_count()) if resolve_accelerator(cfg) == "gpu" else 1
+
+
+def local_device() -> int:
+    """This process's CUDA index: its local rank in a worker (set by launcher.py), else 0."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def resolve_accelerator(cfg: RunConfig) -> str:
+    if cfg.trainer.accelerator != "auto":
+        return cfg.trainer.accelerator
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_precision(cfg: RunConfig, accelerator: str) -> str:
+    return cfg.trainer.precision or ("bf16-mixed" if accelerator == "gpu" else "32-true")
+
+
+def setup_process(cfg: RunConfig) -> None:
+    """Logging to stderr, quiet about what we chose on purpose, seeded."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[%(asctime)s %(name)s] %(message)s")
+    for name in ("train", "datamodule", "callbacks", "model", "attention_kernels", "lightning.pytorch"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*Consider setting `persistent_workers`.*")
+    L.seed_everything(cfg.seed, verbose=False)
+
+
+def lightning_trainer(cfg: RunConfig, accelerator: str, world: int, **overrides) -> L.Trainer:
+    """The Trainer arguments shared by training and the probe, so both run the same settings.
+
+    With several ranks the processes already exist (launcher.py started them), so Lightning's
+    DDP strategy joins them instead of launching any.
+    """
+    arguments = dict(
+        accelerator=accelerator,
+        devices=world,
+        strategy="auto" if world == 1 else ddp_strategy(cfg, accelerator),
+        precision=resolve_precision(cfg, accelerator),
+        max_epochs=1,  # the stream is one pass
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        gradient_clip_val=None,  # LitGPT.configure_gradient_clipping clips with optim.grad_clip
+    )
+    arguments.update(overrides)
+    return L.Trainer(**arguments)
+
+
+class SameStreamDDP(L.pytorch.strategies.DDPStrategy):
+    """Lightning wraps the model in DDP on a side CUDA stream; DDP keeps the gradient accumulators it
+    made there, and PyTorch then warns at every backward that their stream does not match the
+    stream producing the gradients ("may incur unnecessary synchronization"; its advice: wrap on the
+    stream the forward runs on). This wraps on the current stream, as that warning asks."""
+
+    def _setup_model(self, model):
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+
+
+def ddp_strategy(cfg: RunConfig, accelerator: str) -> L.pytorch.strategies.DDPStrategy:
+    """DDP joining the launcher's processes. Gradients are views into DDP's buckets (no copy into
+    them, one gradient-sized buffer less per GPU); buckets of ``trainer.ddp_bucket_cap_mb``."""
+    return SameStreamDDP(
+        process_group_backend="nccl" if accelerator == "gpu" else "gloo",
+        gradient_as_bucket_view=True, bucket_cap_mb=cfg.trainer.ddp_bucket_cap_mb,
+    )
+
+
+def build_module(cfg: RunConfig, device: torch.device | None) -> LitGPT:
+    """The LightningModule, its weights initialized on ``device``: on a GPU no full fp32 copy of the
+    model is ever made in host memory, and no core spends seconds drawing 127M random numbers."""
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        return LitGPT(cfg.model, cfg.optim)
+
+
+def check_host_memory(cfg: RunConfig, world: int, in_workers: bool) -> None:
+    """Refuse, before any data is read or worker started, a GPU count whose host memory cannot fit."""
+    if resolve_accelerator(cfg) != "gpu":
+        return  # the projection is of CUDA processes; CPU workers hold far less
+    problem = hostmem.host_budget_problem(cfg.trainer.host_memory_budget_gib, world, in_workers)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def prepare_compile(folder: Path, world: int) -> None:
+    """Inductor, Triton and FlashAttention 4 (CuTe DSL) caches go to the output's disposable data/
+    folder (RunFab's /tmp holds 256 MiB), and compilation uses few subprocesses: RunFab has 2 cores
+    and 8 GiB for the whole job, and each compile worker holds a few hundred MB of RAM.
+
+    A cache folder the environment names is kept, unless it is the library's own default: importing
+    Lightning already makes inductor write its /tmp default into the environment."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for variable, default, ours in (("TORCHINDUCTOR_CACHE_DIR", inductor_default_cache(), folder / "inductor"),
+                                    ("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache", folder / "triton")):
+        named = os.environ.get(variable)
+        if named is None or Path(named).absolute() == default.absolute():
+            os.environ[variable] = str(ours)
+    attention_kernels.use_cache_folder(folder)  # FA4's kernels, compiled at first use
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.compile_threads = 1 if world > 1 else min(2, len(os.sched_getaffinity(0)))
+
+
+def inductor_default_cache() -> Path:
+    """The folder inductor picks when TORCHINDUCTOR_CACHE_DIR is unset (/tmp/torchinductor_<user>)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return Path(default_cache_dir())
+
+
+# GPU memory limits.
+#
+# Training and the probe run under the same allocator settings and the same cap, so a probe that
+# fits means training fits. A platform may limit memory in two ways, and both reach every worker:
+# PYTORCH_CUDA_ALLOC_CONF in the environment (inherited by the workers as is, and then ours is not
+# applied), and torch.cuda.set_per_process_memory_fraction called in this process before a hook
+# (read here and handed to the workers, which apply the smaller of it and our headroom cap).
+# Host limits (cgroups, rlimits) apply to the whole process tree by themselves.
+
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def use_allocator_settings(cfg: RunConfig) -> None:
+    """Our allocator settings, unless the platform chose its own; set before CUDA starts, inherited by workers."""
+    if not cfg.trainer.cuda_alloc_conf or ALLOC_CONF_ENV in os.environ:
+        return
+    if torch.cuda.is_initialized():
+        log.warning("CUDA was initialized before train.py could set %s=%s; the allocator keeps its settings",
+                    ALLOC_CONF_ENV, cfg.trainer.cuda_alloc_conf)
+        return
+    os.environ[ALLOC_CONF_ENV] = cfg.trainer.cuda_alloc_conf
+
+
+def platform_memory_fraction() -> float | None:
+    """The GPU memory fraction the platform set in this process before calling a hook, if any.
+
+    Only read when CUDA is already initialized: asking would otherwise initialize it.
+    """
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is None or not torch.cuda.is_initialized():
+        return None
+    fraction = min(getter(i) for i in range(torch.cuda.device_count()))
+    return fraction if fraction < 1 else None
+
+
+def limit_gpu_memory(cfg: RunConfig, device: int, platform_fraction: float | None, margin_gib: float = 0.0) -> float:
+    """Cap this process's allocator on ``device`` at its memory less the headroom (and at the
+    platform's fraction), less ``margin_gib`` more for the probe."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = 1.0 - cfg.trainer.memory_headroom_gib * 2**30 / total
+    if platform_fraction is not None:
+        fraction = min(fraction, platform_fraction)
+    fraction -= margin_gib * 2**30 / total
+    if fraction <= 0:
+        raise ConfigError(f"trainer.memory_headroom_gib ({cfg.trainer.memory_headroom_gib}) leaves no memory on "
+                          f"a {total / 2**30:.1f} GiB GPU")
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    log.info("GPU %d: allocator capped at %.1f of %.1f GiB (headroom %.1f GiB, margin %.1f GiB, platform fraction %s, "
+             "%s=%s)", device, fraction * total / 2**30, total / 2**30, cfg.trainer.memory_headroom_gib, margin_gib,
+             platform_fraction, ALLOC_CONF_ENV, os.environ.get(ALLOC_CONF_ENV))
+    return fraction
+

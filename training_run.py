@@ -1,0 +1,333 @@
+"""One training run, from the output folder to the exported model: in this process on one device,
+or as the feeder of data-parallel workers (launcher.py), and the worker side of that.
+
+The input, the Lightning Trainer and its callbacks are put together here; what a run computes on
+and how much memory it may take is device_policy.py's, the batch split batch_split.py's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+import hostmem
+import launcher
+from batch_split import BatchSplit
+from callbacks.export import ExportModel
+from callbacks.graceful_stop import GracefulStop
+from callbacks.observe import ObservationWindows
+from callbacks.run_record import RunRecord, sha256_file
+from callbacks.runfab_metrics import RunFabMetrics
+from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, load_config_dict, training_time_limit
+from datamodule import StreamingDataModule, StreamSettings, UpdateFeeder, ValidationPool, open_input, summary_line
+from device_policy import (
+    build_module, check_host_memory, limit_gpu_memory, lightning_trainer, local_device, platform_memory_fraction,
+    prepare_compile, resolve_accelerator, setup_process, use_allocator_settings,
+)
+from model import GPT, count_parameters, training_flops
+from probe import run_probe_local
+from tokenizer import TextEncoder
+
+log = logging.getLogger("train")
+
+
+def experiment_loggers(cfg: RunConfig, folder: Path) -> list:
+    """Lightning loggers named in ``observe.loggers``; they receive the metric lines, never stdout."""
+    loggers = []
+    for name in cfg.observe.loggers:
+        if name == "csv":
+            loggers.append(L.pytorch.loggers.CSVLogger(folder, name="csv"))
+        elif name == "tensorboard":
+            if not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
+                raise ConfigError("observe.loggers has tensorboard, which is not installed: pip install tensorboard")
+            loggers.append(L.pytorch.loggers.TensorBoardLogger(folder, name="tensorboard"))
+        elif name == "wandb":
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError("observe.loggers has wandb, which is not installed: pip install wandb, then wandb login")
+            os.environ.setdefault("WANDB_CONSOLE", "off")  # W&B must not wrap stdout, which carries RunFab's lines
+            loggers.append(L.pytorch.loggers.WandbLogger(save_dir=folder, project=os.environ.get("WANDB_PROJECT", "runfab")))
+    return loggers
+
+
+LOCK_NAME = ".run.lock"
+
+
+PREVIOUS_MODEL = "previous-model"
+
+
+@contextlib.contextmanager
+def claimed_output(root: Path):
+    """Hold the output folder for one run: a second run on it is refused (its model and metrics
+    would mix with this one's), and a model left by an earlier run is moved to ``previous-model/``
+    so that ``model/`` only ever holds this run's result, or nothing if this run fails early."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = (root / LOCK_NAME).open("a+")
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"the output root {root} is a file, not a folder; set RUNFABRIC_OUTPUT (or output.root) "
+                          "to a folder") from None
+    except OSError as error:
+        raise ConfigError(f"cannot write to the output root {root} ({error.strerror}); set RUNFABRIC_OUTPUT "
+                          "(or output.root) to a writable folder") from None
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "unknown"
+            raise ConfigError(f"another run (pid {holder}) is using the output folder {root}; give each run its own "
+                              "RUNFABRIC_OUTPUT (or output.root), or wait until it ends") from None
+        lock.truncate(0)
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        model_dir = root / "model"
+        if model_dir.exists():
+            previous = root / PREVIOUS_MODEL
+            shutil.rmtree(previous, ignore_errors=True)
+            model_dir.rename(previous)
+            log.warning("an earlier run's model was in %s; it is now in %s", model_dir, previous)
+        try:
+            yield
+        finally:
+            (root / LOCK_NAME).unlink(missing_ok=True)
+
+
+def stream_settings(cfg: RunConfig, encoder: TextEncoder, split: BatchSplit) -> StreamSettings:
+    return StreamSettings(
+        data=cfg.data, seq_len=cfg.model.max_seq_len, vocab_size=cfg.model.vocab_size, eos_id=encoder.eos_id,
+        seed=cfg.seed, microbatch=split.microbatch, accumulation=split.accumulation, world_size=split.ranks,
+        max_updates=cfg.trainer.max_steps if cfg.trainer.max_steps > 0 else None,
+    )
+
+
+def load_encoder(cfg: RunConfig) -> TextEncoder:
+    path = bundle_path(cfg.data.tokenizer)
+    if not path.is_file():
+        raise ConfigError(f"data.tokenizer {path} not found; train one with `python train.py tokenizer`")
+    encoder = TextEncoder(path, num_threads=cfg.data.tokenizer_threads)
+    if encoder.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"the tokenizer {path.name} has {encoder.vocab_size} tokens but model.vocab_size is "
+            f"{cfg.model.vocab_size}; the model's vocabulary must be at least the tokenizer's"
+        )
+    return encoder
+
+
+def check_output_budget(cfg: RunConfig) -> None:
+    """Refuse, before any training, a run whose deliverables cannot fit RunFab's output space.
+
+    The export is fp32 safetensors (4 bytes a parameter); a Lightning checkpoint holds weights
+    and AdamW's two moments (12 bytes a parameter), twice while the newest replaces the last.
+    Observation files get 8x what the reference model's took on an H200: 2.1 MB of trace per
+    profiled update, 0.9 MB per memory snapshot.
+    """
+    with torch.device("meta"):  # the real parameter count, without allocating anything
+        parameters = count_parameters(GPT(cfg.model))
+    need = 4 * parameters + (2 * 12 * parameters if cfg.trainer.checkpoint_every_steps > 0 else 0)
+    observed = len(cfg.observe.profiled()) * (16 << 20) + ((8 << 20) if cfg.observe.memory_update > 0 else 0)
+    if need + observed > cfg.output.budget_bytes:
+        raise ConfigError(
+            f"the output would need about {(need + observed) / 2**30:.2f} GiB (model export"
+            f"{', two checkpoints' if cfg.trainer.checkpoint_every_steps > 0 else ''}"
+            f"{', observation files' if observed else ''}) but output.budget_bytes allows "
+            f"{cfg.output.budget_bytes / 2**30:.2f} GiB; disable trainer.checkpoint_every_steps, profile fewer "
+            "updates (observe.profile_updates) or shrink the model"
+        )
+
+
+def run_training(cfg: RunConfig, split: BatchSplit, stdin=None) -> dict:
+    """Validate, then train in this process (one device) or through data-parallel workers."""
+    world = split.ranks
+    check_output_budget(cfg)
+    in_workers = world > 1 or bool(cfg.trainer.worker_processes)
+    check_host_memory(cfg, world, in_workers)
+    setup_process(cfg)
+    with claimed_output(Path(cfg.output.root)):
+        use_allocator_settings(cfg)
+        platform_fraction = platform_memory_fraction()
+        encoder = load_encoder(cfg)
+        settings = stream_settings(cfg, encoder, split)
+        feeder = UpdateFeeder(
+            lambda: open_input(bundle_path(cfg.data.sample_path), stdin, cfg.data.source), settings,
+            encoder.encode_batch_arrays, ValidationPool(cfg.data.val_max_tokens),
+            report_every=cfg.metrics.interval_seconds if world > 1 else None,
+        )
+        if in_workers:
+            result = train_data_parallel(cfg, split, feeder, platform_fraction)
+        else:
+            datamodule = StreamingDataModule(
+                feeder.iterate, feeder.pool, settings, pin_memory=resolve_accelerator(cfg) == "gpu",
+                on_teardown=feeder.stop,
+            )
+            result = fit(cfg, split, datamodule, encoder, feeder.close, platform_fraction,
+                         end_input=feeder.finish, early_end=lambda: feeder.early_end)
+        result["input"] = feeder.close()
+        log.info(summary_line(feeder.stats))
+        raise_if_ended_early(feeder, result)
+    return result
+
+
+def raise_if_ended_early(feeder: UpdateFeeder, result: dict) -> None:
+    """A run cut short by a signal or by its input fails, after the model trained so far was exported."""
+    if feeder.early_end is None:
+        return
+    where = (f"stopped after optimizer step {result['steps']}; the model trained so far is in {result['model_dir']} "
+             f"(run_record.json status: partial)" if result["steps"] else "stopped before the first optimizer step; "
+             "nothing was trained, so no model was exported")
+    if feeder.input_error is not None:
+        raise launcher.InputFailed(f"the input failed: {type(feeder.input_error).__name__}: {feeder.input_error}; "
+                                   + where) from feeder.input_error
+    raise launcher.Interrupted(f"received {feeder.early_end}: {where}")
+
+
+def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
+        encoder: TextEncoder, input_summary=None, platform_fraction: float | None = None,
+        end_input=lambda reason: None, early_end=lambda: None) -> dict:
+    """Build module, callbacks and Trainer, and fit: the same in a single process and in each worker.
+
+    Export and the run record happen in callbacks, on global rank 0. ``end_input(reason)`` ends the
+    input at the next update boundary (a signal); ``early_end()`` says why it ended early, if it did,
+    which the run record reports as ``partial``.
+    """
+    microbatch, accumulation, world = split.microbatch, split.accumulation, split.ranks
+    accelerator = resolve_accelerator(cfg)
+    on_gpu = accelerator == "gpu"
+    host_memory = hostmem.HostMemory()
+    if on_gpu:
+        limit_gpu_memory(cfg, local_device(), platform_fraction)
+        host_memory.stage("CUDA initialized")
+    model_dir = Path(cfg.output.root) / "model"
+    compiled = cfg.trainer.compile if cfg.trainer.compile is not None else on_gpu
+    tokenizer_path = bundle_path(cfg.data.tokenizer)
+    static = {
+        "seed": cfg.seed,
+        "config": as_dict(cfg),
+        "batch": split.as_dict() | {"tokens_per_update": split.effective * cfg.model.max_seq_len},
+        "tokenizer": {"path": cfg.data.tokenizer, "sha256": sha256_file(tokenizer_path),
+                      "vocab_size": encoder.vocab_size, "eos_id": encoder.eos_id, "backend": encoder.backend},
+    }
+    run_dir = Path(cfg.output.root) / "run"
+    validate = cfg.trainer.val_every_steps > 0 and cfg.data.val_fraction > 0
+    metrics = RunFabMetrics(
+        cfg.metrics.interval_seconds, stream=sys.stdout,
+        flops=functools.partial(training_flops, cfg.model) if on_gpu else None, peak_flops=cfg.metrics.peak_flops,
+        warmup_updates=cfg.observe.warmup_updates, observed_updates=cfg.observe.observed_updates(),
+        log_path=run_dir / "metrics.jsonl", validate_every=cfg.trainer.val_every_steps if validate else 0,
+    )
+    observer = ObservationWindows(cfg.observe, run_dir)
+    callbacks: list[L.Callback] = [
+        observer,  # before the metrics: writing a trace counts as observed time
+        metrics,
+        ExportModel(model_dir, tokenizer_path),
+        RunRecord(model_dir, BUNDLE_ROOT, static, input_summary, compiled, early_end, metrics, observer),
+        GracefulStop(end_input),
+        host_memory,
+    ]
+    every = cfg.trainer.checkpoint_every_steps
+    if every > 0:
+        checkpoint_dir = Path(cfg.output.root) / "checkpoints"
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=every, save_top_k=1))
+    progress = cfg.trainer.progress_bar if cfg.trainer.progress_bar is not None else sys.stderr.isatty()
+    trainer = lightning_trainer(
+        cfg, accelerator, world,
+        max_steps=cfg.trainer.max_steps, max_time=training_time_limit(cfg),
+        accumulate_grad_batches=accumulation,
+        val_check_interval=cfg.trainer.val_every_steps * accumulation if validate else None,
+        limit_val_batches=(cfg.trainer.val_batches or 1.0) if validate else 0,
+        enable_checkpointing=every > 0,
+        enable_progress_bar=progress,
+        default_root_dir=cfg.output.root,
+        callbacks=callbacks,
+        logger=experiment_loggers(cfg, run_dir / "logs") or False,
+    )
+    module = build_module(cfg, torch.device("cuda", local_device()) if on_gpu else None)
+    host_memory.stage("model built")
+    if compiled:
+        prepare_compile(Path(cfg.output.root) / "data" / "compile-cache", world)
+        module.model.compile_trunk()
+    log.info("model: %d parameters; %s on %s; microbatch %d x accumulation %d x %d device(s)",
+             count_parameters(module.model), trainer.precision, accelerator,
+             microbatch, accumulation, world)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # Lightning's bar and tables default to stdout
+            trainer.fit(module, datamodule=datamodule)
+    except SIGTERMException:  # Lightning's own handler: the signal came before training started
+        raise launcher.Interrupted("received SIGTERM before training started; nothing was trained") from None
+    except torch.OutOfMemoryError as error:
+        raise torch.OutOfMemoryError(
+            f"CUDA ran out of memory at optimizer step {trainer.global_step} with microbatch {microbatch} "
+            f"(x accumulation {accumulation} x {world} device(s)), after the probe had passed. Rows with many short "
+            "documents or a fragmented allocator can need more than the probe's worst case: rerun with a smaller "
+            "microbatch, or set model.activation_checkpointing: true. Original error: " + str(error)
+        ) from error
+    log.info("finished: %d optimizer steps; model in %s", trainer.global_step, model_dir)
+    return {"steps": trainer.global_step, "model_dir": str(model_dir), "metrics": metrics.last_record}
+
+
+def train_data_parallel(cfg: RunConfig, split: BatchSplit, feeder: UpdateFeeder,
+                        platform_fraction: float | None = None) -> dict:
+    """This process feeds; one worker per rank trains. Waits for all, or fails with the first failure."""
+    world = split.ranks
+    listener, authkey = launcher.new_listener()
+    spec = {"config": as_dict(cfg), "microbatch": split.microbatch, "accumulation": split.accumulation,
+            "effective": split.effective,
+            "address": list(listener.address), "authkey": authkey.hex(), "platform_memory_fraction": platform_fraction}
+    restore_signals = launcher.raise_on_signals(first=feeder.finish)
+    group = launcher.WorkerGroup(world, spec, BUNDLE_ROOT)
+    try:
+        launcher.serve_feeder(feeder, listener, world)
+        group.wait(feeder_error=lambda: feeder.error, on_first_exit=feeder.stop)
+    finally:
+        feeder.stop()
+        listener.close()
+        group.stop()
+        restore_signals()
+    model_dir = Path(cfg.output.root) / "model"
+    record_path = model_dir / "run_record.json"
+    if not record_path.is_file():  # stopped before the first update: nothing was exported
+        return {"steps": 0, "model_dir": str(model_dir), "metrics": {}}
+    record = json.loads(record_path.read_text())  # rank 0 wrote it, with the input summary the feeder sent
+    return {"steps": record["optimizer_steps"], "model_dir": str(model_dir), "metrics": record["final_metrics"]}
+
+
+def run_worker() -> int:
+    """``python train.py worker``: one data-parallel rank, started by train_data_parallel or run_probe."""
+    launcher.exit_with_parent()
+    hostmem.record_stage("worker started, modules imported")
+    spec = launcher.worker_spec()
+    cfg = load_config_dict(spec["config"])
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    setup_process(cfg)
+    if resolve_accelerator(cfg) == "gpu":
+        torch.set_num_threads(1)  # a GPU worker only launches kernels; RunFab's 2 cores serve feeder and workers
+    platform_fraction = spec.get("platform_memory_fraction")
+    if spec.get("probe"):
+        run_probe_local(cfg, spec["microbatch"], world, spec["effective"], platform_fraction)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # a probe keeps nothing: skip the interpreter's teardown of CUDA, NCCL and modules (seconds)
+    encoder = load_encoder(cfg)
+    split = BatchSplit(spec["microbatch"], spec["accumulation"], world, spec["effective"])
+    settings = stream_settings(cfg, encoder, split)
+    pool = ValidationPool(cfg.data.val_max_tokens)
+    connection = launcher.FeederConnection(tuple(spec["address"]), bytes.fromhex(spec["authkey"]), rank, pool)
+    datamodule = StreamingDataModule(
+        connection.batches, pool, settings, rank=rank, pin_memory=resolve_accelerator(cfg) == "gpu",
+        on_teardown=connection.close,
+    )
+    fit(cfg, split, datamodule, encoder, lambda: connection.input_summary, platform_fraction=platform_fraction,
+        early_end=lambda: connection.early_end)
+    return 0
+
