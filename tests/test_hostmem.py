@@ -12,7 +12,7 @@ import pytest
 import hostmem
 import train
 from config import ConfigError, load_config
-from contract_check import process_family
+from tools.check import process_family
 
 
 def test_pss_of_a_tree_counts_a_child_and_shares_what_parent_and_child_map():

@@ -22,7 +22,7 @@ Extra runs, in the same job:
   --probe-timing  RunFab's probe of one candidate (`import train; train.probe_batch(K)` in a fresh
                   process on every visible GPU): whole-process seconds and peak host memory.
 
-Usage (on a GPU machine): python scripts/benchmark.py [--layouts realistic one-doc] [--microbatch 32]
+Usage (on a GPU machine): python -m tools.benchmark [--layouts realistic one-doc] [--microbatch 32]
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ import hostmem  # noqa: E402
 import train  # noqa: E402
 from callbacks.runfab_metrics import peak_memory  # noqa: E402
 from config import load_config  # noqa: E402
-from contract_check import process_family  # noqa: E402
 from datamodule import UpdateFeeder, ValidationPool  # noqa: E402
 from lit_module import LitGPT  # noqa: E402
 from model import training_flops  # noqa: E402
+from tools.check import process_family  # noqa: E402
 
 LAYOUTS = {
     # Heavy-tailed document lengths with a mean near 1,000 tokens: many documents per row.
@@ -62,7 +62,7 @@ OBSERVED = ["--observe.profile_update", "15", "--observe.profile_updates", "2", 
 
 
 def records_command(layout: str, docs: int) -> list[str]:
-    return [sys.executable, str(ROOT / "scripts/synthetic_records.py"), "--docs", str(docs), *LAYOUTS[layout]]
+    return [sys.executable, str(ROOT / "tools/synthetic_records.py"), "--docs", str(docs), *LAYOUTS[layout]]
 
 
 # ----------------------------------------------------------------------------- host memory
