@@ -19,6 +19,7 @@ from callbacks.observe import ObserveConfig
 from datamodule import INPUT_SOURCES, DataConfig
 from lit_module import OptimConfig
 from model import GPTConfig
+from runfab_limits import GIB, OUTPUT_BYTES, RAM_BYTES
 
 BUNDLE_ROOT = Path(__file__).resolve().parent
 DEFAULT_CONFIG = "conf/config.yaml"
@@ -42,7 +43,7 @@ class TrainerConfig:
     memory_headroom_gib: float = 2.0  # GPU memory the allocator leaves free, in the probe and in training alike
     probe_margin_gib: float = 0.5  # the eager probe's cap is this much tighter than training's (compiled) cap
     cuda_alloc_conf: str | None = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF unless the platform set one
-    host_memory_budget_gib: float = 8.0  # RunFab's RAM for the job; GPU counts projected over it are refused (0: off)
+    host_memory_budget_gib: float = RAM_BYTES / GIB  # RunFab's RAM for the job; GPU counts projected over it are refused (0: off)
     ddp_bucket_cap_mb: float = 25.0  # all-reduce bucket size (DDP's default); dynamo splits the compiled trunk there
 
 
@@ -55,7 +56,7 @@ class MetricsConfig:
 @dataclass
 class OutputConfig:
     root: str = "${oc.env:RUNFABRIC_OUTPUT,output}"  # RunFab's output root; ./output when unset
-    budget_bytes: int = 3 << 30  # RunFab keeps all output in 3 GiB of RAM: model, checkpoints, caches
+    budget_bytes: int = OUTPUT_BYTES  # RunFab keeps all output in 3 GiB of RAM: model, checkpoints, caches
 
 
 @dataclass

@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from model import IGNORE_INDEX, document_offsets
+from runfab_limits import RECORD_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -401,7 +402,7 @@ class DataConfig:
     source: str = "auto"  # auto: stdin, or the sample when stdin is a terminal; stdin; sample
     sample_path: str = "data/sample.jsonl"  # the bundled sample (data.source sample, or a terminal)
     microbatch: int = 8  # for local runs only: RunFab chooses its own
-    max_record_bytes: int = 1 << 20
+    max_record_bytes: int = RECORD_BYTES  # RunFab's limit per record
     give_up_after: int = 256  # rejected records, with none usable, before the stream is refused
     tokenize_batch_docs: int = 256
     tokenize_batch_bytes: int = 8 << 20

@@ -20,6 +20,7 @@ import torch
 import attention_kernels
 import hostmem
 from config import ConfigError, RunConfig
+from runfab_limits import CPU_CORES
 from lit_module import LitGPT
 
 log = logging.getLogger("train")
@@ -135,7 +136,7 @@ def prepare_compile(folder: Path, world: int) -> None:
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
         import torch._inductor.config as inductor_config
 
-        inductor_config.compile_threads = 1 if world > 1 else min(2, len(os.sched_getaffinity(0)))
+        inductor_config.compile_threads = 1 if world > 1 else min(CPU_CORES, len(os.sched_getaffinity(0)))
 
 
 def inductor_default_cache() -> Path:

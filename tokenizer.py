@@ -239,9 +239,9 @@ def read_ndjson_texts(paths: Iterable[str | Path], field: str = "text") -> Itera
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`train.py tokenizer`: train tokenizer.json from NDJSON documents."""
+    """`python -m tools tokenizer`: train tokenizer.json from NDJSON documents."""
     parser = argparse.ArgumentParser(
-        prog="train.py tokenizer", description="Train a byte-level BPE tokenizer."
+        prog="python -m tools tokenizer", description="Train a byte-level BPE tokenizer."
     )
     parser.add_argument("--input", nargs="+", required=True, help="NDJSON files with a text field")
     parser.add_argument("--vocab-size", type=int, default=8192)

@@ -69,31 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["worker"]:
         return training_run.run_worker()
-    if argv[:1] == ["tokenizer"]:
-        import tokenizer
-
-        return tokenizer.main(argv[1:])
-    if argv[:1] == ["package"]:
-        import bundle
-
-        return bundle.main(argv[1:])
-    if argv[:1] == ["check"]:
-        import contract_check
-
-        return contract_check.main(argv[1:])
-    if argv[:1] == ["emulate"]:
-        import emulate
-
-        return emulate.main(argv[1:])
-    if argv[:1] == ["report"]:
-        import report
-
-        return report.main(argv[1:])
+    if argv[:1] in (["tokenizer"], ["package"], ["check"], ["emulate"], ["report"]):
+        print(f"error: {argv[0]} is a tool, not part of training: run `python -m tools {argv[0]}`", file=sys.stderr)
+        return 2
     command = argv.pop(0) if argv[:1] in (["fit"], ["probe"]) else "fit"
     parser = argparse.ArgumentParser(
         prog="train.py",
         description="Pretrain the GPT decoder on NDJSON records from stdin (or the bundled sample). "
-        "Subcommands: fit (default), probe, tokenizer, package, check, emulate, report. Any --section.key VALUE overrides the config.",
+        "Subcommands: fit (default), probe; the bundle tools run as `python -m tools`. Any --section.key VALUE overrides the config.",
     )
     parser.add_argument("--config", help="YAML config of the bundle (default: $RUNFAB_CONFIG or conf/config.yaml)")
     parser.add_argument("--microbatch", type=int, help="rows per microbatch (default: data.microbatch)")

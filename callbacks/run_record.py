@@ -22,15 +22,13 @@ import torch
 import attention_kernels
 from callbacks.observe import ObservationWindows
 from callbacks.runfab_metrics import RunFabMetrics
-from contract_check import folder_bytes
 from model import count_parameters
+from shipping import folder_bytes, shipped_files
 
 log = logging.getLogger(__name__)
 
 LIBRARIES = ("torch", "lightning", "transformers", "tokenizers", "tiktoken", "safetensors", "torchmetrics", "omegaconf",
              "numpy", "flash-attn-4", "nvidia-cutlass-dsl")
-SOURCE_SUFFIXES = (".py", ".yaml", ".yml", ".json", ".toml", ".txt")
-SKIPPED_DIRS = {"tests", "output", "dist", "data", "__pycache__", ".git", ".venv", ".ci"}
 
 
 def library_versions() -> dict[str, str | None]:
@@ -53,13 +51,13 @@ def sha256_file(path: Path) -> str:
 
 
 def source_hashes(root: Path) -> dict[str, str]:
-    """SHA-256 of the bundle's code and configuration, which is what actually ran."""
-    hashes = {}
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root)
-        if path.is_file() and path.suffix in SOURCE_SUFFIXES and not SKIPPED_DIRS & set(rel.parts[:-1]):
-            hashes[rel.as_posix()] = sha256_file(path)
-    return hashes
+    """SHA-256 of the bundle's code and configuration, which is what actually ran.
+
+    These are the shipped files (``shipping.shipped_files``) less the data sample under ``data/``, which is
+    input rather than code: the record's ``input`` section fingerprints what was read.
+    """
+    return {rel: sha256_file(root / rel) for rel in shipped_files(root)
+            if not rel.startswith("data/") and (root / rel).is_file()}
 
 
 def dataset_descriptor(root: Path) -> dict | None:

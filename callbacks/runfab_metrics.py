@@ -20,9 +20,11 @@ from typing import TextIO
 import lightning as L
 import torch
 
+from runfab_limits import METRIC_LINE_CHARS
+
 log = logging.getLogger(__name__)
 
-MAX_LINE_CHARS = 8191
+MAX_LINE_CHARS = METRIC_LINE_CHARS - 1  # RunFab wants each line below METRIC_LINE_CHARS
 
 
 def peak_memory(device: torch.device) -> dict[str, float]:
@@ -234,7 +236,7 @@ class RunFabMetrics(L.Callback):
             return
         line = json.dumps(record, allow_nan=False, separators=(",", ":"))
         if len(line) > MAX_LINE_CHARS:
-            raise ValueError(f"metrics line of {len(line)} characters exceeds RunFab's 8,192")
+            raise ValueError(f"metrics line of {len(line)} characters exceeds RunFab's {METRIC_LINE_CHARS:,}")
         self.stream.write(line + "\n")
         self.stream.flush()
         if self._log_file is not None:

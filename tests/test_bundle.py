@@ -1,4 +1,4 @@
-"""`python train.py package`: what goes into the upload ZIP, what is refused, and reproducibility.
+"""`python -m tools package`: what goes into the upload ZIP, what is refused, and reproducibility.
 
 Most cases build a small project in a temporary folder (outside git, so the tree is walked) that
 breaks exactly one rule, and check that packaging is refused with a message naming the file and the
@@ -9,6 +9,7 @@ contains one that a scanner (ours or a code host's) would flag.
 
 from __future__ import annotations
 
+import ast
 import os
 import random
 import re
@@ -20,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-import bundle
+import shipping
+from tools import package as bundle
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1024 * 1024
@@ -96,7 +98,8 @@ def test_real_project_packs_what_training_needs(tmp_path, capsys):
     assert {"train.py", "conf/config.yaml", "conf/tokenizer.json", "data/sample.jsonl"} <= set(names)
     assert {"conf/gpt2/tokenizer.json", "conf/gpt2/SOURCE.json"} <= set(names)  # the reference config's tokenizer
     assert names == sorted(names)
-    assert not [n for n in names if n.startswith(("tests/", "scripts/", "docs/", ".")) or "__pycache__" in n]
+    assert not [n for n in names if n.startswith(("tests/", "tools/", "docs/", ".")) or "__pycache__" in n]
+    assert (ROOT / "tools/package.py").is_file() and (ROOT / "tools/check.py").is_file()  # beside it, not in it
     assert not [n for n in names if n.endswith((".pyc", ".safetensors", ".pt", ".ckpt"))]
     for info in infos:
         assert info.date_time == (1980, 1, 1, 0, 0, 0)
@@ -122,15 +125,16 @@ def test_dry_run_lists_files_and_writes_nothing(tmp_path, capsys):
     lines = stdout.splitlines()
     listed = [line.split()[-1] for line in lines[:-1]]
     assert "train.py" in listed and "conf/config.yaml" in listed
-    assert listed == bundle.select_files(ROOT)
+    assert listed == shipping.shipped_files(ROOT)
+    assert not [rel for rel in listed if rel.startswith(("tools/", "tests/"))]
     assert all(re.fullmatch(r" *[\d,]+  \S+", line) for line in lines[:-1])
     assert "total:" in lines[-1]
 
 
-def test_train_py_dispatches_package_and_keeps_stdout_to_the_listing(tmp_path):
+def test_tools_entry_point_runs_package_and_keeps_stdout_to_the_listing(tmp_path):
     """Through the real entry point, in a fresh interpreter: only the listing reaches stdout."""
     result = subprocess.run(
-        [sys.executable, "train.py", "package", "--dry-run", "--output", str(tmp_path / "dist")],
+        [sys.executable, "-m", "tools", "package", "--dry-run", "--output", str(tmp_path / "dist")],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr
@@ -140,9 +144,27 @@ def test_train_py_dispatches_package_and_keeps_stdout_to_the_listing(tmp_path):
     assert not (tmp_path / "dist").exists()
 
 
-def test_packager_source_does_not_flag_itself():
-    """bundle.py is a root module, so it is packed once tracked: its own patterns must not trip the scan."""
-    assert bundle.find_secrets(ROOT, ["bundle.py"]) == []
+def test_train_py_points_a_tool_command_to_the_tools(tmp_path):
+    """`train.py package` is no longer training's business: one line on stderr names the command to use."""
+    result = subprocess.run([sys.executable, "train.py", "package", "--dry-run"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert "python -m tools package" in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_training_never_imports_a_tool():
+    """The tools import training; the shipped modules never import the tools, which are not in the upload."""
+    for rel in shipping.shipped_files(ROOT):
+        if rel.endswith(".py"):
+            tree = ast.parse((ROOT / rel).read_text(encoding="utf-8"))
+            names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+            names += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+            assert not [name for name in names if name.split(".")[0] == "tools"], rel
+
+
+def test_shipped_sources_do_not_flag_themselves():
+    """The selection and the limits ship with training: their own patterns must not trip the scan."""
+    assert bundle.find_secrets(ROOT, ["shipping.py", "runfab_limits.py", "tools/package.py"]) == []
 
 
 # ----------------------------------------------------------------------------- selection
@@ -152,6 +174,8 @@ def test_minimal_project_is_accepted_and_packs_exactly_the_allow_list(project, t
     # Things that must stay out, several of them inside allowed areas where only a never-rule stops them.
     write(project, "tests/test_model.py")
     write(project, "scripts/benchmark.py")
+    write(project, "tools/check.py")
+    write(project, "tools/__init__.py", "")
     write(project, "docs/NOTES.md", "notes\n")
     write(project, "model.pt", b"\x80weights")  # root: outside the allow-list, left out rather than refused
     write(project, ".env", "WANDB_API_KEY=" + "0123456789abcdef" * 2 + "\n")  # likewise: never a candidate
@@ -323,8 +347,8 @@ def test_unsafe_file_name_is_refused(project, tmp_path, capsys, rel, rule):
 def test_dot_dot_entry_is_refused(project, tmp_path, capsys, monkeypatch):
     """No file system holds a file named '..', but a listing can still yield one: it must not reach the ZIP."""
     write(tmp_path, "outside.yaml", "seed: 9\n")
-    listed = bundle.candidates(project)
-    monkeypatch.setattr(bundle, "candidates", lambda root: [*listed, "conf/../../outside.yaml"])
+    listed = shipping.candidates(project)
+    monkeypatch.setattr(shipping, "candidates", lambda root: [*listed, "conf/../../outside.yaml"])
     assert_refused(project, tmp_path, capsys, "conf/../../outside.yaml", "unsafe path", "'..'")
 
 

@@ -1,4 +1,4 @@
-"""``python train.py check``: the real project passes, and every check fails on a bundle built to break it.
+"""``python -m tools check``: the real project passes, and every check fails on a bundle built to break it.
 
 Apart from one run on this project, the bundles are tiny synthetic trainers written with the
 standard library only, so a whole check takes well under a second. Each broken bundle differs
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-import contract_check
-from contract_check import FAIL, PASS, SKIP, Options
+from tools import check as contract_check
+from tools.check import FAIL, PASS, SKIP, Options
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,9 +87,9 @@ def good(tmp_path) -> Path:
 
 
 def test_real_project_passes_with_the_smoke_config():
-    """The command users run, through train.py's dispatcher, on this very project."""
+    """The command users run, through the tools' entry point, on this very project."""
     env = {**os.environ, "RUNFAB_CONFIG": "conf/smoke.yaml"}
-    proc = subprocess.run([sys.executable, "train.py", "check"], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "tools", "check"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     for index, key in enumerate(("layout", "archive", "batch", "hooks", "import", "probe"), start=1):

@@ -6,7 +6,7 @@ import io
 import json
 from pathlib import Path
 
-import emulate
+from tools import emulate
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = """\

@@ -260,7 +260,7 @@ def test_a_memory_window_dumps_a_snapshot_the_memory_viz_reads(tmp_path, monkeyp
 
     import training_run
     from config import load_config
-    from contract_check import folder_bytes
+    from shipping import folder_bytes
     from tests.test_callbacks import TINY, Stdin, records
 
     monkeypatch.chdir(tmp_path)

@@ -15,7 +15,7 @@ from batch_split import BatchSplit
 import probe
 import training_run
 from config import ConfigError, load_config
-from contract_check import process_family
+from tools.check import process_family
 
 
 def test_pss_of_a_tree_counts_a_child_and_shares_what_parent_and_child_map():

@@ -90,10 +90,7 @@ def test_unknown_or_missing_loggers_are_refused_before_training():
 
 
 def test_trace_summary_counts_overlapping_kernels_once_and_groups_them_by_family():
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    import trace_summary
+    from tools import trace_summary
 
     events = [  # two streams overlap for 5 us; a CPU event is not GPU time
         {"cat": "kernel", "name": "nvjet_sm90_tst_192x192", "ts": 0, "dur": 10},

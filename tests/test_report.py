@@ -1,4 +1,4 @@
-"""``train.py report``: one self-contained HTML page from a run's output root.
+"""``python -m tools report``: one self-contained HTML page from a run's output root.
 
 The page is built from a realistic fake output root (metric lines with warmup and observation
 flags, validation lines, GPU keys, a cut-short last line; a full run record; observation files)
@@ -23,7 +23,7 @@ from xml.etree import ElementTree
 
 import pytest
 
-import report
+from tools import report
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_TIMEOUT = 60

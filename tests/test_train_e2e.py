@@ -1,7 +1,7 @@
 """End to end: train.py run the way RunFab runs it, each case in a fresh interpreter.
 
-Every test copies the bundle (train.py, the other modules, callbacks/, conf/, data/) into a
-temporary folder and makes it read-only, like /workspace. The child process gets
+Every test copies the bundle (what ``shipping.shipped_files`` says ships: train.py, the other
+modules, callbacks/, conf/, data/) into a temporary folder and makes it read-only, like /workspace. The child process gets
 ``CUDA_VISIBLE_DEVICES=""``, ``RUNFABRIC_OUTPUT`` pointing at a writable folder, a working
 directory of its own that starts empty, and its own HOME and TMPDIR, so every place a stray
 write could land is a folder the test can look into afterwards.
@@ -30,8 +30,9 @@ from pathlib import Path
 
 import pytest
 
+from shipping import shipped_files
+
 ROOT = Path(__file__).resolve().parent.parent
-BUNDLE_DIRS = ("callbacks", "conf", "data")
 EFFECTIVE_BATCH_SIZE = 32  # what the contract under test promises; train.py is read, not imported, here
 MICROBATCH = 4
 SEQ_LEN = 64
@@ -69,10 +70,9 @@ METRIC_KEYS = {"step", "elapsed_seconds", "loss", "tokens_per_second"}  # what R
 
 def _copy_bundle(dest: Path) -> None:
     dest.mkdir()
-    for module in ROOT.glob("*.py"):
-        shutil.copy2(module, dest / module.name)
-    for name in BUNDLE_DIRS:
-        shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for rel in shipped_files(ROOT):
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, dest / rel)
     for rel, values in CONFIGS.items():
         (dest / rel).write_text(TINY.format(seq_len=SEQ_LEN, microbatch=MICROBATCH, **values))
 

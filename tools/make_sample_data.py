@@ -7,7 +7,7 @@ imported, so nothing is executed and the output depends only on the stdlib
 files of the interpreter that runs this script (its version is printed to
 stderr as provenance; a different Python gives a slightly different sample).
 
-Usage: python scripts/make_sample_data.py [--output data/sample.jsonl]
+Usage: python -m tools.make_sample_data [--output data/sample.jsonl]
 """
 
 from __future__ import annotations

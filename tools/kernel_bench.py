@@ -4,7 +4,7 @@ The trainer's step is mostly attention and matrix products; this says how fast e
 kernel runs at the trainer's shapes (microbatch 32 x 4096, 12 heads of 64, d 768), and whether the
 candidates agree, so a choice between them rests on figures. Prints one line per measurement.
 
-Usage (GPU): python scripts/kernel_bench.py [--microbatch 32] [--docs-mean 1000] [--kernels 'varlen FA2' 'FA4 varlen']
+Usage (GPU): python -m tools.kernel_bench [--microbatch 32] [--docs-mean 1000] [--kernels 'varlen FA2' 'FA4 varlen']
 FlashAttention 4 (varlen, and dense for one-document rows) is a candidate when flash_attn.cute imports.
 """
 

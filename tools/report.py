@@ -1,4 +1,4 @@
-"""``python train.py report OUTPUT_DIR``: one HTML page that tells how a run went.
+"""``python -m tools report OUTPUT_DIR``: one HTML page that tells how a run went.
 
 A run leaves its story in pieces meant for machines: the metric lines RunFab graphs
 (``run/metrics.jsonl``), the run record beside the model (``model/run_record.json``) and, when
@@ -753,7 +753,7 @@ def render(run: Run) -> str:
     return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
             f"<title>Run report: {esc(str(status))}</title>\n<style>{STYLE}</style>\n</head>\n"
-            f"<body>\n<main>\n{body}\n<p class=\"note footer\">Written by train.py report on {utc(time.time())}.</p>\n"
+            f"<body>\n<main>\n{body}\n<p class=\"note footer\">Written by python -m tools report on {utc(time.time())}.</p>\n"
             f"</main>\n</body>\n</html>\n")
 
 
@@ -769,7 +769,7 @@ def write_report(output_dir: Path, page: Path, metrics_path: Path | None = None)
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="train.py report",
+    parser = argparse.ArgumentParser(prog="python -m tools report",
                                      description="Write one self-contained HTML page about a run.")
     parser.add_argument("output_dir", type=Path, metavar="OUTPUT_DIR",
                         help="the run's output root ($RUNFABRIC_OUTPUT; ./output by default when training)")

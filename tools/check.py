@@ -1,4 +1,4 @@
-"""``python train.py check [BUNDLE.zip | DIR]``: check a bundle against the RunFab contract before uploading.
+"""``python -m tools check [BUNDLE.zip | DIR]``: check a bundle against the RunFab contract before uploading.
 
 RunFab imports ``train.py`` from a read-only ``/workspace`` and runs each memory probe in a fresh
 subprocess with a 120-second limit; a bundle that reads stdin, prints, writes files or leaves
@@ -23,12 +23,16 @@ every check passes, 1 otherwise, 2 for a usage error.
 
 Environment variables other than the ones above pass through to the children, so a project's
 own switches work: this project reads ``RUNFAB_CONFIG``. On a machine without a GPU, check with the
-small config, ``RUNFAB_CONFIG=conf/smoke.yaml python train.py check``; the reference model of
+small config, ``RUNFAB_CONFIG=conf/smoke.yaml python -m tools check``; the reference model of
 ``conf/config.yaml`` probed on a CPU can take longer than RunFab's 120 s although it fits a GPU easily.
+
+A directory is checked as the files ``python -m tools package`` would ship from it
+(``shipping.shipped_files``), so checking the project checks what the ZIP would hold.
 
 The checker runs the bundle's code in child processes only; this module imports nothing but the
 standard library at the top, because the children load it too (to share the snapshot code) and it
-must not import anything before ``train`` does.
+must not import anything before ``train`` does. The project's own modules (RunFab's limits, what
+ships) are imported inside the functions that need them, which run in this process only.
 """
 
 from __future__ import annotations
@@ -50,30 +54,20 @@ import threading
 import time
 import traceback
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import TextIO
 
-PROJECT_ROOT = Path(__file__).resolve().parent
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 BATCH_NAME = "EFFECTIVE_BATCH_SIZE"
 BATCH_MIN, BATCH_MAX = 1, 65536
 HOOKS = {"probe_batch": ["microbatch"], "train": ["microbatch", "accumulation"]}
 
-ZIP_LIMIT = 16 * 2**20  # the uploaded archive
-EXPANDED_LIMIT = 64 * 2**20  # what it unpacks to
 DEFAULT_IMPORT_LIMIT = 60.0
-DEFAULT_PROBE_LIMIT = 120.0  # RunFab's limit for one probe subprocess, interpreter start and import included
 IMPORT_GRACE = 10.0  # on top of the import limit: interpreter start-up and the checks after the import
 STDIN_PAYLOAD_BYTES = 256 * 1024  # several pipe buffers, so even a partial read shows
 QUICK_PROBE_SECONDS = 0.1
-
-# Folders that never belong in a bundle; skipped when a directory is checked without git's help.
-NOISE_DIRS = {
-    ".git", ".hg", ".svn", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".ipynb_checkpoints",
-    ".venv", "venv", ".tox", ".nox", "node_modules", "lightning_logs", "output", "dist", "build",
-}
-NOISE_SUFFIXES = (".pyc", ".pyo")
 
 # Variables that would send a child's cache writes outside the folders this checker inspects, or let
 # it import code that is not in the bundle. Without them, caches fall back to HOME or TMPDIR.
@@ -123,7 +117,7 @@ class Options:
     gpus: int | None = None  # None: the GPUs visible on this machine (1 when none)
     microbatch: int | None = None  # None: 1, which divides every effective batch
     import_limit: float = DEFAULT_IMPORT_LIMIT
-    probe_limit: float = DEFAULT_PROBE_LIMIT
+    probe_limit: float | None = None  # None: RunFab's (runfab_limits.PROBE_SECONDS)
     cuda: bool = False  # keep the caller's CUDA_VISIBLE_DEVICES in the children
     keep: bool = False  # leave the temporary folders for inspection
 
@@ -185,41 +179,12 @@ def is_safe_member(name: str) -> bool:
 
 
 def directory_files(root: Path) -> tuple[list[str], str]:
-    """The files a directory would ship: git's view (tracked plus untracked, not ignored) when the
-    directory is a work tree's top, so ignored outputs and caches stay out as they would in a ZIP
-    made from it; otherwise everything except well-known caches and environments."""
-    listed = git_listing(root)
-    if listed is not None:
-        files = [rel for rel in listed if (root / rel).is_file() and not is_noise(rel)]
-        return sorted(files), "git ls-files (tracked and untracked, .gitignore honoured)"
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in NOISE_DIRS)
-        for name in filenames:
-            rel = (Path(dirpath) / name).relative_to(root).as_posix()
-            if not is_noise(rel):
-                files.append(rel)
-    return sorted(files), "every file except caches, environments and build outputs"
+    """The files a directory would ship: exactly what ``python -m tools package`` would pack from it."""
+    from shipping import git_files, shipped_files
 
-
-def git_listing(root: Path) -> list[str] | None:
-    try:
-        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"],
-                             capture_output=True, text=True, timeout=30)
-        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != root.resolve():
-            return None
-        found = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                               capture_output=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if found.returncode != 0:
-        return None
-    return [name for name in found.stdout.decode("utf-8", "surrogateescape").split("\0") if name]
-
-
-def is_noise(rel: str) -> bool:
-    parts = rel.split("/")
-    return any(part in NOISE_DIRS for part in parts[:-1]) or rel.endswith(NOISE_SUFFIXES)
+    files = [rel for rel in shipped_files(root) if (root / rel).is_file()]
+    listing = "git ls-files, tracked files" if git_files(root) is not None else "every file in the tree"
+    return files, f"what `python -m tools package` would ship: the allow-list over {listing}"
 
 
 def set_writable(root: Path, writable: bool) -> None:
@@ -276,11 +241,6 @@ def compare_snapshots(before: dict, after: dict) -> tuple[list[str], list[str]]:
                 changes.append(f"modified {label}/{rel}")
         changes += [f"removed {label}/{rel}" for rel, entry in then.items() if entry[0] != "d" and rel not in now]
     return changes, empty_dirs
-
-
-def folder_bytes(path: Path) -> int:
-    """Bytes of the regular files under path (links not followed): what a size budget charges."""
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
 
 
 def process_table() -> dict[int, tuple[int, int, str, str]]:
@@ -604,6 +564,8 @@ def check_layout(source: BundleSource) -> Result:
 
 
 def check_archive(source: BundleSource) -> Result:
+    from runfab_limits import EXPANDED_BYTES as EXPANDED_LIMIT, ZIP_BYTES as ZIP_LIMIT
+
     problems, facts = [], [f"{size_text(source.expanded_bytes)} expanded (limit {size_text(EXPANDED_LIMIT)})"]
     if source.expanded_bytes > EXPANDED_LIMIT:
         problems.append(f"expands to {size_text(source.expanded_bytes)}, over RunFab's {size_text(EXPANDED_LIMIT)}")
@@ -848,6 +810,10 @@ def check_bundle(path: str | Path, options: Options | None = None, out: TextIO |
     SKIPped rather than failed again, so the first FAIL is the one to fix.
     """
     options = options or Options()
+    if options.probe_limit is None:
+        from runfab_limits import PROBE_SECONDS
+
+        options = replace(options, probe_limit=PROBE_SECONDS)
     out = out or sys.stdout
     source = BundleSource.open(Path(path).resolve())
     gpus, gpus_from = (options.gpus, "--gpus") if options.gpus else (max(1, visible_gpus()), "visible on this machine")
@@ -959,12 +925,14 @@ def preview(data: bytes) -> str:
 
 
 def parse_args(argv: list[str]) -> tuple[Path, Options]:
+    from runfab_limits import PROBE_SECONDS
+
     parser = argparse.ArgumentParser(
-        prog="train.py check",
+        prog="python -m tools check",
         description="Check a bundle the way RunFab runs it: layout, sizes, the literal EFFECTIVE_BATCH_SIZE, the "
                     "hooks, a side-effect-free import and one probe, each in a fresh process from a read-only copy.",
         epilog="On a machine without a GPU use a small config so the probe fits the limit: "
-               "RUNFAB_CONFIG=conf/smoke.yaml python train.py check. Other environment variables pass through.",
+               "RUNFAB_CONFIG=conf/smoke.yaml python -m tools check. Other environment variables pass through.",
     )
     parser.add_argument("bundle", nargs="?", default=str(PROJECT_ROOT),
                         help="a ZIP to upload or a directory (default: this project's root)")
@@ -973,9 +941,9 @@ def parse_args(argv: list[str]) -> tuple[Path, Options]:
     parser.add_argument("--microbatch", type=positive_int, help="microbatch to probe (default: 1)")
     parser.add_argument("--import-limit", type=positive_float, default=DEFAULT_IMPORT_LIMIT, metavar="SECONDS",
                         help=f"longest acceptable `import train` (default: {DEFAULT_IMPORT_LIMIT:g})")
-    parser.add_argument("--probe-limit", type=positive_float, default=DEFAULT_PROBE_LIMIT, metavar="SECONDS",
+    parser.add_argument("--probe-limit", type=positive_float, metavar="SECONDS",
                         help="limit for the whole probe process, import included "
-                             f"(default: RunFab's {DEFAULT_PROBE_LIMIT:g})")
+                             f"(default: RunFab's {PROBE_SECONDS:g})")
     parser.add_argument("--cuda", action="store_true",
                         help="let the children see this machine's GPUs (default: CUDA_VISIBLE_DEVICES=\"\")")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folders and print where they are")
@@ -999,7 +967,7 @@ def positive_float(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python train.py check``: 0 when every check passes, 1 when any does not, 2 for usage."""
+    """Entry point of ``python -m tools check``: 0 when every check passes, 1 when any does not, 2 for usage."""
     bundle, options = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         results = check_bundle(bundle, options)

@@ -5,7 +5,7 @@ gradients of the 126,716,160-parameter model, in fp32 (what DDP sends) and in bf
 median time and the bus bandwidth (NCCL's convention: 2 (n-1)/n bytes per byte all-reduced).
 Run with NCCL_DEBUG=INFO to see the transport NCCL chose (P2P/CUMEM, SHM or NET).
 
-Usage: python scripts/allreduce_bench.py [--parameters 126716160] [--repeats 20]
+Usage: python -m tools.allreduce_bench [--parameters 126716160] [--repeats 20]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Reads a Chrome trace written by the observation window (run/profile/trace-update
 prints GPU busy time against the window's span, kernel time grouped into families (matrix
 products, attention, compiled fused kernels, optimizer, copies) and the heaviest kernels.
 
-Usage: python scripts/trace_summary.py OUTPUT/run/profile/trace-updates-15-16.json [--top 25]
+Usage: python -m tools.trace_summary OUTPUT/run/profile/trace-updates-15-16.json [--top 25]
 """
 
 from __future__ import annotations

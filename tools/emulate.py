@@ -1,6 +1,6 @@
-"""``python train.py emulate [BUNDLE] < records.jsonl``: RunFab's procedure, run on this machine.
+"""``python -m tools emulate [BUNDLE] < records.jsonl``: RunFab's procedure, run on this machine.
 
-1. Unpack the bundle read-only, as RunFab's /workspace (contract_check.Sandbox).
+1. Unpack the bundle read-only, as RunFab's /workspace (check.Sandbox).
 2. Probe each candidate microbatch (the divisors of EFFECTIVE_BATCH_SIZE / GPUs, smallest first)
    in a fresh process with RunFab's 120 s limit; stop at the first failure; take the largest fit.
 3. Call ``train(microbatch, accumulation)`` in a fresh process with this process's stdin,
@@ -9,7 +9,7 @@
    and of the output, and stops the run (as the platform would) when one goes over RunFab's
    budget: 8 GiB RAM, 256 MiB /tmp, 3 GiB output.
 4. Write a summary, SVG plots of loss and throughput over ``elapsed_seconds`` from the metric
-   lines, as the platform's graphs show them, and ``report.html``: report.py's page of the
+   lines, as the platform's graphs show them, and ``report.html``: tools/report.py's page of the
    emulated run's output root, written before the sandbox is removed.
 """
 
@@ -27,14 +27,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-import contract_check
 import hostmem
-import report as run_report
+import runfab_limits
+from shipping import folder_bytes
+from tools import check
+from tools import report as run_report
 
-RAM_BUDGET = 8 << 30
-TMP_BUDGET = 256 << 20
-OUTPUT_BUDGET = 3 << 30
-PROBE_LIMIT = 120.0
+RAM_BUDGET = runfab_limits.RAM_BYTES
+TMP_BUDGET = runfab_limits.TMP_BYTES
+OUTPUT_BUDGET = runfab_limits.OUTPUT_BYTES
+PROBE_LIMIT = runfab_limits.PROBE_SECONDS
 SAMPLE_SECONDS = 0.5
 
 
@@ -67,7 +69,7 @@ def candidates(effective_batch_size: int, gpus: int) -> list[int]:
     return [k for k in range(1, per_gpu + 1) if per_gpu % k == 0]
 
 
-def probe(sandbox: contract_check.Sandbox, microbatch: int, cuda: bool, limit: float) -> dict:
+def probe(sandbox: check.Sandbox, microbatch: int, cuda: bool, limit: float) -> dict:
     """One candidate in a fresh process, as RunFab runs it; host memory of its tree sampled meanwhile."""
     command = [sys.executable, "-c", f"import train; train.probe_batch({microbatch})"]
     start = time.monotonic()
@@ -83,7 +85,7 @@ def probe(sandbox: contract_check.Sandbox, microbatch: int, cuda: bool, limit: f
         ok, reason = process.returncode == 0, stderr[-1:]
         measured = probe_figures(stderr)
     except subprocess.TimeoutExpired:
-        contract_check.kill_group(process.pid)
+        check.kill_group(process.pid)
         process.communicate()
         ok, reason = False, [f"over the {limit:.0f} s limit"]
     sampler.join()
@@ -116,11 +118,11 @@ def probe_figures(stderr: list[str]) -> dict:
 
 def tree_memory(pid: int) -> tuple[int, int]:
     """(PSS, RSS) in bytes of a process and all its descendants, from /proc/PID/smaps_rollup."""
-    totals = hostmem.tree_memory(contract_check.process_family(pid))
+    totals = hostmem.tree_memory(check.process_family(pid))
     return totals["Pss"], totals["Rss"]
 
 
-def watch(process: subprocess.Popen, sandbox: contract_check.Sandbox, usage: Usage) -> None:
+def watch(process: subprocess.Popen, sandbox: check.Sandbox, usage: Usage) -> None:
     """Sample until the process ends; past a budget, record which and stop the run."""
     def ram() -> int:
         pss, rss = tree_memory(process.pid)
@@ -128,8 +130,8 @@ def watch(process: subprocess.Popen, sandbox: contract_check.Sandbox, usage: Usa
         return pss
 
     budgets = (("RAM", RAM_BUDGET, "peak_pss_bytes", ram),
-               ("/tmp", TMP_BUDGET, "peak_tmp_bytes", lambda: contract_check.folder_bytes(sandbox.tmp)),
-               ("output", OUTPUT_BUDGET, "peak_output_bytes", lambda: contract_check.folder_bytes(sandbox.output)))
+               ("/tmp", TMP_BUDGET, "peak_tmp_bytes", lambda: folder_bytes(sandbox.tmp)),
+               ("output", OUTPUT_BUDGET, "peak_output_bytes", lambda: folder_bytes(sandbox.output)))
     while process.poll() is None:
         for name, limit, attribute, measure in budgets:
             try:
@@ -140,11 +142,11 @@ def watch(process: subprocess.Popen, sandbox: contract_check.Sandbox, usage: Usa
             if value > limit and usage.exceeded is None:
                 measured = f"{name} (PSS)" if name == "RAM" else name
                 usage.exceeded = f"{measured}: {value / 2**20:.0f} MiB > {limit / 2**20:.0f} MiB"
-                contract_check.kill_group(process.pid)
+                check.kill_group(process.pid)
         time.sleep(SAMPLE_SECONDS)
 
 
-def run_training(sandbox: contract_check.Sandbox, microbatch: int, accumulation: int, cuda: bool,
+def run_training(sandbox: check.Sandbox, microbatch: int, accumulation: int, cuda: bool,
                  metrics_path: Path, out: TextIO, usage: Usage, stdin) -> tuple[int, float, int]:
     """train() with the records on ``stdin``; metric lines go to ``out`` and a file, as RunFab collects them."""
     command = [sys.executable, "-c", f"import train; train.train({microbatch}, {accumulation})"]
@@ -194,14 +196,14 @@ def write_report(output_root: Path, folder: Path) -> Path:
 
 def emulate(bundle: Path, report: Path, cuda: bool, gpus: int | None, microbatches: list[int] | None,
             out: TextIO, log: TextIO, stdin=None) -> Emulation:
-    source = contract_check.BundleSource.open(bundle)
+    source = check.BundleSource.open(bundle)
     report.mkdir(parents=True, exist_ok=True)
-    with contract_check.Sandbox(source, keep=False) as sandbox:
-        tree, error = contract_check.parse_train(sandbox.bundle)
-        effective, why = contract_check.batch_literal(tree) if tree is not None else (None, error)
+    with check.Sandbox(source, keep=False) as sandbox:
+        tree, error = check.parse_train(sandbox.bundle)
+        effective, why = check.batch_literal(tree) if tree is not None else (None, error)
         if effective is None:
-            raise contract_check.UsageError(f"cannot read EFFECTIVE_BATCH_SIZE: {why}")
-        gpus = gpus or (contract_check.visible_gpus() if cuda else 1)
+            raise check.UsageError(f"cannot read EFFECTIVE_BATCH_SIZE: {why}")
+        gpus = gpus or (check.visible_gpus() if cuda else 1)
         result = Emulation(gpus=gpus, effective_batch_size=effective)
         for k in microbatches or candidates(effective, gpus):
             outcome = probe(sandbox, k, cuda, PROBE_LIMIT)
@@ -214,7 +216,7 @@ def emulate(bundle: Path, report: Path, cuda: bool, gpus: int | None, microbatch
                 break
         fitting = [p["microbatch"] for p in result.probes if p["fits"]]
         if not fitting:
-            raise contract_check.UsageError("no candidate microbatch fits: RunFab would reject this bundle")
+            raise check.UsageError("no candidate microbatch fits: RunFab would reject this bundle")
         result.microbatch = max(fitting)
         result.accumulation = effective // (result.microbatch * gpus)
         print(f"emulate: train({result.microbatch}, {result.accumulation}) on {gpus} GPU(s)", file=log)
@@ -236,8 +238,8 @@ def emulate(bundle: Path, report: Path, cuda: bool, gpus: int | None, microbatch
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="train.py emulate", description=__doc__.splitlines()[0])
-    parser.add_argument("bundle", nargs="?", default=str(contract_check.PROJECT_ROOT), help="ZIP or folder")
+    parser = argparse.ArgumentParser(prog="python -m tools emulate", description=__doc__.splitlines()[0])
+    parser.add_argument("bundle", nargs="?", default=str(check.PROJECT_ROOT), help="ZIP or folder")
     parser.add_argument("--report", type=Path, default=Path("emulate-report"), help="where summary and plots go")
     parser.add_argument("--cuda", action="store_true", help="let the children see the GPUs (default: CPU only)")
     parser.add_argument("--gpus", type=int, help="GPU count to plan for (default: visible GPUs with --cuda, else 1)")
@@ -245,7 +247,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         result = emulate(Path(args.bundle), args.report, args.cuda, args.gpus, args.microbatches, sys.stdout, sys.stderr)
-    except contract_check.UsageError as error:
+    except check.UsageError as error:
         print(f"emulate: {error}", file=sys.stderr)
         return 2
     return 0 if result.train_exit_code == 0 and result.usage.exceeded is None else 1

@@ -1,30 +1,15 @@
-"""Build the RunFab upload ZIP: ``python train.py package [--output DIR] [--dry-run] [--root DIR]``.
+"""Build the RunFab upload ZIP: ``python -m tools package [--output DIR] [--dry-run] [--root DIR]``.
 
 The project root is the upload bundle, but the same folder also holds what must never be uploaded:
 tests, virtual environments, caches, run outputs, downloaded weights and, on a developer's machine,
-credentials. Zipping the folder by hand ships all of it, so this module decides what goes in and
+credentials. Zipping the folder by hand ships all of it, so this module packs what
+``shipping.shipped_files`` selects (an allow-list of what training needs; ``tools/`` is not in it) and
 refuses to write anything when the result would break RunFab's contract (section 1: a small,
-self-contained code ZIP, at most 16 MiB compressed and 64 MiB expanded, with no keys, virtual
+self-contained code ZIP within the size limits of ``runfab_limits``, with no keys, virtual
 environments, caches, large datasets or model weights).
 
-What is packed is an allow-list of what training needs, not a deny-list of what it does not, so a
-new kind of junk file stays out without anyone having to think of it:
-
-    *.py                    root-level modules (train.py among them)
-    callbacks/**/*.py       Lightning callbacks imported by train.py
-    conf/**                 YAML configs and the tokenizer
-    data/sample.jsonl       the bundled default sample (small local data, contract section 1)
-    requirements.txt  README.md  pyproject.toml
-    runfabric.dataset.json  when present: RunFab attaches the dataset it names (contract section 4)
-
-``scripts/`` and ``docs/`` are left out on purpose: they are development tools and notes that
-``train.py`` never imports or opens. Within the allow-list, paths under a cache, test, run-output or
-virtual-environment folder are skipped all the same.
-
-In a git checkout only tracked files are candidates (``git ls-files``), read from the working tree,
-so local scratch files, copied datasets and an ignored ``.env`` never sneak in; untracked files that
-the allow-list would take are named on stderr so a forgotten ``git add`` is noticed before the upload
-fails to import. Outside git the tree is walked instead.
+In a git checkout only tracked files ship; untracked files that the allow-list would take are named
+on stderr so a forgotten ``git add`` is noticed before the upload fails to import.
 
 Refused (exit 1, nothing written), every problem reported at once with the file and the rule:
 credential files and token-like strings, private keys, weight files, single files over 4 MiB, unsafe
@@ -48,7 +33,6 @@ import io
 import os
 import re
 import stat
-import subprocess
 import sys
 import tempfile
 import unicodedata
@@ -57,8 +41,11 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-MIB = 1024 * 1024
-DEFAULT_ROOT = Path(__file__).resolve().parent
+import runfab_limits
+from runfab_limits import MIB
+from shipping import git_files, shipped_files, untracked_matches
+
+DEFAULT_ROOT = Path(__file__).resolve().parent.parent
 ZIP_PREFIX = "runfab-trainer-"
 
 
@@ -66,37 +53,12 @@ ZIP_PREFIX = "runfab-trainer-"
 class Limits:
     """RunFab's upload limits, plus a per-file cap that keeps datasets out of the code ZIP."""
 
-    zip_bytes: int = 16 * MIB
-    expanded_bytes: int = 64 * MIB
+    zip_bytes: int = runfab_limits.ZIP_BYTES
+    expanded_bytes: int = runfab_limits.EXPANDED_BYTES
     file_bytes: int = 4 * MIB
 
 
 LIMITS = Limits()
-
-# ----------------------------------------------------------------------------- what goes in
-
-# Full-path patterns (POSIX, relative to the root) of what training needs; see the module docstring.
-ALLOWED = tuple(
-    re.compile(pattern)
-    for pattern in (
-        r"[^/]+\.py",
-        r"callbacks/(?:[^/]+/)*[^/]+\.py",
-        r"conf/.+",
-        r"data/sample\.jsonl",
-        r"requirements\.txt",
-        r"README\.md",
-        r"pyproject\.toml",
-        r"runfabric\.dataset\.json",
-    )
-)
-
-# Folders whose contents are never part of a bundle, at any depth, even inside an allowed area.
-NEVER_DIRS = frozenset({
-    ".git", ".hg", ".svn", "tests", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache",
-    ".ipynb_checkpoints", ".venv", "venv", "output", "dist", "checkpoints", "lightning_logs", "wandb",
-})
-NEVER_FILE_GLOBS = ("*.pyc", "*.pyo", "*.swp", "*~", ".DS_Store", "Thumbs.db")
-VENV_MARKER = "pyvenv.cfg"
 
 # ----------------------------------------------------------------------------- what is refused
 
@@ -143,78 +105,6 @@ class BundleRefused(Exception):
     def __init__(self, problems: list[str]):
         super().__init__(f"{len(problems)} problem(s)")
         self.problems = problems
-
-
-# ----------------------------------------------------------------------------- selection
-
-
-def is_allowed(rel: str) -> bool:
-    """Whether the allow-list takes this root-relative POSIX path."""
-    return any(pattern.fullmatch(rel) for pattern in ALLOWED)
-
-
-def is_never(root: Path, rel: str) -> bool:
-    """Whether the path lies in a cache, test, output or virtual-environment folder, or is editor/OS junk."""
-    *folders, name = rel.split("/")
-    if any(folder in NEVER_DIRS for folder in folders):
-        return True
-    if any(fnmatchcase(name, glob) for glob in NEVER_FILE_GLOBS):
-        return True
-    # A virtual environment may have any name; its marker file gives it away.
-    return any((root.joinpath(*folders[: depth + 1]) / VENV_MARKER).exists() for depth in range(len(folders)))
-
-
-def git_files(root: Path, *extra: str) -> list[str] | None:
-    """`git ls-files` under the root (tracked files, or others with `extra` flags); None outside a checkout.
-
-    -z keeps names byte-exact (no quoting), so odd names reach the path checks instead of being mangled.
-    """
-    try:
-        listing = subprocess.run(
-            ["git", "-C", str(root), "ls-files", "-z", *extra], capture_output=True, check=True,
-        ).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return [os.fsdecode(name) for name in listing.split(b"\0") if name]
-
-
-def walk_files(root: Path) -> list[str]:
-    """Every file and symlink under the root, without descending into never-packed folders.
-
-    Symlinked folders are returned as entries rather than followed, so the link checks judge them.
-    """
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        here = Path(dirpath)
-        prefix = here.relative_to(root).parts
-        kept = []
-        for name in dirnames:
-            if (here / name).is_symlink():
-                filenames.append(name)
-            elif name not in NEVER_DIRS and not (here / name / VENV_MARKER).exists():
-                kept.append(name)
-        dirnames[:] = kept
-        found.extend("/".join((*prefix, name)) for name in filenames)
-    return found
-
-
-def candidates(root: Path) -> list[str]:
-    """Tracked files in a git checkout (deleted ones dropped), otherwise every file in the tree."""
-    tracked = git_files(root)
-    if tracked is None:
-        return walk_files(root)
-    return [rel for rel in tracked if os.path.lexists(root / rel)]
-
-
-def select_files(root: Path) -> list[str]:
-    """The root-relative POSIX paths to pack, sorted, before any refusal rule is applied."""
-    return sorted(rel for rel in candidates(root) if is_allowed(rel) and not is_never(root, rel))
-
-
-def untracked_matches(root: Path) -> list[str]:
-    """Untracked, not ignored files the allow-list would take: in git mode they are left out."""
-    untracked = git_files(root, "--others", "--exclude-standard")
-    return sorted(rel for rel in untracked or [] if is_allowed(rel) and not is_never(root, rel))
 
 
 # ----------------------------------------------------------------------------- checks
@@ -406,15 +296,15 @@ def write_zip(root: Path, files: list[str], dest: Path, limits: Limits | None = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`train.py package`: 0 when the ZIP was written (or would be, with --dry-run), 1 when refused."""
+    """`python -m tools package`: 0 when the ZIP was written (or would be, with --dry-run), 1 when refused."""
     parser = argparse.ArgumentParser(
-        prog="train.py package",
+        prog="python -m tools package",
         description="Write the RunFab upload ZIP of this project (allow-listed files only) after checking it for "
         "secrets, weights, unsafe paths and RunFab's size limits.",
     )
     parser.add_argument("--output", type=Path, help="folder for the ZIP (default: ROOT/dist)")
     parser.add_argument("--dry-run", action="store_true", help="list the files and sizes on stdout, write nothing")
-    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="project to pack (default: this file's folder)")
+    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="project to pack (default: the project this tool belongs to)")
     args = parser.parse_args(argv)
     root = args.root.resolve()
     if not root.is_dir():
@@ -427,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     for rel in untracked_matches(root):
         print(f"package: note: {show(rel)} is not tracked by git, so it is left out; `git add` it to pack it",
               file=sys.stderr)
-    files = select_files(root)
+    files = shipped_files(root)
     try:
         if args.dry_run:
             data = checked_zip(root, files)

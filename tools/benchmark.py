@@ -22,7 +22,7 @@ Extra runs, in the same job:
   --probe-timing  RunFab's probe of one candidate (`import train; train.probe_batch(K)` in a fresh
                   process on every visible GPU): whole-process seconds and peak host memory.
 
-Usage (on a GPU machine): python scripts/benchmark.py [--layouts realistic one-doc] [--microbatch 32]
+Usage (on a GPU machine): python -m tools.benchmark [--layouts realistic one-doc] [--microbatch 32]
 """
 
 from __future__ import annotations
@@ -44,13 +44,17 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import hostmem  # noqa: E402
+import device_policy  # noqa: E402
+import probe  # noqa: E402
 import train  # noqa: E402
+import training_run  # noqa: E402
+from batch_split import BatchSplit  # noqa: E402
 from callbacks.runfab_metrics import peak_memory  # noqa: E402
 from config import load_config  # noqa: E402
-from contract_check import process_family  # noqa: E402
 from datamodule import UpdateFeeder, ValidationPool  # noqa: E402
 from lit_module import LitGPT  # noqa: E402
 from model import training_flops  # noqa: E402
+from tools.check import process_family  # noqa: E402
 
 LAYOUTS = {
     # Heavy-tailed document lengths with a mean near 1,000 tokens: many documents per row.
@@ -62,7 +66,7 @@ OBSERVED = ["--observe.profile_update", "15", "--observe.profile_updates", "2", 
 
 
 def records_command(layout: str, docs: int) -> list[str]:
-    return [sys.executable, str(ROOT / "scripts/synthetic_records.py"), "--docs", str(docs), *LAYOUTS[layout]]
+    return [sys.executable, str(ROOT / "tools/synthetic_records.py"), "--docs", str(docs), *LAYOUTS[layout]]
 
 
 # ----------------------------------------------------------------------------- host memory
@@ -236,9 +240,10 @@ def run_plain(layout: str, args) -> dict:
     """The same work in a hand-written loop: no Trainer, no callbacks, nothing between the steps."""
     cfg = load_config(overrides=["data.val_fraction=0", *args.set])
     accumulation = train.EFFECTIVE_BATCH_SIZE // args.microbatch
-    encoder = train.load_encoder(cfg)
+    encoder = training_run.load_encoder(cfg)
     generator = subprocess.Popen(records_command(layout, args.docs), stdout=subprocess.PIPE)
-    settings = train.stream_settings(cfg, encoder, args.microbatch, accumulation, 1)
+    split = BatchSplit(args.microbatch, accumulation, 1, train.EFFECTIVE_BATCH_SIZE)
+    settings = training_run.stream_settings(cfg, encoder, split)
     feeder = UpdateFeeder(lambda: (generator.stdout, "generator"), settings, encoder.encode_batch_arrays, ValidationPool(0))
     lit = LitGPT(cfg.model, cfg.optim).cuda()
     lit.model.compile_trunk()
@@ -337,8 +342,9 @@ def host_pipeline(args) -> dict:
     import io
 
     cfg = load_config(overrides=["data.val_fraction=0.005", *args.set])
-    encoder = train.load_encoder(cfg)
-    settings = train.stream_settings(cfg, encoder, args.microbatch, train.EFFECTIVE_BATCH_SIZE // args.microbatch, 1)
+    encoder = training_run.load_encoder(cfg)
+    split = BatchSplit(args.microbatch, train.EFFECTIVE_BATCH_SIZE // args.microbatch, 1, train.EFFECTIVE_BATCH_SIZE)
+    settings = training_run.stream_settings(cfg, encoder, split)
     text = (ROOT / "data/sample.jsonl").read_bytes() * 30
     ids = subprocess.run(records_command("realistic", 8_000), capture_output=True, check=True).stdout
     figures = {}
@@ -376,7 +382,7 @@ def memory_sweep(args) -> list[dict]:
         row = {"microbatch": microbatch}
         for compiled in (False, True):
             started = time.perf_counter()
-            result = train.run_probe_local(cfg, microbatch, 1, compiled=compiled)
+            result = probe.run_probe_local(cfg, microbatch, 1, train.EFFECTIVE_BATCH_SIZE, compiled=compiled)
             name = "compiled" if compiled else "eager"
             row[f"{name}_peak_allocated_gib"] = result["peak_allocated_gib"]
             row[f"{name}_seconds"] = time.perf_counter() - started
@@ -436,7 +442,7 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     cache = Path(os.environ.get("BENCH_COMPILE_CACHE", args.out / "compile-cache"))
-    train.prepare_compile(cache, 1)  # shared by every run of the job: train.py keeps a folder the environment names
+    device_policy.prepare_compile(cache, 1)  # shared by every run of the job: train.py keeps a folder the environment names
     results: dict = {}
     if args.probe_timing:
         (args.out / f"probe-{args.probe_timing}.json").write_text(json.dumps(probe_timing(args), indent=2))

@@ -3,7 +3,7 @@
 Lengths are lognormal (default mean near 1,000 tokens), like web documents, so packed rows hold
 many documents of varied size. Used for benchmarks and GPU checks; streams, never holds the output.
 
-Usage: python scripts/synthetic_records.py --docs 50000 [--mean-tokens 1000] [--vocab 50257] > records.jsonl
+Usage: python -m tools.synthetic_records --docs 50000 [--mean-tokens 1000] [--vocab 50257] > records.jsonl
 """
 
 from __future__ import annotations
