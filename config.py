@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from callbacks.observe import ObserveConfig
-from datamodule import INPUT_SOURCES, DataConfig
+from sources import INPUT_SOURCES
+from stages import DataConfig
 from lit_module import OptimConfig
 from model import GPTConfig
 from runfab_limits import GIB, OUTPUT_BYTES, RAM_BYTES

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from datamodule import ValidationDocument
+from feeder import ValidationDocument
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import launcher
 from batch_split import probe_accumulation
 from callbacks.runfab_metrics import peak_memory
 from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict
-from datamodule import Row, collate_rows
+from stages import Row, collate_rows
 from device_policy import (
     build_module, check_host_memory, limit_gpu_memory, lightning_trainer, local_device, platform_memory_fraction, resolve_accelerator, setup_process,
     use_allocator_settings, world_size,

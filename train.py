@@ -20,7 +20,7 @@ import training_run
 from batch_split import BatchSplit, command_line_microbatch
 from callbacks.runfab_metrics import NonFiniteLossError
 from config import ConfigError, load_config
-from datamodule import UnusableInputError
+from stages import UnusableInputError
 from device_policy import world_size
 from probe import run_probe
 

@@ -31,7 +31,10 @@ from callbacks.observe import ObservationWindows
 from callbacks.run_record import RunRecord, sha256_file
 from callbacks.runfab_metrics import RunFabMetrics
 from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, load_config_dict, training_time_limit
-from datamodule import StreamingDataModule, StreamSettings, UpdateFeeder, ValidationPool, open_input, summary_line
+from datamodule import StreamingDataModule
+from feeder import UpdateFeeder
+from sources import open_input
+from stages import StreamSettings, ValidationPool, summary_line
 from device_policy import (
     build_module, check_host_memory, limit_gpu_memory, lightning_trainer, local_device, platform_memory_fraction,
     prepare_compile, resolve_accelerator, setup_process, use_allocator_settings,

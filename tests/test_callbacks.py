@@ -25,7 +25,7 @@ import device_policy
 import training_run
 from callbacks.runfab_metrics import NonFiniteLossError, RunFabMetrics
 from config import load_config
-from datamodule import Row, StreamStats, split_update
+from stages import Row, StreamStats, split_update
 from lit_module import LitGPT, OptimConfig
 from model import GPTConfig
 

@@ -12,26 +12,44 @@ import numpy as np
 import pytest
 import torch
 
-from datamodule import (
-    DataConfig,
-    DescriptorReader,
-    Row,
-    StreamSettings,
-    StreamStats,
-    UnusableInputError,
-    UpdateFeeder,
-    ValidationPool,
+from feeder import UpdateFeeder
+
+from sources import DescriptorReader, open_input
+
+from stages import (
+
     assemble_updates,
+
     collate_rows,
+
+    DataConfig,
+
     is_held_out,
-    open_input,
+
     pack_rows,
+
     parse_record,
+
     read_records,
+
+    Row,
+
     shuffle_documents,
+
     split_update,
+
     split_validation,
+
     stream_updates,
+
+    StreamSettings,
+
+    StreamStats,
+
+    UnusableInputError,
+
+    ValidationPool,
+
 )
 from model import IGNORE_INDEX, document_offsets
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from datamodule import ValidationDocument
+from feeder import ValidationDocument
 from launcher import End, receive_items, send_item
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from datamodule import Row, StreamStats, split_update
+from stages import Row, StreamStats, split_update
 from lit_module import LitGPT, OptimConfig, lr_factor
 from model import IGNORE_INDEX, GPTConfig, token_loss_sum
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from datamodule import DataConfig, StreamSettings, StreamStats, ValidationPool, stream_updates
+from stages import DataConfig, StreamSettings, StreamStats, ValidationPool, stream_updates
 from tokenizer import TextEncoder
 
 ROOT = Path(__file__).resolve().parent.parent

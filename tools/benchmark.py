@@ -51,7 +51,8 @@ import training_run  # noqa: E402
 from batch_split import BatchSplit  # noqa: E402
 from callbacks.runfab_metrics import peak_memory  # noqa: E402
 from config import load_config  # noqa: E402
-from datamodule import UpdateFeeder, ValidationPool  # noqa: E402
+from feeder import UpdateFeeder  # noqa: E402
+from stages import ValidationPool  # noqa: E402
 from lit_module import LitGPT  # noqa: E402
 from model import training_flops  # noqa: E402
 from tools.check import process_family  # noqa: E402

@@ -1,0 +1,195 @@
+"""The stream beside training: a daemon thread runs the stages and fills one bounded queue per rank.
+
+stdin is read by the process that owns it, and the training loop (or, with several GPUs, each
+rank's sender in launcher.py) only ever takes complete updates, every rank the same number.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import numpy as np
+
+from stages import StreamSettings, StreamStats, ValidationPool, stream_updates
+
+log = logging.getLogger(__name__)
+
+
+_END = object()
+POLL_SECONDS = 0.1  # how often a waiting consumer looks up from an empty queue (a stop request may have come)
+
+
+class UpdateFeeder:
+    """Runs ``stream_updates`` on a daemon thread and fills one bounded queue per rank.
+
+    The queues hold at most ``prefetch_updates`` updates, so the reader stays a bounded
+    distance ahead of training. Every rank's stream ends at the same update boundary: at the end
+    of input, on ``finish`` (a signal), or on an input error once training has started, which is
+    then kept as ``input_error`` instead of ending the run without its model.
+    """
+
+    def __init__(self, open_stream: Callable[[], tuple[BinaryIO, str]], settings: StreamSettings,
+                 encode_batch: Callable, pool: ValidationPool, report_every: float | None = None) -> None:
+        """``report_every`` (seconds) marks updates with ``report=1`` so that data-parallel ranks
+        agree on when to report metrics without a collective; held-out documents then also travel
+        to every rank (as ValidationDocument items) so each worker holds the same pool."""
+        self.settings = settings
+        self.report_every = report_every
+        self.error: BaseException | None = None  # set by a data-parallel sender that met a pipeline error
+        self.input_error: BaseException | None = None  # the input failed after training started
+        self.early_end: str | None = None  # why the streams ended before the input did, if they did
+        self.stats = StreamStats()
+        self.pool = pool
+        self._open_stream = open_stream
+        self._encode_batch = encode_batch
+        capacity = settings.data.prefetch_updates * settings.accumulation
+        self.queues = [queue.Queue(maxsize=capacity) for _ in range(settings.world_size)]
+        self._stop = threading.Event()
+        self._finishing = threading.Event()
+        self._boundary = threading.Lock()  # guards the updates each rank started and the common last one
+        self._started = [0] * settings.world_size
+        self._last_update: int | None = None
+        self._start_lock = threading.Lock()
+        self._finished = [False] * settings.world_size
+        self._thread = threading.Thread(target=self._run, name="update-feeder", daemon=True)
+
+    def start(self) -> None:
+        """Start reading; safe to call from every rank's sender thread at once."""
+        with self._start_lock:
+            if self._thread.ident is None and not self._stop.is_set():
+                self._thread.start()
+
+    def stop(self) -> None:
+        """Stop at once (teardown): queued items are abandoned."""
+        self._stop.set()
+
+    def finish(self, reason: str) -> None:
+        """End every rank's stream at the next update boundary they share; safe in a signal handler."""
+        if self.early_end is None:
+            self.early_end = reason
+        self._finishing.set()
+
+    def close(self, timeout: float = 2.0) -> dict:
+        """Stop reading and return the input summary.
+
+        When training stops before the input ends, the counts cover what was read, which runs
+        at most ``prefetch_updates`` updates ahead of training. A thread blocked on a silent
+        stdin cannot be joined; it is a daemon, holds no Python lock, and ends with the process.
+        """
+        self.stop()
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+        return self.stats.as_dict()
+
+    def _put(self, rank: int, item: object) -> bool:
+        while not self._stop.is_set():
+            try:
+                self.queues[rank].put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        final: object = _END
+        pool = self.pool if self.report_every is None else _ForwardingPool(self.pool, self)
+        last_report = time.monotonic()
+        try:
+            stream, self.stats.source = self._open_stream()
+            log.info("reading records from %s", self.stats.source)
+            for per_rank in stream_updates(stream, self.settings, self._encode_batch, self.stats, pool):
+                if self.report_every is not None and time.monotonic() - last_report >= self.report_every:
+                    last_report = time.monotonic()
+                    for microbatches in per_rank:
+                        microbatches[-1]["report"] = 1
+                for rank, microbatches in enumerate(per_rank):  # a started update is always put whole
+                    for mb in microbatches:
+                        if not self._put(rank, mb):
+                            return
+                if self._finishing.is_set():
+                    return
+        except BaseException as error:  # handed to the training loop, which re-raises it
+            final = error
+        for rank in range(len(self.queues)):
+            self._put(rank, final)
+
+    def _past_last_update(self, rank: int, updates: int, starting: bool) -> bool:
+        """At an update boundary: has this rank reached the last update every rank will train?
+
+        Once a stop is asked for, the last update is the furthest any rank has started, so no rank
+        is left waiting in a collective for an update another rank never gets. ``starting`` records
+        that this rank holds the first microbatch of update ``updates + 1``.
+        """
+        with self._boundary:
+            if self._finishing.is_set() and self._last_update is None:
+                self._last_update = max(self._started)
+            if self._last_update is not None and updates >= self._last_update:
+                return True
+            if starting:
+                self._started[rank] = updates + 1
+            return False
+
+    def iterate(self, rank: int = 0) -> Iterator[dict | ValidationDocument]:
+        """The rank's items, complete updates only; the stream is consumed once, so a second pass yields nothing."""
+        self.start()
+        per_update = self.settings.accumulation
+        taken = 0  # microbatches yielded
+        waiting_since: float | None = None
+        while not self._finished[rank]:
+            boundary = taken % per_update == 0
+            if boundary and taken // per_update == self.settings.max_updates:
+                break  # Lightning fetches one batch ahead: it must not wait on the input for one it never trains
+            if boundary and self._past_last_update(rank, taken // per_update, starting=False):
+                break
+            try:
+                item = self.queues[rank].get(timeout=POLL_SECONDS)
+            except queue.Empty:  # training is ahead of the input (the GPU may starve meanwhile)
+                if waiting_since is None:
+                    waiting_since = time.perf_counter()
+                continue
+            if waiting_since is not None and taken and rank == 0:
+                self.stats.training_wait_seconds += time.perf_counter() - waiting_since
+            waiting_since = None
+            if item is _END:
+                break
+            if isinstance(item, BaseException):
+                if taken < per_update:
+                    raise item  # nothing trained yet: the run fails with the input's own error
+                log.error("the input failed after %d complete updates; training stops there and the model "
+                          "trained so far is exported: %s: %s", taken // per_update, type(item).__name__, item)
+                self.input_error = item
+                self.finish(f"input error: {type(item).__name__}: {item}")
+                break
+            if isinstance(item, dict):
+                if boundary and self._past_last_update(rank, taken // per_update, starting=True):
+                    break
+                taken += 1
+            yield item
+        self._finished[rank] = True
+
+
+@dataclass
+class ValidationDocument:
+    """A held-out document on its way to a data-parallel worker's own pool."""
+
+    tokens: np.ndarray
+
+
+class _ForwardingPool(ValidationPool):
+    """The feeder's pool, which also sends every document it keeps to each rank, in stream order."""
+
+    def __init__(self, pool: ValidationPool, feeder: UpdateFeeder) -> None:
+        self.pool, self.feeder = pool, feeder
+
+    def offer(self, tokens: np.ndarray) -> bool:
+        if not self.pool.offer(tokens):
+            return False
+        for rank in range(len(self.feeder.queues)):
+            self.feeder._put(rank, ValidationDocument(tokens))
+        return True

@@ -1,0 +1,111 @@
+"""Where records come from: stdin (the dataset under RunFab), or the bundled sample when a person means it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import BinaryIO
+
+from stages import UnusableInputError
+
+log = logging.getLogger(__name__)
+
+
+INPUT_SOURCES = ("auto", "stdin", "sample")
+
+
+class DescriptorReader:
+    """``readline`` straight from a file descriptor with ``os.read``.
+
+    Python's buffered ``sys.stdin`` holds a lock while a read waits; if training ends while the
+    reader thread still waits on an open, silent stdin, interpreter shutdown cannot take that
+    lock and aborts the process (exit 134) after a successful run. ``os.read`` holds no lock.
+    """
+
+    def __init__(self, fd: int, chunk_bytes: int = 1 << 16) -> None:
+        self.fd, self.chunk_bytes = fd, chunk_bytes
+        self._buffer, self._start, self._eof = b"", 0, False
+
+    def _fill(self) -> bool:
+        """Read one more chunk; False at end of input."""
+        if self._eof:
+            return False
+        chunk = os.read(self.fd, self.chunk_bytes)
+        if not chunk:
+            self._eof = True
+            return False
+        self._buffer = self._buffer[self._start :] + chunk
+        self._start = 0
+        return True
+
+    def peek(self, size: int = 1) -> bytes:
+        while len(self._buffer) - self._start < size and self._fill():
+            pass
+        return self._buffer[self._start : self._start + size]
+
+    def readline(self, limit: int = -1) -> bytes:
+        searched = self._start
+        while True:
+            newline = self._buffer.find(b"\n", searched)
+            available = len(self._buffer) - self._start
+            if newline >= 0 and (limit < 0 or newline - self._start < limit):
+                end = newline + 1
+            elif 0 <= limit <= available:
+                end = self._start + limit
+            elif not self._fill():
+                end = len(self._buffer)
+            else:
+                searched = available  # the bytes already searched now start the rebased buffer
+                continue
+            line = self._buffer[self._start : end]
+            self._start = end
+            return line
+
+
+def open_input(sample_path: Path | None, stdin: BinaryIO | None = None, source: str = "auto") -> tuple[BinaryIO, str]:
+    """Where records come from: ``data.source``.
+
+    ``auto`` reads stdin, except from an interactive terminal, where a person means the bundled
+    sample. Under RunFab stdin is the dataset, so an empty or closed stdin is an error, never a
+    silent run on the sample; ``sample`` asks for the sample explicitly.
+    """
+    if source == "sample":
+        return _open_sample(sample_path, "data.source is sample")
+    if stdin is None:
+        if sys.stdin is None or _closed(0):
+            raise UnusableInputError(
+                "stdin is closed, so there is no input. Pipe NDJSON records into stdin, or pass "
+                "--data.source sample to train on the bundled sample."
+            )
+        stdin = DescriptorReader(0)
+        interactive = os.isatty(0)
+    else:
+        interactive = stdin.isatty()
+    if interactive and source == "auto":
+        return _open_sample(sample_path, "stdin is a terminal")
+    if not stdin.peek(1)[:1]:
+        raise UnusableInputError(
+            "stdin is empty: the input ended before its first record. Under RunFab stdin is the dataset; "
+            "check the dataset attached to the job. To train on the bundled sample, pass --data.source sample."
+        )
+    return stdin, "stdin"
+
+
+def _closed(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return True
+    return False
+
+
+def _open_sample(sample_path: Path | None, why: str) -> tuple[BinaryIO, str]:
+    if sample_path is None or not sample_path.is_file():
+        raise FileNotFoundError(
+            f"no input: {why}, and the bundled sample {sample_path} does not exist. "
+            "Pipe NDJSON records into stdin or set data.sample_path to a file of the bundle."
+        )
+    log.info("training on the bundled sample %s (%s)", sample_path, why)
+    return sample_path.open("rb"), str(sample_path)

@@ -1,0 +1,463 @@
+"""From an NDJSON byte stream to complete optimizer updates of packed rows, as small stages.
+
+The flow runs one way; each stage takes and gives an iterator, so each can be tested alone on a
+list of records:
+
+    read_records -> encode_documents -> split_validation -> shuffle_documents -> pack_rows
+    -> assemble_updates -> split_update
+
+``stream_updates`` composes them. Every buffer has a bound from the config (DataConfig); nothing
+holds the whole stream. Where the bytes come from is sources.py's; running the flow beside
+training is feeder.py's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+import numpy as np
+import torch
+
+from model import IGNORE_INDEX, document_offsets
+from runfab_limits import RECORD_BYTES
+
+log = logging.getLogger(__name__)
+
+
+EXPECTED_RECORD = 'NDJSON records, one JSON object per line, with "text" (a non-empty string) or "input_ids" (a list of token ids)'
+
+
+class UnusableInputError(RuntimeError):
+    """The stream holds nothing this trainer can learn from (for example image records)."""
+
+
+@dataclass
+class Document:
+    """One usable record: raw text still to tokenize, or token ids; ``key`` feeds the held-out hash."""
+
+    key: bytes
+    text: str | None = None
+    ids: np.ndarray | None = None
+
+
+@dataclass
+class StreamStats:
+    """What happened to the input; written to stderr and the run record at the end."""
+
+    source: str = ""
+    records: int = 0
+    accepted: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    rejected_keys: Counter = field(default_factory=Counter)
+    bytes_read: int = 0
+    documents: int = 0
+    document_tokens: int = 0
+    held_out_documents: int = 0
+    held_out_tokens: int = 0
+    rows: int = 0
+    updates: int = 0
+    update_target_tokens: int = 0
+    tail_tokens_dropped: int = 0
+    end_of_input: bool = False
+    training_wait_seconds: float = 0.0  # time training sat waiting for its next microbatch (after the first)
+    fingerprint: str = ""
+    _sha: object = field(default_factory=hashlib.sha256, repr=False)
+
+    def count_bytes(self, chunk: bytes) -> None:
+        self.bytes_read += len(chunk)
+        self._sha.update(chunk)
+
+    def as_dict(self) -> dict:
+        self.fingerprint = self._sha.hexdigest()
+        return {
+            "source": self.source,
+            "records": self.records,
+            "accepted": self.accepted,
+            "rejected": dict(self.rejected),
+            "bytes_read": self.bytes_read,
+            "documents": self.documents,
+            "document_tokens": self.document_tokens,
+            "held_out_documents": self.held_out_documents,
+            "held_out_tokens": self.held_out_tokens,
+            "rows": self.rows,
+            "updates": self.updates,
+            "update_target_tokens": self.update_target_tokens,
+            "tail_tokens_dropped": self.tail_tokens_dropped,
+            "end_of_input": self.end_of_input,
+            "training_wait_seconds": round(self.training_wait_seconds, 3),
+            "input_sha256": self.fingerprint,
+        }
+
+
+# ----------------------------------------------------------------------------- read
+
+
+def _read_lines(stream: BinaryIO, max_bytes: int, stats: StreamStats) -> Iterator[bytes | None]:
+    """Yield each line's bytes, or None for a line longer than ``max_bytes`` (skipped in bounded chunks).
+
+    Every byte read, skipped ones included, goes into the byte count and the input fingerprint.
+    """
+    while True:
+        line = stream.readline(max_bytes + 1)
+        stats.count_bytes(line)
+        if not line:
+            return
+        if len(line) <= max_bytes or line.endswith(b"\n") and len(line) == max_bytes + 1:
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):
+            line = stream.readline(1 << 20)
+            stats.count_bytes(line)
+        yield None
+
+
+def parse_record(line: bytes, vocab_size: int) -> Document | str:
+    """A Document, or the reason the line is rejected (a short snake_case word)."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        return "invalid_utf8"
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return "invalid_json"
+    except RecursionError:  # valid JSON nested deeper than the parser's stack (a 2 KB line can be)
+        return "nested_too_deeply"
+    if not isinstance(record, dict):
+        return "not_an_object"
+    if "text" in record:
+        value = record["text"]
+        if not isinstance(value, str):
+            return "text_not_a_string"
+        if not value.strip():
+            return "empty_text"
+        try:
+            key = value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate from a \ud800-style escape is not text
+            return "invalid_utf8"
+        return Document(key=key, text=value)
+    if "input_ids" in record:
+        value = record["input_ids"]
+        if not isinstance(value, list) or not all(type(i) is int for i in value):
+            return "input_ids_not_int_list"
+        if not value:
+            return "empty_input_ids"
+        if min(value) < 0 or max(value) >= vocab_size:
+            return "input_ids_out_of_range"
+        ids = np.asarray(value, dtype=np.int32)
+        return Document(key=ids.tobytes(), ids=ids)
+    return "no_text_or_input_ids"
+
+
+def read_records(
+    stream: BinaryIO, stats: StreamStats, vocab_size: int, max_record_bytes: int, give_up_after: int
+) -> Iterator[Document]:
+    """Validate each line; count rejects by reason; refuse a stream with nothing usable early."""
+    for line in _read_lines(stream, max_record_bytes, stats):
+        stats.records += 1
+        if line is None:
+            outcome: Document | str = "record_too_large"
+        else:
+            if not line.strip():
+                stats.records -= 1
+                continue
+            outcome = parse_record(line, vocab_size)
+        if isinstance(outcome, Document):
+            stats.accepted += 1
+            yield outcome
+            continue
+        stats.rejected[outcome] += 1
+        if outcome == "no_text_or_input_ids" and stats.rejected[outcome] <= 8:
+            stats.rejected_keys.update(list(json.loads(line))[:16])
+        if stats.accepted == 0 and stats.records >= give_up_after:
+            raise UnusableInputError(unusable_message(stats))
+    stats.end_of_input = True
+    if stats.accepted == 0:
+        raise UnusableInputError(unusable_message(stats))
+
+
+def unusable_message(stats: StreamStats) -> str:
+    found = ", ".join(f"{n} {reason}" for reason, n in stats.rejected.most_common()) or "no records"
+    keys = ", ".join(k for k, _ in stats.rejected_keys.most_common(8))
+    seen = f"; fields seen: {keys}" if keys else ""
+    return (
+        f"no usable record in the first {stats.records} lines of {stats.source}. Expected {EXPECTED_RECORD}. "
+        f"Found: {found}{seen}. This trainer trains language models on text; point it at a text stream."
+    )
+
+
+# ----------------------------------------------------------------------------- tokenize
+
+
+def encode_documents(
+    docs: Iterable[Document], encode_batch: Callable[[list[str]], list[np.ndarray]], eos_id: int, stats: StreamStats,
+    batch_docs: int, batch_bytes: int,
+) -> Iterator[tuple[bytes, np.ndarray]]:
+    """Tokenize text in bounded batches (the encoder's threads pay off on batches); EOS ends every document."""
+    pending: list[Document] = []
+    pending_bytes = 0
+
+    def flush() -> Iterator[tuple[bytes, np.ndarray]]:
+        texts = [d.text for d in pending if d.text is not None]
+        encoded = iter(encode_batch(texts)) if texts else iter(())
+        for doc in pending:
+            ids = doc.ids if doc.ids is not None else next(encoded)
+            tokens = np.empty(len(ids) + 1, dtype=np.int32)  # one copy, EOS included
+            tokens[:-1] = ids
+            tokens[-1] = eos_id
+            stats.documents += 1
+            stats.document_tokens += len(tokens)
+            yield doc.key, tokens
+        pending.clear()
+
+    for doc in docs:
+        pending.append(doc)
+        pending_bytes += len(doc.key)
+        if len(pending) >= batch_docs or pending_bytes >= batch_bytes:
+            yield from flush()
+            pending_bytes = 0
+    yield from flush()
+
+
+# ----------------------------------------------------------------------------- hold out, shuffle
+
+
+def is_held_out(key: bytes, fraction: float) -> bool:
+    """Stable across runs, machines and record order: a hash of the document's content."""
+    digest = hashlib.blake2b(key, digest_size=8).digest()
+    return int.from_bytes(digest, "little") < fraction * 2**64
+
+
+class ValidationPool:
+    """Held-out documents, up to a token bound; filled by the feeder, read by validation."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._docs: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def offer(self, tokens: np.ndarray) -> bool:
+        with self._lock:
+            if self.tokens + len(tokens) > self.max_tokens:
+                return False
+            self._docs.append(tokens)
+            self.tokens += len(tokens)
+            return True
+
+    def snapshot(self) -> list[np.ndarray]:
+        with self._lock:
+            return list(self._docs)
+
+
+def split_validation(
+    docs: Iterable[tuple[bytes, np.ndarray]], pool: ValidationPool, fraction: float, stats: StreamStats
+) -> Iterator[np.ndarray]:
+    """Divert the held-out documents into the pool; once it is full they are trained on like the rest."""
+    for key, tokens in docs:
+        if fraction > 0 and is_held_out(key, fraction) and pool.offer(tokens):
+            stats.held_out_documents += 1
+            stats.held_out_tokens += len(tokens)
+            continue
+        yield tokens
+
+
+def shuffle_documents(docs: Iterable[np.ndarray], max_docs: int, max_tokens: int, seed: int) -> Iterator[np.ndarray]:
+    """Bounded, seeded shuffle: release a random held document whenever the buffer is over either bound."""
+    rng = random.Random(seed)
+    buffer: list[np.ndarray] = []
+    held = 0
+    for doc in docs:
+        buffer.append(doc)
+        held += len(doc)
+        while len(buffer) > max_docs or (held > max_tokens and len(buffer) > 1):
+            i = rng.randrange(len(buffer))
+            buffer[i], buffer[-1] = buffer[-1], buffer[i]
+            out = buffer.pop()
+            held -= len(out)
+            yield out
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+# ----------------------------------------------------------------------------- pack, assemble
+
+
+@dataclass
+class Row:
+    """``seq_len`` tokens; ``positions`` restart at 0 wherever a document (or its continuation) starts."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+
+    def targets(self) -> np.ndarray:
+        """Next token within the same segment; the last token of each segment predicts nothing."""
+        targets = np.full(len(self.tokens), IGNORE_INDEX, dtype=np.int64)
+        same_segment = self.positions[1:] != 0
+        targets[:-1] = np.where(same_segment, self.tokens[1:], IGNORE_INDEX)
+        return targets
+
+
+def pack_rows(docs: Iterable[np.ndarray], seq_len: int, stats: StreamStats, pad_last: bool = False) -> Iterator[Row]:
+    """Fill rows of exactly ``seq_len`` tokens; a document that does not fit continues in the next row.
+
+    The partial row left at end of input is dropped and counted (or, for validation, padded
+    with a zero-target segment).
+    """
+    tokens = np.empty(seq_len, dtype=np.int32)
+    positions = np.empty(seq_len, dtype=np.int32)
+    counting = np.arange(seq_len, dtype=np.int32)  # a piece's positions are a prefix of this
+    fill = 0
+    for doc in docs:
+        start = 0
+        while start < len(doc):
+            take = min(seq_len - fill, len(doc) - start)
+            tokens[fill : fill + take] = doc[start : start + take]
+            positions[fill : fill + take] = counting[:take]
+            fill += take
+            start += take
+            if fill == seq_len:
+                stats.rows += 1
+                yield Row(tokens.copy(), positions.copy())
+                fill = 0
+    if fill and pad_last:
+        tokens[fill:] = 0
+        positions[fill:] = 0
+        stats.rows += 1
+        yield Row(tokens.copy(), positions.copy())
+    else:
+        stats.tail_tokens_dropped += fill
+
+
+def assemble_updates(
+    rows: Iterable[Row], rows_per_update: int, stats: StreamStats, max_target_tokens: int | None = None
+) -> Iterator[list[Row]]:
+    """Group rows into complete updates; the incomplete group at end of input is dropped and counted."""
+    group: list[Row] = []
+    for row in rows:
+        group.append(row)
+        if len(group) < rows_per_update:
+            continue
+        stats.updates += 1
+        yield group
+        group = []
+        if max_target_tokens is not None and stats.update_target_tokens >= max_target_tokens:
+            log.info("token budget of %d target tokens reached", max_target_tokens)
+            return
+    stats.tail_tokens_dropped += sum(len(r.tokens) for r in group)
+
+
+def collate_rows(rows: list[Row]) -> dict[str, torch.Tensor | int]:
+    """Tensors of a microbatch; document offsets are found here, on the host, not by a device sync."""
+    positions = torch.from_numpy(np.stack([r.positions for r in rows]).astype(np.int64))
+    targets = np.stack([r.targets() for r in rows])
+    cu_seqlens = document_offsets(positions)
+    lengths = cu_seqlens.diff().to(torch.int64)
+    return {
+        "input_ids": torch.from_numpy(np.stack([r.tokens for r in rows]).astype(np.int64)),
+        "positions": positions,
+        "targets": torch.from_numpy(targets),
+        "cu_seqlens": cu_seqlens,
+        "attention_pairs": int((lengths * lengths).sum()),  # sum of s^2 over documents, for MFU
+        "target_tokens": int(np.count_nonzero(targets != IGNORE_INDEX)),
+    }
+
+
+def split_update(update: list[Row], world_size: int, microbatch: int, stats: StreamStats) -> list[list[dict]]:
+    """Per rank, its microbatches of one update; each carries the whole update's target-token count.
+
+    Rank r gets rows [r*A*M, (r+1)*A*M): every rank receives the same number of microbatches.
+    """
+    batches = [collate_rows(update[i : i + microbatch]) for i in range(0, len(update), microbatch)]
+    update_tokens = sum(b["target_tokens"] for b in batches)
+    stats.update_target_tokens += update_tokens
+    for b in batches:
+        b["update_target_tokens"] = update_tokens
+    per_rank = len(batches) // world_size
+    return [batches[r * per_rank : (r + 1) * per_rank] for r in range(world_size)]
+
+
+# ----------------------------------------------------------------------------- settings, composition
+
+
+@dataclass
+class DataConfig:
+    """The ``data`` section of the config: where records come from and every buffer's bound."""
+
+    tokenizer: str = "conf/gpt2/tokenizer.json"  # GPT-2's, as model.vocab_size 50257; smoke.yaml: the small one
+    source: str = "auto"  # auto: stdin, or the sample when stdin is a terminal; stdin; sample
+    sample_path: str = "data/sample.jsonl"  # the bundled sample (data.source sample, or a terminal)
+    microbatch: int = 8  # for local runs only: RunFab chooses its own
+    max_record_bytes: int = RECORD_BYTES  # RunFab's limit per record
+    give_up_after: int = 256  # rejected records, with none usable, before the stream is refused
+    tokenize_batch_docs: int = 256
+    tokenize_batch_bytes: int = 8 << 20
+    tokenizer_threads: int = 2
+    val_fraction: float = 0.005
+    val_max_tokens: int = 1 << 18
+    shuffle_buffer_docs: int = 10_000
+    shuffle_buffer_tokens: int = 1 << 23
+    max_train_tokens: int | None = None  # token budget: stop after this many target tokens
+    prefetch_updates: int = 2
+
+
+@dataclass
+class StreamSettings:
+    """What the feeder needs: the data config plus the run's shape (row length, batch split, tokenizer)."""
+
+    data: DataConfig
+    seq_len: int
+    vocab_size: int
+    eos_id: int
+    seed: int
+    microbatch: int
+    accumulation: int
+    world_size: int = 1
+    max_updates: int | None = None  # trainer.max_steps: no rank is handed an update it will not train
+
+    @property
+    def rows_per_update(self) -> int:
+        return self.world_size * self.accumulation * self.microbatch
+
+
+def stream_updates(
+    stream: BinaryIO, settings: StreamSettings, encode_batch: Callable, stats: StreamStats, pool: ValidationPool
+) -> Iterator[list[list[dict]]]:
+    """The whole flow, composed: a byte stream in, per-rank microbatch lists of complete updates out."""
+    s, d = settings, settings.data
+    docs = read_records(stream, stats, s.vocab_size, d.max_record_bytes, d.give_up_after)
+    tokens = encode_documents(docs, encode_batch, s.eos_id, stats, d.tokenize_batch_docs, d.tokenize_batch_bytes)
+    train_docs = split_validation(tokens, pool, d.val_fraction, stats)
+    shuffled = shuffle_documents(train_docs, d.shuffle_buffer_docs, d.shuffle_buffer_tokens, s.seed)
+    rows = pack_rows(shuffled, s.seq_len, stats)
+    for update in assemble_updates(rows, s.rows_per_update, stats, d.max_train_tokens):
+        yield split_update(update, s.world_size, s.microbatch, stats)
+    if stats.updates == 0:
+        rejected = ", ".join(f"{n} {reason}" for reason, n in stats.rejected.most_common()) or "none"
+        raise UnusableInputError(
+            f"the input ended before one complete update: an update is {s.rows_per_update} rows of {s.seq_len} "
+            f"tokens ({s.rows_per_update * s.seq_len} tokens), the input gave {stats.document_tokens} tokens "
+            f"in {stats.documents} documents ({stats.held_out_tokens} of them held out for validation) from "
+            f"{stats.records} records, of which rejected: {rejected}"
+        )
+
+
+def summary_line(stats: StreamStats) -> str:
+    rejected = ", ".join(f"{k}={v}" for k, v in sorted(stats.rejected.items())) or "none"
+    return (
+        f"input: {stats.records} records, {stats.accepted} accepted, rejected: {rejected}; "
+        f"{stats.documents} documents, {stats.held_out_documents} held out for validation; "
+        f"{stats.updates} complete updates; "
+        + (f"end of input, tail dropped: {stats.tail_tokens_dropped} tokens" if stats.end_of_input
+           else "training stopped before the end of input")
+    )
+
+
