@@ -16,7 +16,6 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from callbacks.observe import ObserveConfig
-from sources import INPUT_SOURCES
 from stages import DataConfig
 from lit_module import OptimConfig
 from model import GPTConfig
@@ -47,11 +46,46 @@ class TrainerConfig:
     host_memory_budget_gib: float = RAM_BYTES / GIB  # RunFab's RAM for the job; GPU counts projected over it are refused (0: off)
     ddp_bucket_cap_mb: float = 25.0  # all-reduce bucket size (DDP's default); dynamo splits the compiled trunk there
 
+    def problems(self) -> list[str]:
+        found = []
+        if self.max_steps < 1 and self.max_steps != -1:
+            found.append("trainer.max_steps must be positive, or -1 to train until the input ends")
+        if self.max_time is not None:
+            try:
+                self.time_limit()
+            except ValueError as error:
+                found.append(str(error))
+        if self.memory_headroom_gib < 0 or self.probe_margin_gib < 0:
+            found.append("trainer.memory_headroom_gib and trainer.probe_margin_gib must be >= 0")
+        if self.host_memory_budget_gib < 0 or self.ddp_bucket_cap_mb <= 0:
+            found.append("trainer.host_memory_budget_gib must be >= 0 (0: no check) and trainer.ddp_bucket_cap_mb > 0")
+        return found
+
+    def time_limit(self) -> timedelta | None:
+        """``max_time`` less the export reserve: what the training loop itself may use."""
+        if self.max_time is None:
+            return None
+        try:
+            days, hours, minutes, seconds = (int(part) for part in self.max_time.split(":"))
+        except ValueError:
+            raise ValueError(f'trainer.max_time must look like "DD:HH:MM:SS", not {self.max_time!r}') from None
+        total = timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
+        limit = total - timedelta(seconds=self.export_reserve_seconds)
+        if limit <= timedelta(0):
+            raise ValueError(
+                f"trainer.max_time ({self.max_time}) leaves no training time after the "
+                f"{self.export_reserve_seconds} s kept for the export (trainer.export_reserve_seconds)"
+            )
+        return limit
+
 
 @dataclass
 class MetricsConfig:
     interval_seconds: float = 5.0  # RunFab wants a line every 5-10 s; 0 reports every update (debugging)
     peak_flops: float = 989e12  # MFU denominator per GPU: H100/H200 SXM dense BF16, as the training lab uses
+
+    def problems(self) -> list[str]:
+        return ["metrics.interval_seconds must be >= 0 (0 reports every update)"] if self.interval_seconds < 0 else []
 
 
 @dataclass
@@ -96,7 +130,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             OmegaConf.structured(RunConfig), OmegaConf.load(path), OmegaConf.from_dotlist(overrides or [])
         )
         config = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as error:
+    except (OmegaConfBaseException, ValueError) as error:  # ValueError: a section that cannot be built (GPTConfig)
         raise ConfigError(f"invalid configuration in {path}: {error}") from None
     except yaml.YAMLError as error:
         raise ConfigError(f"{path} is not valid YAML: {error}") from None
@@ -120,59 +154,18 @@ def load_config_dict(values: dict) -> RunConfig:
 
 
 def check_config(cfg: RunConfig) -> None:
-    problems = []
-    if cfg.model.n_embd % cfg.model.n_head:
-        problems.append(f"model.n_embd ({cfg.model.n_embd}) must be divisible by model.n_head ({cfg.model.n_head})")
-    if cfg.optim.schedule not in ("cosine", "constant"):
-        problems.append(f"optim.schedule must be 'cosine' or 'constant', not {cfg.optim.schedule!r}")
-    if cfg.optim.schedule == "cosine" and cfg.optim.decay_steps is None:
-        problems.append("trainer.max_steps is -1 (until the input ends), so the cosine schedule has no horizon: "
-                        "set optim.decay_steps, or use optim.schedule constant")
-    elif cfg.optim.schedule == "cosine" and not cfg.optim.decay_steps > cfg.optim.warmup_steps:
-        source = " (it follows trainer.max_steps)" if cfg.optim.decay_steps == cfg.trainer.max_steps else ""
-        problems.append(
-            f"the cosine schedule warms up for optim.warmup_steps ({cfg.optim.warmup_steps}) steps and decays until "
-            f"optim.decay_steps ({cfg.optim.decay_steps}){source}, which must be later: for a run this short set "
-            f"optim.warmup_steps below {cfg.optim.decay_steps}, or use optim.schedule constant"
-        )
-    if cfg.trainer.max_steps < 1 and cfg.trainer.max_steps != -1:
-        problems.append("trainer.max_steps must be positive, or -1 to train until the input ends")
-    if cfg.trainer.max_time is not None:
-        try:
-            training_time_limit(cfg)
-        except ValueError as error:
-            problems.append(str(error))
-    if cfg.data.source not in INPUT_SOURCES:
-        problems.append(f"data.source must be one of {', '.join(INPUT_SOURCES)}, not {cfg.data.source!r}")
-    if not 0 <= cfg.data.val_fraction < 1:
-        problems.append("data.val_fraction must lie in [0, 1)")
-    if cfg.trainer.memory_headroom_gib < 0 or cfg.trainer.probe_margin_gib < 0:
-        problems.append("trainer.memory_headroom_gib and trainer.probe_margin_gib must be >= 0")
-    if cfg.trainer.host_memory_budget_gib < 0 or cfg.trainer.ddp_bucket_cap_mb <= 0:
-        problems.append("trainer.host_memory_budget_gib must be >= 0 (0: no check) and trainer.ddp_bucket_cap_mb > 0")
-    if cfg.metrics.interval_seconds < 0:
-        problems.append("metrics.interval_seconds must be >= 0 (0 reports every update)")
-    problems.extend(cfg.observe.problems())
+    """Every section checks itself (its ``problems()``); all problems are reported at once."""
+    problems = [
+        *cfg.model.problems(), *cfg.data.problems(), *cfg.optim.problems(cfg.trainer.max_steps),
+        *cfg.trainer.problems(), *cfg.metrics.problems(), *cfg.observe.problems(),
+    ]
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
 def training_time_limit(cfg: RunConfig) -> timedelta | None:
     """``trainer.max_time`` less the export reserve: what the training loop itself may use."""
-    if cfg.trainer.max_time is None:
-        return None
-    try:
-        days, hours, minutes, seconds = (int(part) for part in cfg.trainer.max_time.split(":"))
-    except ValueError:
-        raise ValueError(f'trainer.max_time must look like "DD:HH:MM:SS", not {cfg.trainer.max_time!r}') from None
-    total = timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
-    limit = total - timedelta(seconds=cfg.trainer.export_reserve_seconds)
-    if limit <= timedelta(0):
-        raise ValueError(
-            f"trainer.max_time ({cfg.trainer.max_time}) leaves no training time after the "
-            f"{cfg.trainer.export_reserve_seconds} s kept for the export (trainer.export_reserve_seconds)"
-        )
-    return limit
+    return cfg.trainer.time_limit()
 
 
 def as_dict(cfg: RunConfig) -> dict:

@@ -13,6 +13,9 @@ from torchmetrics.aggregation import MeanMetric
 from model import GPT, GPTConfig
 
 
+SCHEDULES = ("cosine", "constant")
+
+
 @dataclass
 class OptimConfig:
     lr: float = 6e-4
@@ -27,6 +30,21 @@ class OptimConfig:
     schedule: str = "cosine"  # or "constant"
     decay_steps: int | None = None  # cosine horizon in optimizer steps; None: trainer.max_steps
     fused: bool | None = None  # None: fused on CUDA
+
+
+    def problems(self, max_steps: int) -> list[str]:
+        """What makes the schedule impossible; ``max_steps`` (trainer.max_steps) is where decay_steps comes from by default."""
+        if self.schedule not in SCHEDULES:
+            return [f"optim.schedule must be one of {', '.join(SCHEDULES)}, not {self.schedule!r}"]
+        if self.schedule == "cosine" and self.decay_steps is None:
+            return ["trainer.max_steps is -1 (until the input ends), so the cosine schedule has no horizon: "
+                    "set optim.decay_steps, or use optim.schedule constant"]
+        if self.schedule == "cosine" and not self.decay_steps > self.warmup_steps:
+            source = " (it follows trainer.max_steps)" if self.decay_steps == max_steps else ""
+            return [f"the cosine schedule warms up for optim.warmup_steps ({self.warmup_steps}) steps and decays until "
+                    f"optim.decay_steps ({self.decay_steps}){source}, which must be later: for a run this short set "
+                    f"optim.warmup_steps below {self.decay_steps}, or use optim.schedule constant"]
+        return []
 
 
 def lr_factor(step: int, cfg: OptimConfig) -> float:

@@ -28,6 +28,7 @@ except ImportError:
 
 IGNORE_INDEX = -100
 ATTENTION_CHOICES = ("auto", "fa4", "varlen", "sdpa")
+COMPILE_SCOPES = ("trunk", "blocks")
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +53,19 @@ class GPTConfig:
     compile_scope: str = "trunk"  # what torch.compile takes: "trunk" (one graph) or "blocks" (one graph all blocks share)
 
     def __post_init__(self) -> None:
+        """A model built from a config it cannot run fails here; config.check_config reports all at once."""
+        if self.problems():
+            raise ValueError("; ".join(self.problems()))
+
+    def problems(self) -> list[str]:
+        found = []
         if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+            found.append(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
         if self.attention not in ATTENTION_CHOICES:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, not {self.attention!r}")
-        if self.compile_scope not in ("trunk", "blocks"):
-            raise ValueError(f"compile_scope must be 'trunk' or 'blocks', not {self.compile_scope!r}")
+            found.append(f"model.attention must be one of {', '.join(ATTENTION_CHOICES)}, not {self.attention!r}")
+        if self.compile_scope not in COMPILE_SCOPES:
+            found.append(f"model.compile_scope must be one of {', '.join(COMPILE_SCOPES)}, not {self.compile_scope!r}")
+        return found
 
 
 def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,6 @@ from stages import UnusableInputError
 log = logging.getLogger(__name__)
 
 
-INPUT_SOURCES = ("auto", "stdin", "sample")
-
-
 class DescriptorReader:
     """``readline`` straight from a file descriptor with ``os.read``.
 

@@ -388,6 +388,9 @@ def split_update(update: list[Row], world_size: int, microbatch: int, stats: Str
 # ----------------------------------------------------------------------------- settings, composition
 
 
+INPUT_SOURCES = ("auto", "stdin", "sample")  # data.source: see sources.open_input
+
+
 @dataclass
 class DataConfig:
     """The ``data`` section of the config: where records come from and every buffer's bound."""
@@ -407,6 +410,14 @@ class DataConfig:
     shuffle_buffer_tokens: int = 1 << 23
     max_train_tokens: int | None = None  # token budget: stop after this many target tokens
     prefetch_updates: int = 2
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.source not in INPUT_SOURCES:
+            found.append(f"data.source must be one of {', '.join(INPUT_SOURCES)}, not {self.source!r}")
+        if not 0 <= self.val_fraction < 1:
+            found.append("data.val_fraction must lie in [0, 1)")
+        return found
 
 
 @dataclass

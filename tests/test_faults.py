@@ -318,3 +318,18 @@ def test_the_hook_returns_and_the_process_exits_zero_while_stdin_is_still_open(t
     assert process.returncode == 0, stderr.decode()[-3000:]
     assert b"Fatal Python error" not in stderr
     assert json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())["optimizer_steps"] == 2
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["model.attention=bogus", "model.n_head=5"], ["model.attention must be one of auto, fa4", "divisible by model.n_head"]),
+    (["optim.schedule=linear"], ["optim.schedule must be one of cosine, constant"]),
+    (["data.source=web", "metrics.interval_seconds=-1"], ["data.source must be one of auto, stdin, sample",
+                                                         "metrics.interval_seconds must be >= 0"]),
+])
+def test_each_section_reports_its_problems_naming_the_choices(overrides, says):
+    from config import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        load_config("conf/smoke.yaml", overrides)
+    for phrase in says:
+        assert phrase in str(error.value)
