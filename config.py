@@ -28,11 +28,11 @@ CONFIG_ENV = "RUNFAB_CONFIG"
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 2000
+    max_steps: int = 2000  # optimizer updates; -1: until the input ends
     max_time: str | None = None  # "DD:HH:MM:SS": the whole training job, export included
     export_reserve_seconds: int = 60  # kept out of max_time's training loop for the export and run record
     precision: str | None = None  # None: bf16-mixed on CUDA, 32-true on CPU
-    accelerator: str = "auto"
+    accelerator: str = "auto"  # Lightning accelerator (gpu, cpu); auto: gpu when CUDA is available
     val_every_steps: int = 250  # 0 disables validation
     val_batches: int | None = None  # None: the whole held-out pool
     progress_bar: bool | None = None  # None: when stderr is a terminal
@@ -96,7 +96,7 @@ class OutputConfig:
 
 @dataclass
 class RunConfig:
-    seed: int = 1337
+    seed: int = 1337  # seeds every random generator of the run (model init, data shuffle)
     model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -18,15 +18,15 @@ SCHEDULES = ("cosine", "constant")
 
 @dataclass
 class OptimConfig:
-    lr: float = 6e-4
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    decay_embeddings: bool = False
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    warmup_steps: int = 100
+    lr: float = 6e-4  # peak learning rate, reached after warmup
+    min_lr_ratio: float = 0.1  # the cosine schedule ends at lr x this
+    weight_decay: float = 0.1  # AdamW decay for weight matrices; norms and biases get none
+    decay_embeddings: bool = False  # apply weight_decay to the embeddings too
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW epsilon
+    grad_clip: float = 1.0  # gradient-norm clip per update; 0: none
+    warmup_steps: int = 100  # optimizer steps of linear warmup
     schedule: str = "cosine"  # or "constant"
     decay_steps: int | None = None  # cosine horizon in optimizer steps; None: trainer.max_steps
     fused: bool | None = None  # None: fused on CUDA

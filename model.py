@@ -35,14 +35,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 50257
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    max_seq_len: int = 4096
-    layer_norm_eps: float = 1e-5
-    init_std: float = 0.02
-    activation_checkpointing: bool = False
+    vocab_size: int = 50257  # embedding rows; at least the tokenizer's vocabulary
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # attention heads per block; must divide n_embd
+    n_embd: int = 768  # width of the residual stream
+    max_seq_len: int = 4096  # row length of packed training sequences and number of learned positions
+    layer_norm_eps: float = 1e-5  # LayerNorm epsilon
+    init_std: float = 0.02  # std of the normal weight init (residual projections scaled down by depth)
+    activation_checkpointing: bool = False  # recompute each block in the backward pass to save memory
     activation_memory_budget: float = 0.75  # compiled trunk: below 1, the partitioner recomputes cheap ops to save activations
     # "auto": FlashAttention 4 where it is installed and the GPU supports it, else "varlen"; "fa4": FA4, and an
     # error on a GPU where it cannot run; "varlen": PyTorch's CUDA kernels (varlen flash for packed rows, fused

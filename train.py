@@ -12,7 +12,6 @@ device_policy.py.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import launcher
@@ -46,54 +45,29 @@ def train(microbatch: int, accumulation: int) -> dict:
 # ----------------------------------------------------------------------------- command line
 
 
-def parse_overrides(tokens: list[str]) -> list[str]:
-    """``--model.n_layer 2`` or ``--model.n_layer=2`` -> ``model.n_layer=2`` (omegaconf dotlist)."""
-    dotlist, i = [], 0
-    while i < len(tokens):
-        token = tokens[i]
-        if not token.startswith("--") or len(token) < 3:
-            raise ConfigError(f"unexpected argument {token!r}; overrides look like --section.key VALUE")
-        key = token[2:]
-        if "=" in key:
-            dotlist.append(key)
-            i += 1
-        elif i + 1 < len(tokens):
-            dotlist.append(f"{key}={tokens[i + 1]}")
-            i += 2
-        else:
-            raise ConfigError(f"override {token} has no value")
-    return dotlist
-
-
 def main(argv: list[str] | None = None) -> int:
+    """``python train.py``: the local command line (cli.py); ``train.py worker`` is launcher.py's worker."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["worker"]:
         return training_run.run_worker()
-    if argv[:1] in (["tokenizer"], ["package"], ["check"], ["emulate"], ["report"]):
-        print(f"error: {argv[0]} is a tool, not part of training: run `python -m tools {argv[0]}`", file=sys.stderr)
-        return 2
-    command = argv.pop(0) if argv[:1] in (["fit"], ["probe"]) else "fit"
-    parser = argparse.ArgumentParser(
-        prog="train.py",
-        description="Pretrain the GPT decoder on NDJSON records from stdin (or the bundled sample). "
-        "Subcommands: fit (default), probe; the bundle tools run as `python -m tools`. Any --section.key VALUE overrides the config.",
-    )
-    parser.add_argument("--config", help="YAML config of the bundle (default: $RUNFAB_CONFIG or conf/config.yaml)")
-    parser.add_argument("--microbatch", type=int, help="rows per microbatch (default: data.microbatch)")
-    parser.add_argument("--accumulation", type=int, help="microbatches per update (default: what the batch implies)")
-    known, rest = parser.parse_known_args(argv)
+    import cli  # jsonargparse is a local-development package: RunFab's hooks never import it
+
     try:
-        cfg = load_config(known.config, parse_overrides(rest))
+        command = cli.parse(argv)
+        cfg = load_config(command.config_path, command.overrides)
+        if command.print_config:
+            print(cli.config_yaml(cfg), end="")
+            return 0
         world = world_size(cfg)
-        if command == "probe":  # any microbatch the probe accepts, not only those that divide the batch
-            microbatch = command_line_microbatch(EFFECTIVE_BATCH_SIZE, world, cfg.data.microbatch, known.microbatch,
-                                                 known.accumulation)
+        if command.name == "probe":  # any microbatch the probe accepts, not only those that divide the batch
+            microbatch = command_line_microbatch(EFFECTIVE_BATCH_SIZE, world, cfg.data.microbatch, command.microbatch,
+                                                 command.accumulation)
             run_probe(cfg, microbatch, EFFECTIVE_BATCH_SIZE)
             return 0
-        split = BatchSplit.for_command_line(EFFECTIVE_BATCH_SIZE, world, cfg.data.microbatch, known.microbatch,
-                                           known.accumulation)
+        split = BatchSplit.for_command_line(EFFECTIVE_BATCH_SIZE, world, cfg.data.microbatch, command.microbatch,
+                                           command.accumulation)
         training_run.run_training(cfg, split)
-    except USER_ERRORS as error:
+    except (cli.CommandLineError, *USER_ERRORS) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0
