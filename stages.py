@@ -401,15 +401,15 @@ class DataConfig:
     microbatch: int = 8  # for local runs only: RunFab chooses its own
     max_record_bytes: int = RECORD_BYTES  # RunFab's limit per record
     give_up_after: int = 256  # rejected records, with none usable, before the stream is refused
-    tokenize_batch_docs: int = 256
-    tokenize_batch_bytes: int = 8 << 20
-    tokenizer_threads: int = 2
-    val_fraction: float = 0.005
-    val_max_tokens: int = 1 << 18
-    shuffle_buffer_docs: int = 10_000
-    shuffle_buffer_tokens: int = 1 << 23
+    tokenize_batch_docs: int = 256  # documents per tokenizer call (its threads pay off on batches)
+    tokenize_batch_bytes: int = 8 << 20  # bound of a tokenizer call in bytes of text (the first bound reached flushes)
+    tokenizer_threads: int = 2  # tiktoken encoding threads (RunFab has 2 cores)
+    val_fraction: float = 0.005  # share of documents held out for validation, chosen by a hash of their content
+    val_max_tokens: int = 1 << 18  # bound of the held-out pool; later held-out documents are trained on
+    shuffle_buffer_docs: int = 10_000  # bound of the seeded shuffle buffer, in documents
+    shuffle_buffer_tokens: int = 1 << 23  # bound of the seeded shuffle buffer, in tokens
     max_train_tokens: int | None = None  # token budget: stop after this many target tokens
-    prefetch_updates: int = 2
+    prefetch_updates: int = 2  # complete updates read ahead of training, per rank (queue and wire)
 
     def problems(self) -> list[str]:
         found = []
