@@ -21,7 +21,7 @@ import attention_kernels
 import hostmem
 from config import ConfigError, RunConfig
 from runfab_limits import CPU_CORES
-from lit_module import LitGPT
+from lit_module import GPTTrainingModule
 
 log = logging.getLogger("train")
 
@@ -76,7 +76,7 @@ def lightning_trainer(cfg: RunConfig, accelerator: str, world: int, **overrides)
         enable_checkpointing=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        gradient_clip_val=None,  # LitGPT.configure_gradient_clipping clips with optim.grad_clip
+        gradient_clip_val=None,  # GPTTrainingModule.configure_gradient_clipping clips with optim.grad_clip
     )
     arguments.update(overrides)
     return L.Trainer(**arguments)
@@ -103,11 +103,11 @@ def ddp_strategy(cfg: RunConfig, accelerator: str) -> L.pytorch.strategies.DDPSt
     )
 
 
-def build_module(cfg: RunConfig, device: torch.device | None) -> LitGPT:
+def build_module(cfg: RunConfig, device: torch.device | None) -> GPTTrainingModule:
     """The LightningModule, its weights initialized on ``device``: on a GPU no full fp32 copy of the
     model is ever made in host memory, and no core spends seconds drawing 127M random numbers."""
     with torch.device(device) if device is not None else contextlib.nullcontext():
-        return LitGPT(cfg.model, cfg.optim)
+        return GPTTrainingModule(cfg.model, cfg.optim)
 
 
 def check_host_memory(cfg: RunConfig, world: int, in_workers: bool) -> None:

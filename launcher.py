@@ -13,6 +13,7 @@ The wire carries raw tensor bytes behind a JSON header (no pickle): see ``send_i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -271,6 +272,19 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 _signal_group(p, signal.SIGKILL)
                 p.wait()
+
+
+@contextlib.contextmanager
+def worker_group(world_size: int, spec: dict, bundle_root: Path, on_first_signal=None) -> Iterator[WorkerGroup]:
+    """One worker per rank, for the length of a ``with`` block: SIGTERM/SIGINT handled as
+    raise_on_signals says, and every worker gone when the block ends, however it ends."""
+    restore_signals = raise_on_signals(first=on_first_signal)
+    group = WorkerGroup(world_size, spec, bundle_root)
+    try:
+        yield group
+    finally:
+        group.stop()
+        restore_signals()
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:

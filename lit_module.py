@@ -58,7 +58,7 @@ def lr_factor(step: int, cfg: OptimConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class LitGPT(L.LightningModule):
+class GPTTrainingModule(L.LightningModule):
     """Trains GPT so that every optimizer update's gradient is exactly
 
         sum of the update's target-token losses / the update's target-token count,

@@ -63,19 +63,15 @@ def run_probe(cfg: RunConfig, microbatch: int, effective: int) -> dict:
     platform_fraction = platform_memory_fraction()
     if world == 1 and not cfg.trainer.worker_processes:
         return run_probe_local(cfg, microbatch, 1, effective, platform_fraction)
-    restore_signals = launcher.raise_on_signals()
     spec = {"config": as_dict(cfg), "microbatch": microbatch, "effective": effective, "probe": True,
             "platform_memory_fraction": platform_fraction}
-    group = launcher.WorkerGroup(world, spec, BUNDLE_ROOT)
-    try:
-        group.wait()
-    except launcher.WorkerFailed as failure:
-        if "OutOfMemoryError" in str(failure):
-            raise torch.OutOfMemoryError(str(failure)) from None
-        raise
-    finally:
-        group.stop()
-        restore_signals()
+    with launcher.worker_group(world, spec, BUNDLE_ROOT) as group:
+        try:
+            group.wait()
+        except launcher.WorkerFailed as failure:
+            if "OutOfMemoryError" in str(failure):
+                raise torch.OutOfMemoryError(str(failure)) from None
+            raise
     return {"microbatch": microbatch, "world_size": world}
 
 

@@ -287,16 +287,13 @@ def train_data_parallel(cfg: RunConfig, split: BatchSplit, feeder: UpdateFeeder,
     spec = {"config": as_dict(cfg), "microbatch": split.microbatch, "accumulation": split.accumulation,
             "effective": split.effective,
             "address": list(listener.address), "authkey": authkey.hex(), "platform_memory_fraction": platform_fraction}
-    restore_signals = launcher.raise_on_signals(first=feeder.finish)
-    group = launcher.WorkerGroup(world, spec, BUNDLE_ROOT)
-    try:
-        launcher.serve_feeder(feeder, listener, world)
-        group.wait(feeder_error=lambda: feeder.error, on_first_exit=feeder.stop)
-    finally:
-        feeder.stop()
-        listener.close()
-        group.stop()
-        restore_signals()
+    with launcher.worker_group(world, spec, BUNDLE_ROOT, on_first_signal=feeder.finish) as group:
+        try:
+            launcher.serve_feeder(feeder, listener, world)
+            group.wait(feeder_error=lambda: feeder.error, on_first_exit=feeder.stop)
+        finally:
+            feeder.stop()
+            listener.close()
     model_dir = Path(cfg.output.root) / "model"
     record_path = model_dir / "run_record.json"
     if not record_path.is_file():  # stopped before the first update: nothing was exported

@@ -163,11 +163,6 @@ def export_model(
     return sorted(p for p in out_dir.iterdir() if p.is_file())
 
 
-def _unwrap(module: nn.Module) -> nn.Module:
-    """The module torch.compile wrapped, or the module itself."""
-    return getattr(module, "_orig_mod", module)
-
-
 class ExportModel(pl.Callback):
     """At the end of training, export ``pl_module.model`` as a Hugging Face GPT-2 folder.
 
@@ -186,5 +181,5 @@ class ExportModel(pl.Callback):
         if trainer.global_step == 0:  # stopped before the first update: an untrained model is no result
             print(f"nothing was trained, so no model is exported to {self.out_dir}", file=sys.stderr)
             return
-        export_model(_unwrap(pl_module.model), self.tokenizer_path, self.out_dir)
+        export_model(pl_module.model, self.tokenizer_path, self.out_dir)
         print(f"exported Hugging Face GPT-2 model to {self.out_dir}", file=sys.stderr)

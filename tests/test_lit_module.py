@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from stages import Row, StreamStats, split_update
-from lit_module import LitGPT, OptimConfig, lr_factor
+from lit_module import GPTTrainingModule, OptimConfig, lr_factor
 from model import IGNORE_INDEX, GPTConfig, token_loss_sum
 
 SEQ_LEN = 16
@@ -31,10 +31,10 @@ def uneven_rows(seed: int = 0) -> list[Row]:
     return rows
 
 
-def module(seed: int = 0, **optim) -> LitGPT:
+def module(seed: int = 0, **optim) -> GPTTrainingModule:
     torch.manual_seed(seed)
     config = GPTConfig(vocab_size=61, n_layer=2, n_head=2, n_embd=16, max_seq_len=SEQ_LEN, init_std=0.1)
-    return LitGPT(config, OptimConfig(grad_clip=0.0, warmup_steps=1, schedule="constant", **optim))
+    return GPTTrainingModule(config, OptimConfig(grad_clip=0.0, warmup_steps=1, schedule="constant", **optim))
 
 
 class CaptureGradients(L.Callback):
@@ -45,7 +45,7 @@ class CaptureGradients(L.Callback):
         self.grads.append({n: p.grad.clone() for n, p in pl_module.named_parameters()})
 
 
-def fit(lit: LitGPT, updates: list[list[Row]], microbatch: int, steps: int = 1) -> CaptureGradients:
+def fit(lit: GPTTrainingModule, updates: list[list[Row]], microbatch: int, steps: int = 1) -> CaptureGradients:
     accumulation = ROWS // microbatch
     batches = [mb for update in updates for mb in split_update(update, 1, microbatch, StreamStats())[0]]
     capture = CaptureGradients()
@@ -58,7 +58,7 @@ def fit(lit: LitGPT, updates: list[list[Row]], microbatch: int, steps: int = 1) 
     return capture
 
 
-def reference_gradients(lit: LitGPT, rows: list[Row]) -> dict[str, torch.Tensor]:
+def reference_gradients(lit: GPTTrainingModule, rows: list[Row]) -> dict[str, torch.Tensor]:
     """The definition: sum of every target token's loss in the update / the update's target count."""
     lit = copy.deepcopy(lit)
     tokens = torch.from_numpy(np.stack([r.tokens for r in rows]).astype(np.int64))

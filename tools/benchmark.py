@@ -53,7 +53,7 @@ from callbacks.runfab_metrics import peak_memory  # noqa: E402
 from config import load_config  # noqa: E402
 from feeder import UpdateFeeder  # noqa: E402
 from stages import ValidationPool  # noqa: E402
-from lit_module import LitGPT  # noqa: E402
+from lit_module import GPTTrainingModule  # noqa: E402
 from model import training_flops  # noqa: E402
 from tools.check import process_family  # noqa: E402
 
@@ -246,7 +246,7 @@ def run_plain(layout: str, args) -> dict:
     split = BatchSplit(args.microbatch, accumulation, 1, train.EFFECTIVE_BATCH_SIZE)
     settings = training_run.stream_settings(cfg, encoder, split)
     feeder = UpdateFeeder(lambda: (generator.stdout, "generator"), settings, encoder.encode_batch_arrays, ValidationPool(0))
-    lit = LitGPT(cfg.model, cfg.optim).cuda()
+    lit = GPTTrainingModule(cfg.model, cfg.optim).cuda()
     lit.model.compile_trunk()
     optimizer = lit.configure_optimizers()["optimizer"]
     torch.cuda.reset_peak_memory_stats()
@@ -297,7 +297,7 @@ def run_reference(args) -> dict:
     fused causal SDPA, as nanoGPT's, whatever model.attention the other runs use."""
     # nanoGPT's attention is F.scaled_dot_product_attention(is_causal=True): PyTorch's kernels, never FA4.
     cfg = load_config(overrides=["model.vocab_size=50304", *args.set, "model.attention=varlen"])
-    lit = LitGPT(cfg.model, cfg.optim).cuda()
+    lit = GPTTrainingModule(cfg.model, cfg.optim).cuda()
     model = lit.model
     optimizer = lit.configure_optimizers()["optimizer"]
     gen = torch.Generator(device="cuda").manual_seed(0)
