@@ -44,6 +44,9 @@ def test_a_signal_during_training_exports_the_model_so_far_and_exits_non_zero(tm
     model = tmp_path / "out" / "model"
     record = json.loads((model / "run_record.json").read_text())
     assert record["status"] == f"partial: {signal.Signals(sig).name}" and record["optimizer_steps"] >= 1
+    lines = [json.loads(line) for line in (tmp_path / "out" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["step"] == record["optimizer_steps"]  # both signals report the last interval
+    assert all({"loss", "tokens_per_second"} <= line.keys() for line in lines)
     assert (model / "model.safetensors").stat().st_size > 0
 
 
