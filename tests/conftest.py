@@ -1,4 +1,9 @@
-"""Shared fixtures: the bundle root and a tiny configuration that trains in seconds on a CPU."""
+"""Shared fixtures: the bundle root and the one tiny configuration (defined in tests/helpers.py).
+
+The tests are grouped by what they exercise: ``unit/`` (one module at a time, in process),
+``integration/`` (whole training runs: end to end, faults, the launcher, observation), ``tools/``
+(packaging, the contract check, emulation, the report) and ``gpu/`` (skipped without CUDA).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,15 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT, tiny
 
 
 @pytest.fixture
 def root() -> Path:
     return ROOT
+
+
+@pytest.fixture
+def tiny_config() -> dict[str, object]:
+    """A fresh copy of the tiny configuration (dotted keys), for a test to extend."""
+    return tiny()

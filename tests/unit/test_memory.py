@@ -18,14 +18,14 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import psutil
 
 from stages import DataConfig, StreamSettings, StreamStats, ValidationPool, stream_updates
 from tokenizer import TextEncoder
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
+
 TOKENIZER = ROOT / "conf" / "tokenizer.json"
 MIB = 1 << 20
 INPUT_MIB = int(os.environ.get("RSS_TEST_MB", "256"))

@@ -20,12 +20,12 @@ from config import ConfigError
 import training_run
 from config import load_config
 
-ROOT = Path(__file__).resolve().parent.parent
-ARGS = [
-    "--config", "conf/smoke.yaml", "--model.n_layer", "1", "--model.n_embd", "32", "--model.n_head", "2",
-    "--model.max_seq_len", "64", "--trainer.max_steps", "100000", "--optim.schedule", "constant",
-    "--metrics.interval_seconds", "0.2", "--trainer.val_every_steps", "0",
-]
+from tests.helpers import ROOT, as_args, as_dotlist, tiny
+
+# The tiny model, training until stopped (the faults below stop it) at a constant rate.
+RUN = tiny({"trainer.max_steps": 100000, "optim.schedule": "constant", "metrics.interval_seconds": 0.2,
+            "trainer.val_every_steps": 0})
+ARGS = ["--config", "conf/smoke.yaml", *as_args(RUN)]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -164,7 +164,7 @@ def test_an_input_failure_after_training_started_exports_the_model_so_far(tmp_pa
     import launcher
 
     monkeypatch.setattr("sys.stdout", io.StringIO())
-    cfg = load_config("conf/smoke.yaml", [*(a.lstrip("-") for a in _pairs(ARGS[2:])), "trainer.max_steps=-1",
+    cfg = load_config("conf/smoke.yaml", [*as_dotlist(RUN), "trainer.max_steps=-1",
                                           "data.shuffle_buffer_docs=16", f"output.root={tmp_path / 'out'}"])
     stdin = io.BufferedReader(FailingStdin(sample(1200)))
     with pytest.raises(launcher.InputFailed, match="Input/output error.*partial"):
@@ -173,11 +173,6 @@ def test_an_input_failure_after_training_started_exports_the_model_so_far(tmp_pa
     record = json.loads((model / "run_record.json").read_text())
     assert record["status"].startswith("partial: input error: OSError") and record["optimizer_steps"] >= 1
     assert (model / "model.safetensors").stat().st_size > 0
-
-
-def _pairs(args: list[str]) -> list[str]:
-    """["--a.b", "1", ...] -> ["--a.b=1", ...]"""
-    return [f"{key}={value}" for key, value in zip(args[::2], args[1::2])]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -305,7 +300,7 @@ def test_the_hook_returns_and_the_process_exits_zero_while_stdin_is_still_open(t
     from omegaconf import OmegaConf
 
     config = tmp_path / "tiny.yaml"  # the tiny command-line run as a config file, for the hook
-    dotlist = [a.lstrip("-") for a in _pairs(ARGS[2:])] + ["trainer.max_steps=2", "data.shuffle_buffer_docs=16",
+    dotlist = as_dotlist(RUN) + ["trainer.max_steps=2", "data.shuffle_buffer_docs=16",
                                                           "data.tokenize_batch_docs=8"]
     OmegaConf.save(OmegaConf.merge(OmegaConf.load(ROOT / "conf/smoke.yaml"), OmegaConf.from_dotlist(dotlist)), config)
     env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="", RUNFAB_CONFIG=str(config))

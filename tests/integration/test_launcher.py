@@ -19,12 +19,12 @@ from safetensors.torch import load_file
 from feeder import ValidationDocument
 from launcher import End, receive_items, send_item
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = [
-    "--config", "conf/smoke.yaml", "--model.n_layer", "1", "--model.n_embd", "32", "--model.n_head", "2",
-    "--model.max_seq_len", "64", "--optim.warmup_steps", "1", "--metrics.interval_seconds", "0.2",
-    "--trainer.val_every_steps", "0",
-]
+from tests.helpers import ROOT, as_args, tiny
+
+# The tiny model on the command line, without validation.
+TINY = ["--config", "conf/smoke.yaml", *as_args(tiny({
+    "optim.warmup_steps": 1, "metrics.interval_seconds": 0.2, "trainer.val_every_steps": 0,
+}))]
 
 
 def sample_records(n: int | None = None) -> bytes:

@@ -23,7 +23,7 @@ import pytest
 from tools import check as contract_check
 from tools.check import FAIL, PASS, SKIP, Options
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
 
 GOOD_PROBE = "return sum(i * i for i in range(microbatch * 1000))"
 

@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import random
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: everything loads offline
 
@@ -20,11 +19,11 @@ import pytest
 import torch
 
 from config import load_config
-from gpt2_reference import ENCODER_JSON, VOCAB_BPE, ReferenceGPT2, read_fixture
+from tests.gpt2_reference import ENCODER_JSON, VOCAB_BPE, ReferenceGPT2, read_fixture
 from tokenizer import EOS_TOKEN, TextEncoder, read_ndjson_texts
 from tools import build_gpt2_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 GPT2_TOKENIZER = ROOT / "conf" / "gpt2" / "tokenizer.json"
 SOURCE = ROOT / "conf" / "gpt2" / "SOURCE.json"

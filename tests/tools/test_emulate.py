@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import io
 import json
-from pathlib import Path
 
 from tools import emulate
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = """\
-model: {vocab_size: 8192, n_layer: 1, n_head: 2, n_embd: 32, max_seq_len: 64}
-data: {tokenizer: conf/tokenizer.json}
-optim: {warmup_steps: 1, decay_steps: 10}
-trainer: {max_steps: 4, val_every_steps: 2}
-metrics: {interval_seconds: 0.2}
-"""
+from tests.helpers import ROOT, as_yaml, tiny
+
+# The tiny model as a config file of its own (no smoke.yaml under it): four updates, a validation every two.
+RUN = tiny({
+    "model.vocab_size": 8192, "data.tokenizer": "conf/tokenizer.json", "optim.warmup_steps": 1,
+    "optim.decay_steps": 10, "trainer.max_steps": 4, "trainer.val_every_steps": 2, "metrics.interval_seconds": 0.2,
+})
 
 
 def test_candidates_are_the_divisors_of_the_batch_per_gpu():
@@ -25,7 +23,7 @@ def test_candidates_are_the_divisors_of_the_batch_per_gpu():
 
 def test_emulation_probes_takes_the_largest_fit_trains_and_reports(tmp_path, monkeypatch):
     config = tmp_path / "tiny.yaml"
-    config.write_text(TINY)
+    config.write_text(as_yaml(RUN))
     monkeypatch.setenv("RUNFAB_CONFIG", str(config))
     records = tmp_path / "records.jsonl"
     records.write_bytes((ROOT / "data/sample.jsonl").read_bytes())
@@ -55,7 +53,7 @@ def test_emulation_probes_takes_the_largest_fit_trains_and_reports(tmp_path, mon
 
 def test_a_run_over_a_budget_is_stopped_and_named(tmp_path, monkeypatch):
     config = tmp_path / "tiny.yaml"
-    config.write_text(TINY.replace("max_steps: 4", "max_steps: 100000").replace("decay_steps: 10", "decay_steps: 100000"))
+    config.write_text(as_yaml({**RUN, "trainer.max_steps": 100000, "optim.decay_steps": 100000}))
     monkeypatch.setenv("RUNFAB_CONFIG", str(config))
     monkeypatch.setattr(emulate, "RAM_BUDGET", 64 << 20)
     records = tmp_path / "records.jsonl"

@@ -1,6 +1,6 @@
 """Kernel selection and the FlashAttention 4 custom ops, on CPU.
 
-FA4 itself needs a Hopper or Blackwell GPU (tests/test_gpu.py runs it there). Here the selection
+FA4 itself needs a Hopper or Blackwell GPU (tests/gpu/test_gpu.py runs it there). Here the selection
 runs against fakes of the import and the GPU, and the custom ops run with a float32 reference
 implementation behind them: that checks their fake (shape) functions, their autograd formula and
 that torch.compile traces them without a graph break, on any machine.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -236,6 +235,6 @@ def test_the_fa4_import_is_lazy():
     import sys
 
     code = "import sys, model, attention_kernels; print('flash_attn' in sys.modules, 'cutlass' in sys.modules)"
-    root = Path(__file__).resolve().parent.parent
+    from tests.helpers import ROOT as root
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]

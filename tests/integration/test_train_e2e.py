@@ -1,12 +1,13 @@
 """End to end: train.py run the way RunFab runs it, each case in a fresh interpreter.
 
-Every test copies the bundle (what ``shipping.shipped_files`` says ships: train.py, the other
-modules, callbacks/, conf/, data/) into a temporary folder and makes it read-only, like /workspace. The child process gets
+Every test unpacks the bundle (what ``shipping.shipped_files`` says ships: train.py, the other
+modules, callbacks/, conf/, data/) into a temporary folder and makes it read-only, like /workspace,
+with the contract check's own ``BundleSource`` and ``set_writable`` (tools/check.py). The child process gets
 ``CUDA_VISIBLE_DEVICES=""``, ``RUNFABRIC_OUTPUT`` pointing at a writable folder, a working
 directory of its own that starts empty, and its own HOME and TMPDIR, so every place a stray
 write could land is a folder the test can look into afterwards.
 
-The configurations are tiny (one layer, 32-dimensional, rows of 64 tokens) so each run takes
+The configurations are the tests' tiny one (tests/helpers.py: one layer, 32-dimensional, rows of 64 tokens) so each run takes
 a few seconds beyond the ~10 s it costs to import Lightning.
 """
 
@@ -19,7 +20,6 @@ import json
 import math
 import os
 import re
-import shutil
 import stat
 import subprocess
 import sys
@@ -30,30 +30,27 @@ from pathlib import Path
 
 import pytest
 
-from shipping import shipped_files
+from tools.check import BundleSource, set_writable
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT, as_yaml, tiny
+
 EFFECTIVE_BATCH_SIZE = 32  # what the contract under test promises; train.py is read, not imported, here
 MICROBATCH = 4
 SEQ_LEN = 64
 CHILD_TIMEOUT = 300
 
-TINY = """\
-seed: 7
-model: {{vocab_size: 8192, n_layer: 1, n_head: 2, n_embd: 32, max_seq_len: {seq_len}}}
-data:
-  tokenizer: conf/tokenizer.json
-  source: {source}
-  sample_path: {sample_path}
-  microbatch: {microbatch}
-  val_fraction: 0.05
-  val_max_tokens: 4096
-  shuffle_buffer_docs: 64
-optim: {{lr: 1.0e-3, warmup_steps: 1, schedule: cosine, decay_steps: 50}}
-trainer: {{max_steps: {max_steps}, val_every_steps: 2}}
-metrics: {{interval_seconds: 0.5}}
-output: {{root: "${{oc.env:RUNFABRIC_OUTPUT,output}}"}}
-"""
+def e2e_config(max_steps: int, sample_path: str, source: str) -> str:
+    """The tiny model as a bundle's own config file (no smoke.yaml under it), at this module's batch."""
+    return as_yaml(tiny({
+        "seed": 7, "model.vocab_size": 8192, "model.max_seq_len": SEQ_LEN,
+        "data.tokenizer": "conf/tokenizer.json", "data.source": source, "data.sample_path": sample_path,
+        "data.microbatch": MICROBATCH, "data.val_fraction": 0.05, "data.val_max_tokens": 4096,
+        "data.shuffle_buffer_docs": 64,
+        "optim.lr": 1.0e-3, "optim.warmup_steps": 1, "optim.schedule": "cosine", "optim.decay_steps": 50,
+        "trainer.max_steps": max_steps, "trainer.val_every_steps": 2, "metrics.interval_seconds": 0.5,
+        "output.root": "${oc.env:RUNFABRIC_OUTPUT,output}",
+    }))
+
 
 CONFIGS = {
     "conf/e2e_tiny.yaml": dict(max_steps=3, sample_path="data/sample.jsonl", source="auto"),
@@ -69,18 +66,10 @@ METRIC_KEYS = {"step", "elapsed_seconds", "loss", "tokens_per_second"}  # what R
 
 
 def _copy_bundle(dest: Path) -> None:
-    dest.mkdir()
-    for rel in shipped_files(ROOT):
-        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / rel, dest / rel)
+    """Unpack what would ship, as the contract check does, and add this module's config files."""
+    BundleSource.open(ROOT).unpack_into(dest)
     for rel, values in CONFIGS.items():
-        (dest / rel).write_text(TINY.format(seq_len=SEQ_LEN, microbatch=MICROBATCH, **values))
-
-
-def _set_writable(path: Path, writable: bool) -> None:
-    for p in [path, *path.rglob("*")]:
-        mode = p.stat().st_mode
-        p.chmod(mode | stat.S_IWUSR if writable else mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+        (dest / rel).write_text(e2e_config(**values))
 
 
 def snapshot(root: Path) -> dict[str, tuple]:
@@ -110,7 +99,7 @@ class Sandbox:
         _copy_bundle(self.bundle)
         for d in (self.output, self.cwd, self.home, self.tmp, self.scripts):
             d.mkdir()
-        _set_writable(self.bundle, False)
+        set_writable(self.bundle, False)
         self.bundle_before = snapshot(self.bundle)
 
     @property
@@ -189,7 +178,7 @@ class Sandbox:
 def sandbox(tmp_path):
     box = Sandbox(tmp_path)
     yield box
-    _set_writable(box.bundle, True)  # so pytest can remove tmp_path
+    set_writable(box.bundle, True)  # so pytest can remove tmp_path
 
 
 # ----------------------------------------------------------------------------- helpers

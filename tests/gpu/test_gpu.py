@@ -261,14 +261,14 @@ def test_a_memory_window_dumps_a_snapshot_the_memory_viz_reads(tmp_path, monkeyp
     import training_run
     from config import load_config
     from shipping import folder_bytes
-    from tests.test_callbacks import TINY, Stdin, records
+    from tests.helpers import IN_PROCESS_RUN, Stdin, as_dotlist, records
 
     monkeypatch.chdir(tmp_path)
     # As in a fresh process: importing Lightning wrote inductor's /tmp default, Triton's is unset
     # (earlier tests in this process pointed both at their own outputs).
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(device_policy.inductor_default_cache()))
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
-    cfg = load_config("conf/smoke.yaml", [*TINY, f"output.root={tmp_path}", "trainer.max_steps=3",
+    cfg = load_config("conf/smoke.yaml", [*as_dotlist(IN_PROCESS_RUN), f"output.root={tmp_path}", "trainer.max_steps=3",
                                           "trainer.val_every_steps=0", "observe.memory_update=2",
                                           "trainer.devices=1"])  # one process, also on a host of several GPUs
     monkeypatch.setattr("sys.stdout", io.StringIO())
@@ -330,11 +330,10 @@ def test_one_and_two_gpus_train_the_same_updates_and_both_ranks_end_at_an_awkwar
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     from safetensors.torch import load_file
 
-    root = Path(__file__).resolve().parent.parent
+    from tests.helpers import ROOT as root
     lines = (root / "data/sample.jsonl").read_bytes().splitlines(keepends=True)
     records = b"".join(lines[:391])
     runs = {}

@@ -15,14 +15,14 @@ from batch_split import BatchSplit
 import training_run
 from callbacks.observe import ObserveConfig
 from config import ConfigError, load_config
-from tests.test_callbacks import TINY, Stdin, records
+from tests.helpers import IN_PROCESS_RUN, Stdin, as_dotlist, records
 
 MARKERS = {"zero_grad", "forward", "backward", "optimizer_step"}
 
 
 def tiny_run(tmp_path, monkeypatch, *overrides: str) -> tuple[list[dict], dict]:
     monkeypatch.chdir(tmp_path)
-    cfg = load_config("conf/smoke.yaml", [*TINY, f"output.root={tmp_path / 'out'}", "trainer.val_every_steps=0",
+    cfg = load_config("conf/smoke.yaml", [*as_dotlist(IN_PROCESS_RUN), f"output.root={tmp_path / 'out'}", "trainer.val_every_steps=0",
                                           *overrides])
     stdout = io.StringIO()
     monkeypatch.setattr("sys.stdout", stdout)

@@ -12,7 +12,7 @@ import pytest
 import tokenizer
 from tokenizer import EOS_TOKEN, TextEncoder, read_ndjson_texts, train_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 SAMPLE = ROOT / "data" / "sample.jsonl"
 SHIPPED_TOKENIZER = ROOT / "conf" / "tokenizer.json"

@@ -24,7 +24,8 @@ import pytest
 import shipping
 from tools import package as bundle
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
+
 MIB = 1024 * 1024
 
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import shipping
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
 
 
 def project_imports() -> dict[str, set[str]]:

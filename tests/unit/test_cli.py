@@ -13,7 +13,8 @@ import yaml
 import cli
 from config import RunConfig, load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
+
 # DataConfig's fields without a comment; datamodule.py is being split, they get one there.
 PENDING_HELP: set[str] = set()  # keys whose field has no help comment yet
 

@@ -18,7 +18,6 @@ import torch
 from torch.utils.data import DataLoader
 
 import train
-from config import BUNDLE_ROOT
 from batch_split import BatchSplit
 from config import ConfigError
 import device_policy
@@ -28,22 +27,9 @@ from config import load_config
 from stages import Row, StreamStats, split_update
 from lit_module import GPTTrainingModule, OptimConfig
 from model import GPTConfig
+from tests.helpers import IN_PROCESS_RUN, Stdin, as_dotlist, records
 
-TINY = [
-    "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.max_seq_len=32",
-    "trainer.max_steps=4", "trainer.val_every_steps=2", "optim.warmup_steps=1", "metrics.interval_seconds=0.01",
-    "data.val_fraction=0.2", "data.val_max_tokens=4096", "data.shuffle_buffer_docs=64",
-]
-
-
-class Stdin(io.BufferedReader):
-    def isatty(self) -> bool:
-        return False
-
-
-def records(n: int = 400) -> bytes:
-    lines = (json.loads(line) for line in open(BUNDLE_ROOT / "data/sample.jsonl"))
-    return b"".join(json.dumps({"text": r["text"]}).encode() + b"\n" for _, r in zip(range(n), lines))
+IN_PROCESS = as_dotlist(IN_PROCESS_RUN)
 
 
 def test_interval_loss_is_token_weighted_and_steps_are_counted_once_per_update():
@@ -108,7 +94,7 @@ def test_a_non_finite_loss_stops_the_run_naming_the_update_and_reports_no_nan():
 
 def test_training_in_process_writes_metrics_model_record_and_checkpoints_apart(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cfg = load_config("conf/smoke.yaml", [*TINY, f"output.root={tmp_path / 'out'}", "trainer.checkpoint_every_steps=2"])
+    cfg = load_config("conf/smoke.yaml", [*IN_PROCESS, f"output.root={tmp_path / 'out'}", "trainer.checkpoint_every_steps=2"])
     stdout = io.StringIO()
     monkeypatch.setattr("sys.stdout", stdout)
     result = training_run.run_training(cfg, BatchSplit(8, 4, 1, train.EFFECTIVE_BATCH_SIZE), stdin=Stdin(io.BytesIO(records())))

@@ -1,0 +1,78 @@
+"""What the tests share: the bundle root, the one tiny configuration and the sample input.
+
+Test files import from here (``from tests.helpers import ...``), never from one another. The tiny
+configuration is data: dotted keys over ``conf/smoke.yaml`` (or over the defaults, for a config file of
+its own), rendered for whichever door a test goes through: ``--key value`` arguments for ``train.py``,
+a dotlist for ``load_config``, or YAML for a config file. A test that depends on a value (a row length,
+a step count) names it at the call site as an override, so what it checks stays visible there.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = ROOT / "data" / "sample.jsonl"
+
+# One layer, 32-dimensional, two heads, rows of 64 tokens: trains in seconds on a CPU.
+TINY: dict[str, object] = {
+    "model.n_layer": 1,
+    "model.n_embd": 32,
+    "model.n_head": 2,
+    "model.max_seq_len": 64,
+}
+
+
+def tiny(overrides: Mapping[str, object] | None = None) -> dict[str, object]:
+    """The tiny configuration with ``overrides`` (dotted keys) on top; later keys replace earlier ones."""
+    return {**TINY, **(overrides or {})}
+
+
+# The in-process training run of the callback, observation and GPU tests (through ``load_config`` over
+# conf/smoke.yaml): rows of 32 tokens, four updates, a validation every two.
+IN_PROCESS_RUN = tiny({
+    "model.max_seq_len": 32, "trainer.max_steps": 4, "trainer.val_every_steps": 2, "optim.warmup_steps": 1,
+    "metrics.interval_seconds": 0.01, "data.val_fraction": 0.2, "data.val_max_tokens": 4096,
+    "data.shuffle_buffer_docs": 64,
+})
+
+
+def as_args(values: Mapping[str, object]) -> list[str]:
+    """``--key value`` pairs for train.py's command line."""
+    return [part for key, value in values.items() for part in (f"--{key}", str(value))]
+
+
+def as_dotlist(values: Mapping[str, object]) -> list[str]:
+    """``key=value`` items for ``config.load_config``."""
+    return [f"{key}={value}" for key, value in values.items()]
+
+
+def as_yaml(values: Mapping[str, object]) -> str:
+    """The dotted keys nested into sections, as YAML text for a config file."""
+    nested: dict = {}
+    for key, value in values.items():
+        *sections, leaf = key.split(".")
+        node = nested
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[leaf] = value
+    return yaml.safe_dump(nested, sort_keys=False)
+
+
+class Stdin(io.BufferedReader):
+    """A stdin that is not a terminal, as RunFab's pipe is."""
+
+    def isatty(self) -> bool:
+        return False
+
+
+def records(n: int = 400) -> bytes:
+    """The first ``n`` sample records as JSON lines holding only their text."""
+    with SAMPLE.open() as f:
+        lines = (json.loads(line) for line in f)
+        return b"".join(json.dumps({"text": r["text"]}).encode() + b"\n" for _, r in zip(range(n), lines))
