@@ -149,7 +149,7 @@ def cache_usage_folders() -> dict[str, Path]:
 # ----------------------------------------------------------------------------- the custom ops
 #
 # The implementation behind the ops is a pair of functions, FA4's by default; tests on machines
-# without FA4 swap in a reference (see tests/test_attention_kernels.py), which is why the ops are
+# without FA4 swap in a reference (see tests/unit/test_attention_kernels.py), which is why the ops are
 # registered for every device rather than CUDA alone.
 
 
