@@ -16,6 +16,7 @@ import ast
 import inspect
 import io
 import json
+import sys
 import tokenize
 import typing
 from dataclasses import MISSING, dataclass, fields, is_dataclass
@@ -24,7 +25,14 @@ from functools import cache
 import yaml
 from jsonargparse import ArgumentParser
 
-from config import CONFIG_ENV, DEFAULT_CONFIG, RunConfig, as_dict
+import launcher
+import training_run
+from batch_split import BatchSplit, command_line_microbatch
+from callbacks.runfab_metrics import NonFiniteLossError
+from config import CONFIG_ENV, DEFAULT_CONFIG, ConfigError, RunConfig, as_dict, load_config
+from device_policy import world_size
+from probe import run_probe
+from stages import UnusableInputError
 
 PROG = "train.py"
 DEFAULT_SUBCOMMAND = "fit"
@@ -52,6 +60,36 @@ class Command:
 
 class CommandLineError(Exception):
     """Bad command-line input; the message names the offending option or token."""
+
+
+# What a command line run reports as one line on stderr, with exit code 2, instead of a traceback.
+USER_ERRORS = (
+    ConfigError, UnusableInputError, NonFiniteLossError, FileNotFoundError, launcher.WorkerFailed, launcher.Interrupted,
+    launcher.InputFailed,
+)
+
+
+def main(argv: list[str], effective: int) -> int:
+    """Parse, merge the configuration, then print it, probe or train; ``effective`` is train.EFFECTIVE_BATCH_SIZE."""
+    try:
+        command = parse(argv)
+        cfg = load_config(command.config_path, command.overrides)
+        if command.print_config:
+            print(config_yaml(cfg), end="")
+            return 0
+        world = world_size(cfg)
+        if command.name == "probe":  # any microbatch the probe accepts, not only those that divide the batch
+            microbatch = command_line_microbatch(effective, world, cfg.data.microbatch, command.microbatch,
+                                                 command.accumulation)
+            run_probe(cfg, microbatch, effective)
+            return 0
+        split = BatchSplit.for_command_line(effective, world, cfg.data.microbatch, command.microbatch,
+                                           command.accumulation)
+        training_run.run_training(cfg, split)
+    except (CommandLineError, *USER_ERRORS) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def parse(argv: list[str]) -> Command:

@@ -14,21 +14,13 @@ from __future__ import annotations
 
 import sys
 
-import launcher
 import training_run
-from batch_split import BatchSplit, command_line_microbatch
-from callbacks.runfab_metrics import NonFiniteLossError
-from config import ConfigError, load_config
-from stages import UnusableInputError
+from batch_split import BatchSplit
+from config import load_config
 from device_policy import world_size
 from probe import run_probe
 
 EFFECTIVE_BATCH_SIZE = 32
-
-USER_ERRORS = (
-    ConfigError, UnusableInputError, NonFiniteLossError, FileNotFoundError, launcher.WorkerFailed, launcher.Interrupted,
-    launcher.InputFailed,
-)
 
 
 def probe_batch(microbatch: int) -> None:
@@ -42,35 +34,15 @@ def train(microbatch: int, accumulation: int) -> dict:
     return training_run.run_training(cfg, BatchSplit(microbatch, accumulation, world_size(cfg), EFFECTIVE_BATCH_SIZE))
 
 
-# ----------------------------------------------------------------------------- command line
-
-
 def main(argv: list[str] | None = None) -> int:
-    """``python train.py``: the local command line (cli.py); ``train.py worker`` is launcher.py's worker."""
+    """``python train.py``: a data-parallel worker (``train.py worker``, started by launcher.py), else
+    the local command line, cli.py, whose jsonargparse RunFab's hooks and the workers never import."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["worker"]:
         return training_run.run_worker()
-    import cli  # jsonargparse is a local-development package: RunFab's hooks never import it
+    import cli
 
-    try:
-        command = cli.parse(argv)
-        cfg = load_config(command.config_path, command.overrides)
-        if command.print_config:
-            print(cli.config_yaml(cfg), end="")
-            return 0
-        world = world_size(cfg)
-        if command.name == "probe":  # any microbatch the probe accepts, not only those that divide the batch
-            microbatch = command_line_microbatch(EFFECTIVE_BATCH_SIZE, world, cfg.data.microbatch, command.microbatch,
-                                                 command.accumulation)
-            run_probe(cfg, microbatch, EFFECTIVE_BATCH_SIZE)
-            return 0
-        split = BatchSplit.for_command_line(EFFECTIVE_BATCH_SIZE, world, cfg.data.microbatch, command.microbatch,
-                                           command.accumulation)
-        training_run.run_training(cfg, split)
-    except (cli.CommandLineError, *USER_ERRORS) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return cli.main(argv, EFFECTIVE_BATCH_SIZE)
 
 
 if __name__ == "__main__":
