@@ -151,7 +151,7 @@ def receive_items(conn: Connection, on_end=lambda end: None) -> Iterator[dict | 
 class FeederConnection:
     """A worker's end of the socket: training microbatches for Lightning, held-out documents into the pool."""
 
-    def __init__(self, address: tuple[str, int], authkey: bytes, rank: int, pool) -> None:
+    def __init__(self, address: tuple[str, int], authkey: bytes, rank: int, pool, microbatches_per_update: int) -> None:
         self.conn = Client(address, authkey=authkey)
         self.conn.send_bytes(str(rank).encode())
         self.pool = pool
@@ -159,6 +159,9 @@ class FeederConnection:
         self.input_summary: dict | None = None  # what the feeder read, sent with the end
         self._done = False
         self._acknowledging = True
+        self._per_update = microbatches_per_update
+        self._taken = 0
+        self._report_updates: set[int] = set()
 
     def batches(self) -> Iterator[dict]:
         if self._done:
@@ -166,10 +169,21 @@ class FeederConnection:
         for item in receive_items(self.conn, on_end=self._ended):
             if isinstance(item, np.ndarray):
                 self.pool.offer(item)
-            else:
-                self._acknowledge()
-                yield item
+                continue
+            if item.pop("report", 0):  # the feeder's mark travels on the wire, not into training_step
+                self._report_updates.add(self._taken // self._per_update + 1)
+            self._taken += 1
+            self._acknowledge()
+            yield item
         self._done = True
+
+    def report_due(self, update: int) -> bool:
+        """Whether the feeder marked ``update`` for a metric line: it marks the same update on every
+        rank, so the ranks report (and sum their intervals) together without a collective to agree."""
+        if update in self._report_updates:
+            self._report_updates.remove(update)
+            return True
+        return False
 
     def _ended(self, end: End) -> None:
         self.early_end, self.input_summary = end.early, end.input_summary

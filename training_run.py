@@ -197,7 +197,7 @@ def raise_if_ended_early(feeder: UpdateFeeder, result: dict) -> None:
 
 def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
         encoder: TextEncoder, input_summary=None, platform_fraction: float | None = None,
-        end_input=lambda reason: None, early_end=lambda: None) -> dict:
+        end_input=lambda reason: None, early_end=lambda: None, report_due=None) -> dict:
     """Build module, callbacks and Trainer, and fit: the same in a single process and in each worker.
 
     Export and the run record happen in callbacks, on global rank 0. ``end_input(reason)`` ends the
@@ -228,6 +228,7 @@ def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
         flops=functools.partial(training_flops, cfg.model) if on_gpu else None, peak_flops=cfg.metrics.peak_flops,
         warmup_updates=cfg.observe.warmup_updates, observed_updates=cfg.observe.observed_updates(),
         log_path=run_dir / "metrics.jsonl", validate_every=cfg.trainer.val_every_steps if validate else 0,
+        report_due=report_due,
     )
     observer = ObservationWindows(cfg.observe, run_dir)
     callbacks: list[L.Callback] = [
@@ -322,12 +323,13 @@ def run_worker() -> int:
     split = BatchSplit(spec["microbatch"], spec["accumulation"], world, spec["effective"])
     settings = stream_settings(cfg, encoder, split)
     pool = ValidationPool(cfg.data.val_max_tokens)
-    connection = launcher.FeederConnection(tuple(spec["address"]), bytes.fromhex(spec["authkey"]), rank, pool)
+    connection = launcher.FeederConnection(tuple(spec["address"]), bytes.fromhex(spec["authkey"]), rank, pool,
+                                           split.accumulation)
     datamodule = StreamingDataModule(
         connection.batches, pool, settings, rank=rank, pin_memory=resolve_accelerator(cfg) == "gpu",
         on_teardown=connection.close,
     )
     fit(cfg, split, datamodule, encoder, lambda: connection.input_summary, platform_fraction=platform_fraction,
-        early_end=lambda: connection.early_end)
+        early_end=lambda: connection.early_end, report_due=connection.report_due if world > 1 else None)
     return 0
 

@@ -46,14 +46,15 @@ class RunFabMetrics(L.Callback):
         self, interval_seconds: float = 5.0, stream: TextIO | None = None,
         flops: Callable[[int, int], float] | None = None, peak_flops: float | None = None,
         warmup_updates: int = 0, observed_updates: Collection[int] = (), log_path: Path | None = None,
-        validate_every: int = 0,
+        validate_every: int = 0, report_due: Callable[[int], bool] | None = None,
     ) -> None:
         """``flops(tokens, attention_pairs)`` and ``peak_flops`` (per device) add ``mfu`` to the lines.
 
         Each line also goes to ``log_path`` (the run's metrics.jsonl) and to the trainer's loggers.
         Every line carries loss and throughput: an interval with no update writes nothing, and
         ``val_loss`` rides on the line of the interval that validation (every ``validate_every``
-        updates) closes.
+        updates) closes. With several ranks ``report_due(update)`` (the feeder's marks) says when to
+        report instead of the clock, so every rank reports at the same update.
         """
         self.interval_seconds = interval_seconds
         self.stream = stream if stream is not None else sys.stdout
@@ -63,6 +64,7 @@ class RunFabMetrics(L.Callback):
         self.observed_updates = frozenset(observed_updates)
         self.log_path = Path(log_path) if log_path is not None else None
         self.validate_every = validate_every
+        self.report_due = report_due
         self._held: dict | None = None  # the interval closed when validation started, written with its val_loss
         self._pending_val_loss: float | None = None  # a validation loss waiting for the next training line
         self._log_file: TextIO | None = None
@@ -130,8 +132,8 @@ class RunFabMetrics(L.Callback):
             return  # validation follows this update and closes the interval, so its line carries val_loss
         if self.phase(trainer.global_step + 1) != self.phase(trainer.global_step):
             self.report(trainer, pl_module)  # a phase boundary: the same update on every rank
-        elif trainer.world_size > 1:
-            if batch.get("report"):  # the feeder marks the same update on every rank
+        elif self.report_due is not None:
+            if self.report_due(trainer.global_step):
                 self.report(trainer, pl_module)
         elif time.perf_counter() - self._interval_start >= self.interval_seconds:
             self.report(trainer, pl_module)

@@ -71,6 +71,13 @@ def test_two_workers_reach_the_weights_of_one_process(tmp_path):
         tmp_path, "parallel", [*every_step, "--microbatch", "4", "--trainer.devices", "2"], records
     )
     assert parallel.returncode == 0, parallel.stderr.decode()[-3000:]
+    # The feeder marks every update (interval 0): both ranks report each one, and rank 0's lines carry
+    # the global loss of all its rows, as the single process's do.
+    lines = {name: [json.loads(line) for line in run.stdout.splitlines()] for name, run in
+             (("single", single), ("parallel", parallel))}
+    assert [line["step"] for line in lines["parallel"]] == [1, 2, 3] == [line["step"] for line in lines["single"]]
+    for one, two in zip(lines["single"], lines["parallel"]):
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-4)
     a = load_file(single_out / "model" / "model.safetensors")
     b = load_file(parallel_out / "model" / "model.safetensors")
     assert a.keys() == b.keys()
