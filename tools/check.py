@@ -427,14 +427,18 @@ class Sandbox:
     Each child gets a fresh one, so what the probe run finds is not confused with the import run.
     """
 
-    def __init__(self, source: BundleSource, keep: bool) -> None:
+    def __init__(self, source: BundleSource, keep: bool, base: Path | None = None, prepare=None) -> None:
+        """``base``: an empty folder to build in (default: a new temporary one); ``prepare(bundle)``
+        adds files to the unpacked bundle before it is made read-only (the tests add configs)."""
         self.keep = keep
-        self.base = Path(tempfile.mkdtemp(prefix="runfab-check-"))
+        self.base = Path(base) if base is not None else Path(tempfile.mkdtemp(prefix="runfab-check-"))
         self.bundle = self.base / "workspace"
         self.cwd, self.output = self.base / "cwd", self.base / "output"
         self.home, self.tmp = self.base / "home", self.base / "tmp"
         self.control = self.base / "control"  # spec, reports and captured streams: outside every inspected folder
         source.unpack_into(self.bundle)
+        if prepare is not None:
+            prepare(self.bundle)
         for folder in (self.cwd, self.output, self.home, self.tmp, self.control):
             folder.mkdir()
         set_writable(self.bundle, False)

@@ -1,8 +1,8 @@
 """End to end: train.py run the way RunFab runs it, each case in a fresh interpreter.
 
-Every test unpacks the bundle (what ``shipping.shipped_files`` says ships: train.py, the other
-modules, callbacks/, conf/, data/) into a temporary folder and makes it read-only, like /workspace,
-with the contract check's own ``BundleSource`` and ``set_writable`` (tools/check.py). The child process gets
+Every test runs in the contract check's own sandbox (tools/check.py's ``Sandbox``): the bundle
+(what ``shipping.shipped_files`` says ships: train.py, the other modules, callbacks/, conf/, data/)
+unpacked into a temporary folder and made read-only, like /workspace. The child process gets
 ``CUDA_VISIBLE_DEVICES=""``, ``RUNFABRIC_OUTPUT`` pointing at a writable folder, a working
 directory of its own that starts empty, and its own HOME and TMPDIR, so every place a stray
 write could land is a folder the test can look into afterwards.
@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from tools.check import BundleSource, set_writable
+from tools.check import Sandbox as CheckerSandbox
 
 from tests.helpers import ROOT, as_yaml, tiny
 
@@ -65,11 +66,10 @@ METRIC_KEYS = {"step", "elapsed_seconds", "loss", "tokens_per_second"}  # what R
 # ----------------------------------------------------------------------------- fixtures
 
 
-def _copy_bundle(dest: Path) -> None:
-    """Unpack what would ship, as the contract check does, and add this module's config files."""
-    BundleSource.open(ROOT).unpack_into(dest)
+def _add_configs(bundle: Path) -> None:
+    """This module's config files, written into the unpacked bundle before it turns read-only."""
     for rel, values in CONFIGS.items():
-        (dest / rel).write_text(e2e_config(**values))
+        (bundle / rel).write_text(e2e_config(**values))
 
 
 def snapshot(root: Path) -> dict[str, tuple]:
@@ -86,20 +86,13 @@ def files_under(root: Path) -> list[str]:
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if not p.is_dir())
 
 
-class Sandbox:
-    """A read-only bundle plus the writable places a run may (output) or may not (cwd, home) touch."""
+class Sandbox(CheckerSandbox):
+    """The contract checker's own sandbox (a read-only unpacked bundle plus the writable places a run
+    may, output, or may not, cwd and home, touch), with this module's configs, environment and helpers."""
 
     def __init__(self, base: Path) -> None:
-        self.bundle = base / "workspace"
-        self.output = base / "output"
-        self.cwd = base / "cwd"
-        self.home = base / "home"
-        self.tmp = base / "tmp"
-        self.scripts = base / "scripts"  # the test's own child scripts and reports, outside every checked folder
-        _copy_bundle(self.bundle)
-        for d in (self.output, self.cwd, self.home, self.tmp, self.scripts):
-            d.mkdir()
-        set_writable(self.bundle, False)
+        super().__init__(BundleSource.open(ROOT), keep=True, base=base, prepare=_add_configs)
+        self.scripts = self.control  # the test's own child scripts and reports, outside every checked folder
         self.bundle_before = snapshot(self.bundle)
 
     @property
