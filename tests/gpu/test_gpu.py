@@ -66,14 +66,18 @@ def test_varlen_and_chunked_loss_match_the_plain_path_forward_and_backward():
 @pytest.mark.skipif(varlen_attn is None, reason="torch.nn.attention.varlen is not in this PyTorch")
 def test_varlen_attention_never_crosses_documents():
     fast, _ = twin_models()
-    batch = packed_batch(rows=2, seq_len=256, vocab=512, seed=2)
+    assert_each_document_as_if_alone(fast, packed_batch(rows=2, seq_len=256, vocab=512, seed=2))
+
+
+def assert_each_document_as_if_alone(model: GPT, batch: dict) -> None:
+    """Packed rows give every document the logits it gets alone: attention never crosses documents."""
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        packed = fast(batch["input_ids"], batch["positions"]).float()
+        packed = model(batch["input_ids"], batch["positions"]).float()
         starts = batch["cu_seqlens"].tolist()
         flat_ids = batch["input_ids"].flatten()
         flat_logits = packed.flatten(0, 1)
         for a, b in zip(starts, starts[1:]):
-            alone = fast(flat_ids[a:b][None]).float()[0]
+            alone = model(flat_ids[a:b][None]).float()[0]  # one document alone (FA4: its dense causal kernel)
             assert relative_error(flat_logits[a:b], alone) < 1e-2
 
 
@@ -206,15 +210,7 @@ def test_fa4_varlen_never_crosses_documents_and_agrees_with_fa4_dense():
     torch.manual_seed(0)
     base = dict(vocab_size=512, n_layer=2, n_head=2, n_embd=128, max_seq_len=256, init_std=0.05)  # head dim 64
     fast = GPT(GPTConfig(**base, attention="fa4")).cuda()
-    batch = packed_batch(rows=2, seq_len=256, vocab=512, seed=2)
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        packed = fast(batch["input_ids"], batch["positions"]).float()
-        starts = batch["cu_seqlens"].tolist()
-        flat_ids = batch["input_ids"].flatten()
-        flat_logits = packed.flatten(0, 1)
-        for a, b in zip(starts, starts[1:]):
-            alone = fast(flat_ids[a:b][None]).float()[0]  # one document alone: FA4 dense causal
-            assert relative_error(flat_logits[a:b], alone) < 1e-2
+    assert_each_document_as_if_alone(fast, packed_batch(rows=2, seq_len=256, vocab=512, seed=2))
     assert fast.attention_kernels["packed rows"].startswith("FlashAttention 4 varlen")
     assert fast.attention_kernels["one-document rows"].startswith("FlashAttention 4 dense causal")
 
