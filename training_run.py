@@ -118,7 +118,7 @@ def stream_settings(cfg: RunConfig, encoder: TextEncoder, split: BatchSplit) -> 
 def load_encoder(cfg: RunConfig) -> TextEncoder:
     path = bundle_path(cfg.data.tokenizer)
     if not path.is_file():
-        raise ConfigError(f"data.tokenizer {path} not found; train one with `python train.py tokenizer`")
+        raise ConfigError(f"data.tokenizer {path} not found; train one with `python -m tools tokenizer`")
     encoder = TextEncoder(path, num_threads=cfg.data.tokenizer_threads)
     if encoder.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
