@@ -75,7 +75,8 @@ def main(argv: list[str], effective: int) -> int:
         command = parse(argv)
         cfg = load_config(command.config_path, command.overrides)
         if command.print_config:
-            print(config_yaml(cfg), end="")
+            # The one stdout write that is no metric line: asked for explicitly, and nothing trains after it.
+            print(config_yaml(cfg), end="", file=sys.stdout)
             return 0
         world = world_size(cfg)
         if command.name == "probe":  # any microbatch the probe accepts, not only those that divide the batch

@@ -50,17 +50,22 @@ def twin_models(**config) -> tuple[GPT, GPT]:
 @pytest.mark.skipif(varlen_attn is None, reason="torch.nn.attention.varlen is not in this PyTorch")
 def test_varlen_and_chunked_loss_match_the_plain_path_forward_and_backward():
     fast, plain = twin_models()
-    batch = packed_batch(rows=4, seq_len=256, vocab=512, seed=1)
-    losses, grads = [], []
-    for model in (fast, plain):
+    assert_same_loss_and_gradients(fast, plain, packed_batch(rows=4, seq_len=256, vocab=512, seed=1))
+
+
+def assert_same_loss_and_gradients(fast: GPT, reference: GPT, batch: dict) -> None:
+    """bf16 forward and backward of both models on ``batch``: summed loss within 1e-3, every
+    parameter's gradient within 2e-2 (relative)."""
+    results = []
+    for model in (fast, reference):
+        model.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model.loss_sum(batch)
         loss.backward()
-        losses.append(loss.detach())
-        grads.append({n: p.grad for n, p in model.named_parameters()})
-    assert relative_error(losses[0], losses[1]) < 1e-3
-    for name, expected in grads[1].items():
-        assert relative_error(grads[0][name], expected) < 2e-2, name
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert relative_error(results[0][0], results[1][0]) < 1e-3
+    for name, expected in results[1][1].items():
+        assert relative_error(results[0][1][name], expected) < 2e-2, name
 
 
 @pytest.mark.skipif(varlen_attn is None, reason="torch.nn.attention.varlen is not in this PyTorch")
@@ -131,16 +136,7 @@ def test_the_compiled_trunk_and_loss_match_eager_forward_and_backward(scope):
     eager.config.loss_chunk_tokens = fast.config.loss_chunk_tokens
     fast.config.compile_scope = scope
     fast.compile_trunk()
-    batch = packed_batch(rows=4, seq_len=256, vocab=512, seed=5)
-    results = []
-    for model in (fast, eager):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model.loss_sum(batch)
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    assert relative_error(results[0][0], results[1][0]) < 1e-3
-    for name, expected in results[1][1].items():
-        assert relative_error(results[0][1][name], expected) < 2e-2, name
+    assert_same_loss_and_gradients(fast, eager, packed_batch(rows=4, seq_len=256, vocab=512, seed=5))
     # the trunk is one graph, or every block shares one; with the loss chunk's, two either way
     assert counters["stats"]["unique_graphs"] <= 2  # unshared blocks would make three
     assert not counters["graph_break"]  # FA4's custom ops (when installed) trace into the graph
@@ -227,17 +223,7 @@ def test_the_compiled_trunk_runs_fa4_without_a_graph_break_and_matches_eager():
     eager.load_state_dict(fast.state_dict())
     fast.compile_trunk()
     for seed in (5, 6):  # two document counts: one graph (cu_seqlens is dynamic)
-        batch = packed_batch(rows=4, seq_len=256, vocab=512, seed=seed)
-        results = []
-        for model in (fast, eager):
-            model.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model.loss_sum(batch)
-            loss.backward()
-            results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-        assert relative_error(results[0][0], results[1][0]) < 1e-3
-        for name, expected in results[1][1].items():
-            assert relative_error(results[0][1][name], expected) < 2e-2, name
+        assert_same_loss_and_gradients(fast, eager, packed_batch(rows=4, seq_len=256, vocab=512, seed=seed))
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] <= 2  # the trunk and the loss chunk
 
