@@ -23,6 +23,7 @@ from runfab_limits import GIB, OUTPUT_BYTES, RAM_BYTES
 
 BUNDLE_ROOT = Path(__file__).resolve().parent
 DEFAULT_CONFIG = "conf/config.yaml"
+WORKER_STARTS = ("auto", "fork", "exec")  # trainer.worker_start; launcher.py says what each does
 CONFIG_ENV = "RUNFAB_CONFIG"
 
 
@@ -45,6 +46,7 @@ class TrainerConfig:
     cuda_alloc_conf: str | None = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF unless the platform set one
     host_memory_budget_gib: float = RAM_BYTES / GIB  # RunFab's RAM for the job; GPU counts projected over it are refused (0: off)
     ddp_bucket_cap_mb: float = 25.0  # all-reduce bucket size (DDP's default); dynamo splits the compiled trunk there
+    worker_start: str = "auto"  # fork: workers are copies of this process (imports shared, no start-up import); exec: fresh interpreters; auto: fork unless CUDA is initialized here
 
     def problems(self) -> list[str]:
         found = []
@@ -57,6 +59,8 @@ class TrainerConfig:
                 found.append(str(error))
         if self.memory_headroom_gib < 0 or self.probe_margin_gib < 0:
             found.append("trainer.memory_headroom_gib and trainer.probe_margin_gib must be >= 0")
+        if self.worker_start not in WORKER_STARTS:
+            found.append(f"trainer.worker_start must be one of {', '.join(WORKER_STARTS)}, not {self.worker_start!r}")
         if self.host_memory_budget_gib < 0 or self.ddp_bucket_cap_mb <= 0:
             found.append("trainer.host_memory_budget_gib must be >= 0 (0: no check) and trainer.ddp_bucket_cap_mb > 0")
         return found

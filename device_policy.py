@@ -8,6 +8,7 @@ functions, so a probe that fits means training fits.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import sys
@@ -41,7 +42,20 @@ def local_device() -> int:
 def resolve_accelerator(cfg: RunConfig) -> str:
     if cfg.trainer.accelerator != "auto":
         return cfg.trainer.accelerator
-    return "gpu" if torch.cuda.is_available() else "cpu"
+    return "gpu" if cuda_present() else "cpu"
+
+
+def cuda_present() -> bool:
+    """Whether CUDA devices exist, asked through NVML while CUDA is not initialized: the process
+    that starts the workers must not initialize CUDA, or it could not fork them (launcher.py)."""
+    if torch.cuda.is_initialized():
+        return torch.cuda.is_available()
+    return torch.cuda.device_count() > 0  # NVML first; the CUDA runtime only if NVML cannot answer
+
+
+def compiles(cfg: RunConfig, accelerator: str) -> bool:
+    """Whether training compiles the trunk: ``trainer.compile``, by default on GPUs only."""
+    return cfg.trainer.compile if cfg.trainer.compile is not None else accelerator == "gpu"
 
 
 def resolve_precision(cfg: RunConfig, accelerator: str) -> str:
@@ -137,6 +151,37 @@ def prepare_compile(folder: Path, world: int) -> None:
         import torch._inductor.config as inductor_config
 
         inductor_config.compile_threads = 1 if world > 1 else min(CPU_CORES, len(os.sched_getaffinity(0)))
+
+
+# What a compiling GPU worker imports for torch.compile (about 550 modules: dynamo, AOTAutograd,
+# inductor and its Triton code generator, sympy). Imported once in the process that forks the
+# workers, they are shared by all of them instead of imported by each.
+COMPILER_MODULES = (
+    "torch._dynamo", "torch._dynamo.backends.inductor", "torch._dynamo.backends.distributed",
+    "torch._functorch.aot_autograd", "torch._inductor.compile_fx", "torch._inductor.graph",
+    "torch._inductor.lowering", "torch._inductor.select_algorithm", "torch._inductor.codegen.triton",
+)
+
+
+def preload_worker_modules(cfg: RunConfig, compile_folder: Path | None) -> None:
+    """Before workers are forked: import here what each would otherwise import for itself (the
+    compiler when training compiles, FlashAttention 4 when attention may take it), so that its
+    memory is shared and its import time paid once. ``compile_folder``: training's compile caches
+    (set first, since FA4 reads its cache settings on import); None in the probe, which writes nothing.
+    Nothing here initializes CUDA; launcher.resolve_start checks that again before forking."""
+    accelerator = resolve_accelerator(cfg)
+    if accelerator != "gpu":
+        return
+    if compile_folder is not None:
+        prepare_compile(compile_folder, world_size(cfg))
+        if compiles(cfg, accelerator):
+            for name in COMPILER_MODULES:
+                try:
+                    importlib.import_module(name)
+                except ImportError as error:  # an older torch lays the compiler out differently: the worker imports it
+                    log.debug("not preloaded: %s (%s)", name, error)
+    if cfg.model.attention in ("auto", "fa4"):
+        attention_kernels.fa4_interface()
 
 
 def inductor_default_cache() -> Path:

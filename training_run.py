@@ -20,6 +20,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import hostmem
@@ -36,8 +37,9 @@ from feeder import UpdateFeeder
 from sources import open_input
 from stages import StreamSettings, ValidationPool, summary_line
 from device_policy import (
-    build_module, check_host_memory, limit_gpu_memory, lightning_trainer, local_device, platform_memory_fraction,
-    prepare_compile, resolve_accelerator, setup_process, use_allocator_settings,
+    build_module, check_host_memory, compiles, limit_gpu_memory, lightning_trainer, local_device,
+    platform_memory_fraction, preload_worker_modules, prepare_compile, resolve_accelerator, setup_process,
+    use_allocator_settings,
 )
 from model import GPT, count_parameters, training_flops
 from probe import run_probe_local
@@ -128,6 +130,11 @@ def load_encoder(cfg: RunConfig) -> TextEncoder:
     return encoder
 
 
+def compile_folder(cfg: RunConfig) -> Path:
+    """The compile caches (inductor, Triton, FA4): in the output's disposable data/ folder, never /tmp."""
+    return Path(cfg.output.root) / "data" / "compile-cache"
+
+
 def check_output_budget(cfg: RunConfig) -> None:
     """Refuse, before any training, a run whose deliverables cannot fit RunFab's output space.
 
@@ -212,7 +219,7 @@ def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
         limit_gpu_memory(cfg, local_device(), platform_fraction)
         host_memory.stage("CUDA initialized")
     model_dir = Path(cfg.output.root) / "model"
-    compiled = cfg.trainer.compile if cfg.trainer.compile is not None else on_gpu
+    compiled = compiles(cfg, accelerator)
     tokenizer_path = bundle_path(cfg.data.tokenizer)
     static = {
         "seed": cfg.seed,
@@ -259,7 +266,7 @@ def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
     module = build_module(cfg, torch.device("cuda", local_device()) if on_gpu else None)
     host_memory.stage("model built")
     if compiled:
-        prepare_compile(Path(cfg.output.root) / "data" / "compile-cache", world)
+        prepare_compile(compile_folder(cfg), world)
         module.model.compile_trunk()
     log.info("model: %d parameters; %s on %s; microbatch %d x accumulation %d x %d device(s)",
              count_parameters(module.model), trainer.precision, accelerator,
@@ -288,7 +295,10 @@ def train_data_parallel(cfg: RunConfig, split: BatchSplit, feeder: UpdateFeeder,
     spec = {"config": as_dict(cfg), "microbatch": split.microbatch, "accumulation": split.accumulation,
             "effective": split.effective,
             "address": list(listener.address), "authkey": authkey.hex(), "platform_memory_fraction": platform_fraction}
-    with launcher.worker_group(world, spec, BUNDLE_ROOT, on_first_signal=feeder.finish) as group:
+    if launcher.resolve_start(cfg.trainer.worker_start) == "fork":
+        preload_worker_modules(cfg, compile_folder(cfg))
+    with launcher.worker_group(world, spec, BUNDLE_ROOT, cfg.trainer.worker_start,
+                               on_first_signal=feeder.finish) as group:
         try:
             launcher.serve_feeder(feeder, listener, world)
             group.wait(feeder_error=lambda: feeder.error, on_first_exit=feeder.stop)
@@ -310,6 +320,7 @@ def run_worker() -> int:
     spec = launcher.worker_spec()
     cfg = load_config_dict(spec["config"])
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    rank_zero_only.rank = rank  # read from the environment when Lightning was imported: a forked worker imported it as rank 0
     setup_process(cfg)
     if resolve_accelerator(cfg) == "gpu":
         torch.set_num_threads(1)  # a GPU worker only launches kernels; RunFab's 2 cores serve feeder and workers

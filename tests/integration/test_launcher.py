@@ -71,6 +71,7 @@ def test_two_workers_reach_the_weights_of_one_process(tmp_path):
         tmp_path, "parallel", [*every_step, "--microbatch", "4", "--trainer.devices", "2"], records
     )
     assert parallel.returncode == 0, parallel.stderr.decode()[-3000:]
+    assert b"2 worker(s) started: forked from this process" in parallel.stderr  # trainer.worker_start: auto
     # The feeder marks every update (interval 0): both ranks report each one, and rank 0's lines carry
     # the global loss of all its rows, as the single process's do.
     lines = {name: [json.loads(line) for line in run.stdout.splitlines()] for name, run in
@@ -88,11 +89,14 @@ def test_two_workers_reach_the_weights_of_one_process(tmp_path):
     record = json.loads((parallel_out / "model" / "run_record.json").read_text())
     assert record["world_size"] == 2 and record["batch"]["microbatch"] == 4 and record["optimizer_steps"] == 3
     assert record["input"]["source"] == "stdin"
-    # One device through the worker path (trainer.worker_processes): the same computation, the same weights.
+    # One device through the worker path (trainer.worker_processes), started as a fresh interpreter
+    # rather than forked: the same computation, the same weights.
     worker, worker_out = run_train(
-        tmp_path, "worker", [*every_step, "--microbatch", "8", "--trainer.worker_processes", "true"], records
+        tmp_path, "worker", [*every_step, "--microbatch", "8", "--trainer.worker_processes", "true",
+                             "--trainer.worker_start", "exec"], records
     )
     assert worker.returncode == 0, worker.stderr.decode()[-3000:]
+    assert b"1 worker(s) started: fresh interpreters" in worker.stderr
     c = load_file(worker_out / "model" / "model.safetensors")
     for name in a:
         torch.testing.assert_close(c[name], a[name], rtol=0, atol=0, msg=name)
@@ -132,7 +136,8 @@ def test_a_worker_that_raises_fails_the_run_with_its_error(tmp_path):
 
 
 def _workers_of(process: psutil.Process) -> list[psutil.Process]:
-    return [c for c in process.children(recursive=True) if "worker" in c.cmdline()]
+    """Workers started either way: a fresh interpreter's command line says worker, a fork's name does."""
+    return [c for c in process.children(recursive=True) if "worker" in c.cmdline() or c.name().endswith("-worker")]
 
 
 @pytest.mark.parametrize("fault", ["kill-worker", "sigterm-feeder"])
@@ -176,3 +181,16 @@ def test_the_probe_runs_on_every_device_under_the_training_setup(tmp_path):
     stderr = result.stderr.decode()
     assert stderr.count("probe: {'microbatch': 4, 'steps': 2}") == 2  # one line per rank, two optimizer steps each
     assert result.stdout == b"" and not (tmp_path / "out").exists()
+
+
+def test_workers_fork_only_from_a_process_that_has_not_initialized_cuda(monkeypatch):
+    import launcher
+
+    assert not launcher.cuda_driver_initialized()  # this CPU process never loaded the driver
+    assert launcher.resolve_start("auto") == "fork" and launcher.resolve_start("exec") == "exec"
+    monkeypatch.setattr(launcher, "cuda_driver_initialized", lambda: True)
+    assert launcher.resolve_start("auto") == "exec"
+    with pytest.raises(RuntimeError, match="already initialized CUDA"):
+        launcher.resolve_start("fork")
+    with pytest.raises(ValueError, match="worker_start"):
+        launcher.resolve_start("spawn")
