@@ -55,7 +55,9 @@ def use_cache_folder(folder: Path) -> None:
         log.info("FlashAttention 4 was imported before its cache folder was set: its kernels stay in memory")
 
 
-def _prepare_environment() -> None:
+def prepare_environment() -> None:
+    """Point the CuTe DSL (FA4's compiler, and quack's: norm_kernels) at this process's caches, or at
+    none. Read when the DSL is imported, so both importers call it first."""
     if _cache_folder is not None:  # training: compiled kernels persist under the output
         for name, variable in CACHE_VARIABLES.items():
             os.environ.setdefault(variable, str(_cache_folder / name))
@@ -70,7 +72,7 @@ def fa4_interface():
     """flash_attn.cute.interface, imported on first use (seconds: it loads the CuTe DSL); None if absent."""
     global _fa4, _fa4_error
     if _fa4 is None and _fa4_error is None:
-        _prepare_environment()
+        prepare_environment()
         # The CuTe DSL warns at every kernel compilation that FA4's aux_data argument is not a JIT
         # argument (FA4 passes it on purpose as a compile-time value): noise in the training log.
         warnings.filterwarnings("ignore", message="Argument aux_data .* cannot be converted to a JitArgument")

@@ -19,6 +19,7 @@ import lightning as L
 import torch
 
 import attention_kernels
+import fp8
 import hostmem
 from config import ConfigError, RunConfig
 from runfab_limits import CPU_CORES
@@ -66,7 +67,8 @@ def setup_process(cfg: RunConfig) -> None:
     """Logging to stderr, quiet about what we chose on purpose, seeded."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[%(asctime)s %(name)s] %(message)s")
-    for name in ("train", "datamodule", "stages", "feeder", "sources", "callbacks", "model", "attention_kernels", "lightning.pytorch"):
+    for name in ("train", "datamodule", "stages", "feeder", "sources", "callbacks", "model", "attention_kernels", "norm_kernels", "fp8",
+                 "lightning.pytorch"):
         logging.getLogger(name).setLevel(logging.INFO)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*Consider setting `persistent_workers`.*")
@@ -121,7 +123,10 @@ def build_module(cfg: RunConfig, device: torch.device | None) -> GPTTrainingModu
     """The LightningModule, its weights initialized on ``device``: on a GPU no full fp32 copy of the
     model is ever made in host memory, and no core spends seconds drawing 127M random numbers."""
     with torch.device(device) if device is not None else contextlib.nullcontext():
-        return GPTTrainingModule(cfg.model, cfg.optim)
+        module = GPTTrainingModule(cfg.model, cfg.optim)
+    if cfg.model.fp8:  # before compile_trunk, so the graph is traced with the FP8 layers
+        fp8.convert_blocks(module.model.blocks, device)
+    return module
 
 
 def check_host_memory(cfg: RunConfig, world: int, in_workers: bool) -> None:

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import attention_kernels
+import norm_kernels
 
 try:  # the flash-attention varlen kernel; absent from older PyTorch and CPU-only builds it can't use
     from torch.nn.attention.varlen import varlen_attn
@@ -49,6 +50,15 @@ class GPTConfig:
     # causal SDPA for one-document rows); "sdpa": SDPA with a document mask. CPU and fp32 always take SDPA
     # (attention_kernels.choose).
     attention: str = "auto"
+    # "auto": quack's fused residual-add + LayerNorm (quack-kernels, installed with FA4) on a compute capability
+    # 9.x/10.x GPU with bf16 activations, else "torch"; "quack": quack, and an error on a GPU where it cannot run;
+    # "torch": the residual add and nn.LayerNorm (inductor fuses them when compiled). CPU, fp32 and fp16 always
+    # take "torch" (norm_kernels.choose). The weights and their names are the same either way.
+    norm_kernel: str = "auto"
+    # Experiment, off unless measured to pay: the blocks' Linear layers (qkv, attention and MLP projections) train
+    # with torchao's float8 tensorwise scaling (fp8.py). Needs CUDA with compute capability 8.9+ and torchao;
+    # refused otherwise. The LM head and embeddings stay bf16.
+    fp8: bool = False
     loss_chunk_tokens: int = 16384  # LM head + cross-entropy in chunks of this many tokens; 0: all at once
     compile_scope: str = "trunk"  # what torch.compile takes: "trunk" (one graph) or "blocks" (one graph all blocks share)
 
@@ -63,6 +73,8 @@ class GPTConfig:
             found.append(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
         if self.attention not in ATTENTION_CHOICES:
             found.append(f"model.attention must be one of {', '.join(ATTENTION_CHOICES)}, not {self.attention!r}")
+        if self.norm_kernel not in norm_kernels.CHOICES:
+            found.append(f"model.norm_kernel must be one of {', '.join(norm_kernels.CHOICES)}, not {self.norm_kernel!r}")
         if self.compile_scope not in COMPILE_SCOPES:
             found.append(f"model.compile_scope must be one of {', '.join(COMPILE_SCOPES)}, not {self.compile_scope!r}")
         return found
@@ -173,6 +185,15 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+def add_layer_norm(norm: nn.LayerNorm, residual: torch.Tensor, delta: torch.Tensor, kernel: str):
+    """(norm(residual + delta), residual + delta): a pre-LN block's residual add and the LayerNorm
+    that follows it. With ``kernel`` "quack" one kernel reads both and writes both (norm_kernels)."""
+    if kernel == "quack":
+        return norm_kernels.add_layer_norm(delta, residual, norm.weight, norm.bias, norm.eps)
+    residual = residual + delta
+    return norm(residual), residual
+
+
 class Block(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -181,9 +202,14 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), layout)
-        return x + self.mlp(self.ln_2(x))
+    def forward(
+        self, residual: torch.Tensor, delta: torch.Tensor, layout: DocumentLayout, norm: str = "torch"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x = x + attn(ln_1(x)); x = x + mlp(ln_2(x)), with each add deferred into the LayerNorm after
+        it: the stream comes in and goes out as (residual, delta), the branch output not yet added."""
+        h, residual = add_layer_norm(self.ln_1, residual, delta, norm)
+        h, residual = add_layer_norm(self.ln_2, residual, self.attn(h, layout), norm)
+        return residual, self.mlp(h)
 
 
 class GPT(nn.Module):
@@ -197,6 +223,7 @@ class GPT(nn.Module):
         self._compiled_trunk: Callable | None = None  # what training calls instead of _trunk
         self._compiled_loss_chunk = None
         self.attention_kernels: dict[str, str] = {}  # batch kind -> the kernel that ran it (run record, log)
+        self.norm_kernel_used: str | None = None  # the LayerNorm that ran (run record, log)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -232,16 +259,20 @@ class GPT(nn.Module):
             # with positions 0..T-1, plain causal attention, which dense causal kernels do fastest.
             positions = cu_seqlens = None
         kernel = self.attention_kernel(input_ids.device, packed=positions is not None)
+        norm = self.layer_norm_kernel(input_ids.device)
         if self._compiled_trunk is not None and self.training:
             if cu_seqlens is not None:
                 torch._dynamo.mark_dynamic(cu_seqlens, 0)  # document counts vary: one graph for all
-            return self._compiled_trunk(input_ids, positions, cu_seqlens, kernel)
-        return self._trunk(input_ids, positions, cu_seqlens, kernel)
+            return self._compiled_trunk(input_ids, positions, cu_seqlens, kernel, norm)
+        return self._trunk(input_ids, positions, cu_seqlens, kernel, norm)
+
+    def activation_dtype(self, device: torch.device) -> torch.dtype:
+        return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.wte.weight.dtype
 
     def attention_kernel(self, device: torch.device, packed: bool) -> str:
         """The attention kernel family for this forward (decided here, outside any compiled graph),
         recorded with the batch kind it served; the first use of each is logged."""
-        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.wte.weight.dtype
+        dtype = self.activation_dtype(device)
         kernel = attention_kernels.choose(self.config.attention, device, dtype, self.config.n_embd // self.config.n_head)
         if torch.compiler.is_compiling():  # traced inside someone's compiled forward: no bookkeeping in the graph
             return kernel
@@ -252,28 +283,41 @@ class GPT(nn.Module):
             log.info("attention for %s: %s", kind, used)
         return kernel
 
+    def layer_norm_kernel(self, device: torch.device) -> str:
+        """The LayerNorm for this forward, chosen as the attention kernel is; recorded and logged when it changes."""
+        kernel = norm_kernels.choose(self.config.norm_kernel, device, self.activation_dtype(device))
+        if torch.compiler.is_compiling():
+            return kernel
+        used = norm_kernels.describe(kernel)
+        if self.norm_kernel_used != used:
+            self.norm_kernel_used = used
+            log.info("LayerNorm: %s", used)
+        return kernel
+
     def _trunk(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-        kernel: str = "sdpa", blocks: list[nn.Module] | None = None,
+        kernel: str = "sdpa", norm: str = "torch", blocks: list[nn.Module] | None = None,
     ) -> torch.Tensor:
         b, t = input_ids.shape
         layout = DocumentLayout(positions, cu_seqlens, kernel)
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
-        x = self.wte(input_ids) + self.wpe(positions)
+        residual, delta = self.wte(input_ids), self.wpe(positions)  # added by the first block's first norm
         for block in blocks or self.blocks:
             if self.config.activation_checkpointing and self.training:
-                x = checkpoint(block, x, layout, use_reentrant=False)
+                residual, delta = checkpoint(block, residual, delta, layout, norm, use_reentrant=False)
             else:
-                x = block(x, layout)
-        return self.ln_f(x)
+                residual, delta = block(residual, delta, layout, norm)
+        return add_layer_norm(self.ln_f, residual, delta, norm)[0]
 
     def compile_trunk(self) -> None:
         """torch.compile the trunk for training, and the loss's per-chunk softmax arithmetic.
 
         ``compile_scope`` "trunk" makes one graph from the embeddings to the final norm, which lets
         inductor fuse across block boundaries. "blocks" compiles each block; all blocks share the
-        code and shapes, so one graph serves them all and compilation takes a fraction of the time.
+        code and shapes, so one graph serves them all and compilation takes a fraction of the time
+        (under autocast the first block gets one of its own: the stream it receives, the embeddings,
+        is fp32 where the others receive a bf16 branch output).
         """
         if self.config.activation_memory_budget < 1.0:  # read when the graph is partitioned, on first use
             torch._functorch.config.activation_memory_budget = self.config.activation_memory_budget

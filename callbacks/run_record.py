@@ -112,6 +112,8 @@ class RunRecord(L.Callback):
             "observations": observer.files if observer else [],
             "compile_cache": self.compile_cache_usage(),
             "attention": {"requested": pl_module.model.config.attention, "kernels": dict(pl_module.model.attention_kernels)},
+            "norm": {"requested": pl_module.model.config.norm_kernel, "kernel": pl_module.model.norm_kernel_used,
+                     "fp8": pl_module.model.config.fp8},
             "input": self.input_summary() if self.input_summary else None,
             "dataset": dataset_descriptor(self.bundle_root),
             "environment": {

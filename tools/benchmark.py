@@ -193,7 +193,7 @@ def scaling(args) -> dict:
     layout = args.layouts[0] if args.layouts else "realistic"
     runs = {}
     for gpus in args.scaling_gpus:
-        extra = ("--trainer.devices", str(gpus), *(as_flags(args.compare) if gpus == 2 else ()))
+        extra = ("--trainer.devices", str(gpus), *(as_flags(sum(args.compare, [])) if gpus == 2 else ()))
         if gpus == 2 and args.trace:
             extra += ("--observe.profile_update", str(args.warmup + 3), "--observe.profile_updates", "1")
         runs[gpus] = run_lightning(layout, args, args.out, f"gpus{gpus}", extra)
@@ -246,7 +246,7 @@ def run_plain(layout: str, args) -> dict:
     split = BatchSplit(args.microbatch, accumulation, 1, train.EFFECTIVE_BATCH_SIZE)
     settings = training_run.stream_settings(cfg, encoder, split)
     feeder = UpdateFeeder(lambda: (generator.stdout, "generator"), settings, encoder.encode_batch_arrays, ValidationPool(0))
-    lit = GPTTrainingModule(cfg.model, cfg.optim).cuda()
+    lit = device_policy.build_module(cfg, torch.device("cuda"))  # model.fp8 converts the blocks, as in training
     lit.model.compile_trunk()
     optimizer = lit.configure_optimizers()["optimizer"]
     torch.cuda.reset_peak_memory_stats()
@@ -400,7 +400,7 @@ def memory_sweep(args) -> list[dict]:
 def print_table(results: dict, args) -> None:
     tokens_per_microbatch = 4096 * args.microbatch
     print(f"\n{torch.cuda.get_device_name()}  microbatch {args.microbatch}  steps {args.steps} (warmup {args.warmup})")
-    print(f"{'layout':<10} {'run':<18} {'tokens/s':>10} {'MFU':>7} {'peak alloc GiB':>15} {'MiB/token':>10} "
+    print(f"{'layout':<10} {'run':<36} {'tokens/s':>10} {'MFU':>7} {'peak alloc GiB':>15} {'MiB/token':>10} "
           f"{'/plain':>7} {'data wait':>10} {'host RSS/PSS/anon GiB':>22}")
     for layout, runs in results.items():
         for name, r in runs.items():
@@ -409,7 +409,7 @@ def print_table(results: dict, args) -> None:
             wait = f"{r['data_wait_seconds']:.2f} s" if "data_wait_seconds" in r else "-"
             host = (f"{r['peak_host_rss_gib']:.2f}/{r['peak_host_pss_gib']:.2f}/{r['peak_host_anonymous_gib']:.2f}"
                     if "peak_host_rss_gib" in r else "-")
-            print(f"{layout:<10} {name:<18} {r['tokens_per_second']:>10,.0f} {r['mfu']:>7.1%} "
+            print(f"{layout:<10} {name:<36} {r['tokens_per_second']:>10,.0f} {r['mfu']:>7.1%} "
                   f"{r['peak_allocated_gib']:>15.2f} {per_token:>10.3f} {ratio:>7.3f} {wait:>10} {host:>22}")
         if "nanoGPT recipe" in runs:
             ratio = runs["lightning"]["tokens_per_second"] / runs["nanoGPT recipe"]["tokens_per_second"]
@@ -437,8 +437,8 @@ def main() -> int:
     parser.add_argument("--trace", action="store_true", help="with --scaling: a profiler trace of one update per rank")
     parser.add_argument("--probe-timing", type=int, metavar="K", help="time RunFab's probe of microbatch K")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
-    parser.add_argument("--compare", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="add a Lightning run with these overrides on top of --set")
+    parser.add_argument("--compare", nargs="*", action="append", default=[], metavar="KEY=VALUE",
+                        help="add a Lightning run with these overrides on top of --set; repeat for more runs")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -459,7 +459,7 @@ def main() -> int:
                   f"of {r['process_seconds']:.0f} s")
             print_stages(r["stages"])
         print(f"scaling: 2 GPUs = {result['scaling'] or 0:.1%} of twice 1 GPU (target 95 %); overrides "
-              f"{' '.join(args.set) or 'none'}; 2 GPUs also {' '.join(args.compare) or 'nothing'}")
+              f"{' '.join(args.set) or 'none'}; 2 GPUs also {' '.join(sum(args.compare, [])) or 'nothing'}")
         return 0
     if args.host_pipeline:
         results["host_pipeline"] = host_pipeline(args)
@@ -469,9 +469,9 @@ def main() -> int:
         runs = results[layout] = {"lightning": run_lightning(layout, args, args.out), "plain": run_plain(layout, args)}
         if args.observe:
             runs["lightning+observe"] = run_lightning(layout, args, args.out, "observe", tuple(OBSERVED))
-        if args.compare:
-            runs["lightning " + " ".join(args.compare)] = run_lightning(layout, args, args.out, "compare",
-                                                                        tuple(as_flags(args.compare)))
+        for number, overrides in enumerate(args.compare):
+            runs["lightning " + " ".join(overrides)] = run_lightning(layout, args, args.out, f"compare{number}",
+                                                                     tuple(as_flags(overrides)))
         if args.reference and layout == "one-doc":
             runs["nanoGPT recipe"] = run_reference(args)
         if args.workers:

@@ -82,7 +82,7 @@ def test_fa4_caches_go_under_the_output_in_training_and_nowhere_otherwise(monkey
                      "CUTE_DSL_DISABLE_FILE_CACHING"):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setattr(attention_kernels, "_cache_folder", None)
-    attention_kernels._prepare_environment()  # the probe, tests: memory only, no folder made anywhere
+    attention_kernels.prepare_environment()  # the probe, tests: memory only, no folder made anywhere
     assert os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] == "1" and os.environ["CUTE_DSL_CACHE_DIR"] == os.devnull
     assert attention_kernels.cache_usage_folders() == {}
 
@@ -90,7 +90,7 @@ def test_fa4_caches_go_under_the_output_in_training_and_nowhere_otherwise(monkey
         monkeypatch.delenv(variable)
     monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(tmp_path / "mine"))  # a folder someone chose stays
     attention_kernels.use_cache_folder(tmp_path / "data/compile-cache")  # what device_policy.prepare_compile does
-    attention_kernels._prepare_environment()
+    attention_kernels.prepare_environment()
     assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
     assert attention_kernels.cache_usage_folders() == {
         "flash-attn": tmp_path / "mine", "cute-dsl": tmp_path / "data/compile-cache/cute-dsl"}
