@@ -168,25 +168,23 @@ COMPILER_MODULES = (
 )
 
 
-def preload_worker_modules(cfg: RunConfig, compile_folder: Path | None) -> None:
-    """Before workers are forked: import here what each would otherwise import for itself (the
-    compiler when training compiles, FlashAttention 4 when attention may take it), so that its
-    memory is shared and its import time paid once. ``compile_folder``: training's compile caches
-    (set first, since FA4 reads its cache settings on import); None in the probe, which writes nothing.
-    Nothing here initializes CUDA; launcher.resolve_start checks that again before forking."""
+def preload_worker_modules(cfg: RunConfig, compile_folder: Path) -> None:
+    """Before workers are forked: import here the compiler every compiling GPU worker would
+    otherwise import for itself, so that its memory is shared and its import time paid once; and
+    set the compile caches' place, which the workers inherit.
+
+    FlashAttention 4 and quack are not preloaded: importing them initializes CUDA (quack asks torch
+    for the GPU's compute capability on import; measured on an H200, 2026-12-01), and a process that
+    has initialized CUDA cannot fork workers that use it. Each worker imports them itself."""
     accelerator = resolve_accelerator(cfg)
-    if accelerator != "gpu":
+    if accelerator != "gpu" or not compiles(cfg, accelerator):
         return
-    if compile_folder is not None:
-        prepare_compile(compile_folder, world_size(cfg))
-        if compiles(cfg, accelerator):
-            for name in COMPILER_MODULES:
-                try:
-                    importlib.import_module(name)
-                except ImportError as error:  # an older torch lays the compiler out differently: the worker imports it
-                    log.debug("not preloaded: %s (%s)", name, error)
-    if cfg.model.attention in ("auto", "fa4"):
-        attention_kernels.fa4_interface()
+    prepare_compile(compile_folder, world_size(cfg))
+    for name in COMPILER_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as error:  # an older torch lays the compiler out differently: the worker imports it
+            log.debug("not preloaded: %s (%s)", name, error)
 
 
 def inductor_default_cache() -> Path:

@@ -20,6 +20,7 @@ cache settings apply (``attention_kernels.prepare_environment``).
 
 from __future__ import annotations
 
+import importlib
 import logging
 from functools import lru_cache
 from importlib import metadata
@@ -43,7 +44,9 @@ def quack_module():
     if _quack is None and _quack_error is None:
         attention_kernels.prepare_environment()
         try:
-            import quack.rmsnorm as rmsnorm
+            # The module by name: ``import quack.rmsnorm as m`` would bind quack's function ``rmsnorm``,
+            # which quack's __init__ imports over the submodule's attribute.
+            rmsnorm = importlib.import_module("quack.rmsnorm")
         except Exception as error:  # noqa: BLE001 - missing package, missing CUDA libraries, wrong Python
             _quack_error = f"quack does not import ({type(error).__name__}: {str(error)[:200]})"
         else:
