@@ -17,39 +17,24 @@ from feeder import UpdateFeeder
 from sources import DescriptorReader, open_input
 
 from stages import (
-
     assemble_updates,
-
+    attention_pairs,
+    balance_ranks,
     collate_rows,
-
     DataConfig,
-
     is_held_out,
-
     pack_rows,
-
     parse_record,
-
     read_records,
-
     Row,
-
     shuffle_documents,
-
     split_update,
-
     split_validation,
-
     stream_updates,
-
     StreamSettings,
-
     StreamStats,
-
     UnusableInputError,
-
     ValidationPool,
-
 )
 from model import IGNORE_INDEX, document_offsets
 
@@ -198,7 +183,23 @@ def test_each_rank_gets_the_same_number_of_microbatches_carrying_the_update_toke
     total = sum(mb["target_tokens"] for mb in microbatches)
     assert total == sum(int((r.targets() != IGNORE_INDEX).sum()) for r in rows)
     assert all(mb["update_target_tokens"] == total for mb in microbatches)
-    assert np.array_equal(per_rank[1][0]["input_ids"].numpy(), np.stack([r.tokens for r in rows[4:6]]))
+    dealt = sorted(tuple(row) for mb in microbatches for row in mb["input_ids"].tolist())
+    assert dealt == sorted(tuple(r.tokens.tolist()) for r in rows)  # every row once, on some rank
+
+
+def test_ranks_get_equal_attention_work_however_the_stream_orders_long_and_short_documents():
+    def row(*lengths):
+        positions = np.concatenate([np.arange(n) for n in lengths]).astype(np.int32)
+        return Row(np.arange(len(positions), dtype=np.int32), positions)
+
+    long, short = row(64), row(*[8] * 8)  # 4,096 against 512 attention pairs
+    update = [long, long, long, long, short, short, short, short]  # in stream order rank 0 would get every long row
+    shares = balance_ranks(update, 2)
+    assert [sum(attention_pairs(r) for r in share) for share in shares] == [2 * 4096 + 2 * 512] * 2
+    per_rank = split_update(update, world_size=2, microbatch=2, stats=StreamStats())
+    assert [sum(mb["attention_pairs"] for mb in mbs) for mbs in per_rank] == [2 * 4096 + 2 * 512] * 2
+    one = split_update(update, world_size=1, microbatch=2, stats=StreamStats())[0]
+    assert [mb["attention_pairs"] for mb in one] == [2 * 4096, 2 * 4096, 2 * 512, 2 * 512]  # one rank: stream order
 
 
 # ----------------------------------------------------------------------------- holding out and shuffling

@@ -1,0 +1,64 @@
+"""How evenly data-parallel ranks share an update's attention work, with and without balance_ranks.
+
+Packs records through the training pipeline into updates of ranks x microbatch rows, then splits
+each update two ways: in stream order (rank r takes the r-th block of rows, as before balancing)
+and by ``stages.balance_ranks``. Prints the busiest rank's attention work over the average, per
+update (E[max] / E[mean]): every rank waits for the busiest at each gradient all-reduce.
+Needs no GPU.
+
+Usage: python -m tools.synthetic_records --docs 6000 | python -m tools.rank_balance [--ranks 2] [--microbatch 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import training_run  # noqa: E402
+from batch_split import BatchSplit  # noqa: E402
+from config import load_config  # noqa: E402
+from stages import (  # noqa: E402
+    StreamStats, ValidationPool, assemble_updates, attention_pairs, balance_ranks, encode_documents, pack_rows,
+    read_records, shuffle_documents, split_validation,
+)
+
+
+def busiest_over_mean(updates: list[list[list[int]]]) -> float:
+    """``updates[u][r]``: the attention pairs of rank r's rows in update u."""
+    loads = np.array([[sum(rows) for rows in ranks] for ranks in updates], dtype=float)
+    return float(loads.max(axis=1).mean() / loads.mean())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--microbatch", type=int, default=16)
+    args = parser.parse_args(argv)
+    cfg = load_config(overrides=["data.val_fraction=0"])
+    encoder = training_run.load_encoder(cfg)
+    rows_per_update = args.ranks * args.microbatch
+    split = BatchSplit(rows_per_update, 1, 1, rows_per_update)  # one rank: the updates' rows in stream order
+    settings = training_run.stream_settings(cfg, encoder, split)
+    s, d, stats = settings, settings.data, StreamStats()
+    docs = read_records(sys.stdin.buffer, stats, s.vocab_size, d.max_record_bytes, d.give_up_after)
+    tokens = encode_documents(docs, encoder.encode_batch_arrays, s.eos_id, stats, d.tokenize_batch_docs,
+                              d.tokenize_batch_bytes)
+    shuffled = shuffle_documents(split_validation(tokens, ValidationPool(0), 0.0, stats), d.shuffle_buffer_docs,
+                                 d.shuffle_buffer_tokens, s.seed)
+    in_order, balanced = [], []
+    for update in assemble_updates(pack_rows(shuffled, s.seq_len, stats), rows_per_update, stats):
+        costs = [attention_pairs(row) for row in update]
+        in_order.append([costs[r * args.microbatch:(r + 1) * args.microbatch] for r in range(args.ranks)])
+        balanced.append([[attention_pairs(row) for row in share] for share in balance_ranks(update, args.ranks)])
+    print(f"{len(in_order)} updates of {args.ranks} x {args.microbatch} rows: busiest rank's attention work over "
+          f"the mean, stream order {busiest_over_mean(in_order):.4f}, balanced {busiest_over_mean(balanced):.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
