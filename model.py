@@ -50,11 +50,11 @@ class GPTConfig:
     # causal SDPA for one-document rows); "sdpa": SDPA with a document mask. CPU and fp32 always take SDPA
     # (attention_kernels.choose).
     attention: str = "auto"
-    # "auto": quack's fused residual-add + LayerNorm (quack-kernels, installed with FA4) on a compute capability
-    # 9.x/10.x GPU with bf16 activations, else "torch"; "quack": quack, and an error on a GPU where it cannot run;
-    # "torch": the residual add and nn.LayerNorm (inductor fuses them when compiled). CPU, fp32 and fp16 always
+    # "torch": the residual add and nn.LayerNorm, which inductor fuses when compiled; "quack": quack's fused
+    # residual-add + LayerNorm (quack-kernels, installed with FA4), an error on a GPU where it cannot run. quack
+    # measured 5 % slower inside the compiled step (docs/PERFORMANCE.md, 2026-12-01). CPU, fp32 and fp16 always
     # take "torch" (norm_kernels.choose). The weights and their names are the same either way.
-    norm_kernel: str = "auto"
+    norm_kernel: str = "torch"
     # Experiment, off unless measured to pay: the blocks' Linear layers (qkv, attention and MLP projections) train
     # with torchao's float8 tensorwise scaling (fp8.py). Needs CUDA with compute capability 8.9+ and torchao;
     # refused otherwise. The LM head and embeddings stay bf16.

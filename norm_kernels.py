@@ -2,12 +2,14 @@
 
 ``model.add_layer_norm()`` stays the single entry; this module answers two questions for it:
 
-- **Which kernel** (``choose``): ``"quack"`` (the optional ``quack-kernels`` package, which FA4
-  already pulls in: one CuTe-DSL kernel reads the residual stream and the branch output, writes their
-  sum and its LayerNorm, and one backward kernel computes the input gradient, the weight and bias
-  gradients and adds the stream's incoming gradient) or ``"torch"`` (``residual + delta`` then
-  ``nn.LayerNorm``, which inductor fuses into its own kernels). ``model.norm_kernel: auto`` takes quack
-  where it imports, the GPU is one it supports and activations are bf16; CPU and fp32 always take torch.
+- **Which kernel** (``choose``): ``"torch"``, the default (``residual + delta`` then ``nn.LayerNorm``,
+  which inductor fuses with the casts and adds around them), or ``"quack"`` (the optional
+  ``quack-kernels`` package, which FA4 already pulls in: one CuTe-DSL kernel reads the residual stream
+  and the branch output and writes their sum and its LayerNorm, one backward kernel computes the input,
+  weight and bias gradients and adds the stream's incoming gradient). quack is opt-in because it
+  measured slower inside the compiled step: 476,181 against 501,463 tokens/s on an H200 (realistic
+  documents, FA4, 2026-12-01; docs/PERFORMANCE.md), since the custom ops cut inductor's fusions and
+  changed what the partitioner recomputes. CPU, fp32 and fp16 always take torch.
 - **How quack runs inside a compiled graph**: ``runfab::add_layer_norm`` and
   ``runfab::add_layer_norm_backward`` are functional ``torch.library`` custom ops with fake (shape-only)
   implementations, so ``torch.compile`` traces the trunk as one graph; the forward's autograd formula
@@ -31,7 +33,7 @@ import attention_kernels
 
 log = logging.getLogger(__name__)
 
-CHOICES = ("auto", "quack", "torch")
+CHOICES = ("torch", "quack")
 QUACK_PACKAGE = "quack-kernels"
 QUACK_COMPUTE_CAPABILITIES = (9, 10)  # Hopper (measured alone) and Blackwell data-centre parts (not measured here)
 _quack: object | None = None  # quack.rmsnorm once imported (it holds the LayerNorm kernels too)
@@ -78,24 +80,16 @@ def quack_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-_reported: set = set()
-
-
 def choose(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The LayerNorm for ``model.norm_kernel`` = ``requested`` ("auto", "quack", "torch"), given the
-    device and the activations' dtype (the autocast dtype under autocast)."""
+    """The LayerNorm for ``model.norm_kernel`` = ``requested`` ("torch", "quack"), given the device and
+    the activations' dtype (the autocast dtype under autocast)."""
     if requested == "torch" or device.type != "cuda" or dtype != torch.bfloat16:
         return "torch"  # CPU, fp32 and fp16 runs (evaluation, smoke tests) keep PyTorch's LayerNorm
     reason = quack_unavailable_reason(device)
-    if reason is None:
-        return "quack"
-    if requested == "quack":
+    if reason is not None:
         raise RuntimeError(f"model.norm_kernel is 'quack' but quack's LayerNorm cannot run: {reason}. "
-                           f"Install quack-kernels (README: Optional: FlashAttention 4) or use 'auto'.")
-    if reason not in _reported:
-        _reported.add(reason)
-        log.info("LayerNorm: quack not used (%s); PyTorch's instead", reason)
-    return "torch"
+                           f"Install quack-kernels (README: Optional: FlashAttention 4) or use 'torch'.")
+    return "quack"
 
 
 def describe(kernel: str) -> str:

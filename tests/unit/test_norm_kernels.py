@@ -36,23 +36,24 @@ def fake_gpu(monkeypatch):
     return state
 
 
-def test_auto_takes_quack_on_hopper_and_blackwell_with_bf16(fake_gpu):
-    assert norm_kernels.choose("auto", CUDA, torch.bfloat16) == "quack"
+def test_quack_runs_on_hopper_and_blackwell_with_bf16_only_when_asked(fake_gpu):
+    assert norm_kernels.choose("quack", CUDA, torch.bfloat16) == "quack"
     fake_gpu["capability"] = (10, 0)
     assert norm_kernels.choose("quack", CUDA, torch.bfloat16) == "quack"
+    assert norm_kernels.choose("torch", CUDA, torch.bfloat16) == "torch"  # the default: measured faster
+    assert GPTConfig().norm_kernel == "torch"
 
 
 @pytest.mark.parametrize("capability, imports", [((8, 0), True), ((9, 0), False)])
-def test_auto_keeps_torch_where_quack_cannot_run_and_quack_says_why(fake_gpu, capability, imports):
+def test_quack_where_it_cannot_run_is_an_error_that_says_why(fake_gpu, capability, imports):
     fake_gpu.update(capability=capability, imports=imports)
-    assert norm_kernels.choose("auto", CUDA, torch.bfloat16) == "torch"
     with pytest.raises(RuntimeError, match="quack's LayerNorm cannot run"):
         norm_kernels.choose("quack", CUDA, torch.bfloat16)
 
 
 def test_cpu_fp32_fp16_and_torch_never_import_quack(fake_gpu):
     """An explicit "quack" on the CPU (evaluation, smoke runs of a GPU config) takes PyTorch's LayerNorm."""
-    for requested in ("auto", "quack"):
+    for requested in ("torch", "quack"):
         assert norm_kernels.choose(requested, torch.device("cpu"), torch.float32) == "torch"
         assert norm_kernels.choose(requested, torch.device("cpu"), torch.bfloat16) == "torch"
         assert norm_kernels.choose(requested, CUDA, torch.float32) == "torch"
@@ -62,7 +63,7 @@ def test_cpu_fp32_fp16_and_torch_never_import_quack(fake_gpu):
 
 
 def test_the_config_names_the_norm_kernel_choices():
-    with pytest.raises(ConfigError, match="model.norm_kernel must be one of auto, quack, torch"):
+    with pytest.raises(ConfigError, match="model.norm_kernel must be one of torch, quack"):
         load_config("conf/smoke.yaml", ["model.norm_kernel=apex"])
 
 
