@@ -35,10 +35,19 @@ class UpdateFeeder:
     """
 
     def __init__(self, open_stream: Callable[[], tuple[BinaryIO, str]], settings: StreamSettings,
-                 encode_batch: Callable, pool: ValidationPool, report_every: float | None = None) -> None:
+                 encode_batch: Callable, pool: ValidationPool, report_every: float | None = None,
+                 time_limit_seconds: float | None = None) -> None:
         """``report_every`` (seconds) marks updates with ``report=1`` so that data-parallel ranks
         agree on when to report metrics without a collective; held-out documents then also travel
-        to every rank (as ValidationDocument items) so each worker holds the same pool."""
+        to every rank (as ValidationDocument items) so each worker holds the same pool.
+
+        ``time_limit_seconds`` (``trainer.max_time`` less the export reserve, counted from the first
+        request for data) ends every rank's stream at an update boundary once it has passed while
+        training waits for input. Lightning checks its own ``max_time`` only between steps, and a
+        loop blocked on a silent stdin never gets there: the model would never be exported."""
+        self.time_limit_seconds = time_limit_seconds
+        self.time_limit_reached = False  # the streams ended because the time limit passed while waiting
+        self._deadline: float | None = None
         self.settings = settings
         self.report_every = report_every
         self.error: BaseException | None = None  # set by a data-parallel sender that met a pipeline error
@@ -63,6 +72,8 @@ class UpdateFeeder:
         """Start reading; safe to call from every rank's sender thread at once."""
         with self._start_lock:
             if self._thread.ident is None and not self._stop.is_set():
+                if self.time_limit_seconds is not None:
+                    self._deadline = time.monotonic() + self.time_limit_seconds
                 self._thread.start()
 
     def stop(self) -> None:
@@ -74,6 +85,15 @@ class UpdateFeeder:
         if self.early_end is None:
             self.early_end = reason
         self._finishing.set()
+
+    def _end_at_time_limit(self) -> None:
+        """The time limit passed while waiting for input: a normal end (not ``early_end``), as
+        Lightning's own ``max_time`` stop is; every rank stops at the next common update boundary."""
+        if not self._finishing.is_set():
+            self.time_limit_reached = True
+            log.warning("trainer.max_time (less the export reserve) has passed while training waited for input: "
+                        "training ends at this update boundary and the model is exported")
+            self._finishing.set()
 
     def close(self, timeout: float = 2.0) -> dict:
         """Stop reading and return the input summary.
@@ -152,6 +172,8 @@ class UpdateFeeder:
             except queue.Empty:  # training is ahead of the input (the GPU may starve meanwhile)
                 if waiting_since is None:
                     waiting_since = time.perf_counter()
+                if self._deadline is not None and time.monotonic() >= self._deadline:
+                    self._end_at_time_limit()
                 continue
             if waiting_since is not None and taken and rank == 0:
                 self.stats.training_wait_seconds += time.perf_counter() - waiting_since

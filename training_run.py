@@ -35,7 +35,7 @@ from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, lo
 from datamodule import StreamingDataModule
 from feeder import UpdateFeeder
 from sources import open_input
-from stages import StreamSettings, ValidationPool, summary_line
+from stages import StreamSettings, UnusableInputError, ValidationPool, summary_line
 from device_policy import (
     build_module, check_host_memory, compiles, limit_gpu_memory, lightning_trainer, local_device,
     platform_memory_fraction, preload_worker_modules, prepare_compile, resolve_accelerator, setup_process,
@@ -173,6 +173,7 @@ def run_training(cfg: RunConfig, split: BatchSplit, stdin=None) -> dict:
             lambda: open_input(bundle_path(cfg.data.sample_path), stdin, cfg.data.source), settings,
             encoder.encode_batch_arrays, ValidationPool(cfg.data.val_max_tokens),
             report_every=cfg.metrics.interval_seconds if world > 1 else None,
+            time_limit_seconds=limit.total_seconds() if (limit := training_time_limit(cfg)) is not None else None,
         )
         if in_workers:
             result = train_data_parallel(cfg, split, feeder, platform_fraction)
@@ -190,7 +191,11 @@ def run_training(cfg: RunConfig, split: BatchSplit, stdin=None) -> dict:
 
 
 def raise_if_ended_early(feeder: UpdateFeeder, result: dict) -> None:
-    """A run cut short by a signal or by its input fails, after the model trained so far was exported."""
+    """A run cut short by a signal or by its input fails, after the model trained so far was exported;
+    so does one whose time limit passed before the input delivered a single update."""
+    if feeder.time_limit_reached and not result["steps"]:
+        raise UnusableInputError("trainer.max_time passed before the input delivered one complete update: nothing was "
+                                 "trained or exported. Send records sooner, or give the run more time")
     if feeder.early_end is None:
         return
     where = (f"stopped after optimizer step {result['steps']}; the model trained so far is in {result['model_dir']} "

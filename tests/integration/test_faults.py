@@ -91,6 +91,40 @@ def test_max_time_stops_training_and_the_model_is_still_exported(tmp_path):
     assert lines[-1]["elapsed_seconds"] <= 8.5  # 12 s less the 4 s reserve; the clock starts before the first step
 
 
+def test_max_time_ends_a_run_whose_input_went_silent_and_the_model_is_exported(tmp_path):
+    """A few updates' worth of records, then stdin stays open and silent: Lightning waits inside its
+    fetch, where it never checks max_time, so the feeder's own deadline must end the stream."""
+    process = start_training(tmp_path, "--trainer.max_steps", "-1", "--optim.schedule", "constant",
+                             "--trainer.max_time", "00:00:00:14", "--trainer.export_reserve_seconds", "4",
+                             "--data.tokenize_batch_docs", "8")
+    started = time.monotonic()
+    drained = [threading.Thread(target=stream.read, daemon=True) for stream in (process.stdout, process.stderr)]
+    for thread in drained:
+        thread.start()
+    process.stdin.write(sample(120))  # a few updates beyond what the shuffle and tokenizer buffers hold back
+    process.stdin.flush()  # and left open: communicate() would close it
+    try:
+        assert process.wait(timeout=90) == 0
+    finally:
+        process.kill()
+        process.stdin.close()
+    assert time.monotonic() - started < 60
+    record = json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())
+    assert record["status"] == "completed" and record["optimizer_steps"] >= 1
+    # Records too few for one update, then silence: the time limit ends the run, which fails (no model).
+    process = start_training(tmp_path, "--trainer.max_time", "00:00:00:10", "--trainer.export_reserve_seconds", "4",
+                             output=tmp_path / "none")
+    process.stdin.write(sample(3))
+    process.stdin.flush()
+    try:
+        _, stderr = (stream.read() for stream in (process.stdout, process.stderr))
+        assert process.wait(timeout=90) == 2
+    finally:
+        process.kill()
+        process.stdin.close()
+    assert b"before the input delivered one complete update" in stderr and not (tmp_path / "none/model").exists()
+
+
 # ----------------------------------------------------------------------------- driven adversarially
 
 
