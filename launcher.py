@@ -272,7 +272,9 @@ class ForkedWorker:
         err_read, err_write = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
-        gc.freeze()  # objects that exist now are never touched by the child's collector: their pages stay shared
+        # Objects that exist now are left alone by both processes' collectors, which would otherwise write
+        # to every tracked object's header and so copy the pages the child shares with this process.
+        gc.freeze()
         pid = os.fork()
         if pid == 0:
             close = [fd for fd in (out_read, err_read, *close_in_child) if fd is not None]
