@@ -20,8 +20,6 @@ nothing is written, not even the CuTe DSL's default ``/tmp`` cache.
 
 from __future__ import annotations
 
-import ctypes
-import importlib.util
 import logging
 import os
 import warnings
@@ -85,57 +83,6 @@ def fa4_interface():
         else:
             _fa4 = interface
     return _fa4
-
-
-def preload_without_cuda() -> bool:
-    """Import FA4 (with the CuTe DSL and quack it brings) in a process that must not initialize CUDA:
-    one about to fork GPU workers, which then share the import instead of each paying 2-3 s for it.
-
-    Two of its imports ask about the GPU, and each would initialize CUDA: tvm_ffi calls
-    ``torch.cuda.is_available()``, which asks NVML instead while PYTORCH_NVML_BASED_CUDA_CHECK=1, and
-    quack reads the compute capability, which QUACK_ARCH supplies (measured on an H200, 2026-12-01).
-    Both are set from NVML for the import only. Returns whether FA4 is imported; the caller still
-    checks that CUDA stayed uninitialized (launcher.resolve_start)."""
-    if _fa4 is not None:
-        return True
-    if importlib.util.find_spec("flash_attn") is None:
-        return False
-    capability = nvml_compute_capability()
-    if capability is None or capability[0] not in FA4_COMPUTE_CAPABILITIES:
-        return False
-    overrides = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "QUACK_ARCH": "sm_{}{}".format(*capability)}
-    saved = {name: os.environ.get(name) for name in overrides}
-    os.environ.update({name: value for name, value in overrides.items() if saved[name] is None})
-    try:
-        return fa4_interface() is not None
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-
-
-def nvml_compute_capability() -> tuple[int, int] | None:
-    """The first visible GPU's compute capability from NVML, which leaves CUDA uninitialized; None
-    when NVML cannot say or CUDA_VISIBLE_DEVICES names GPUs other than by index."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    first = visible.split(",")[0].strip() if visible is not None else "0"
-    if not first.isdigit():
-        return None
-    try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return None
-    if nvml.nvmlInit_v2() != 0:
-        return None
-    try:
-        handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
-        if nvml.nvmlDeviceGetHandleByIndex_v2(int(first), ctypes.byref(handle)) != 0:
-            return None
-        if nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0:
-            return None
-        return major.value, minor.value
-    finally:
-        nvml.nvmlShutdown()
 
 
 @lru_cache(maxsize=1)

@@ -168,26 +168,23 @@ COMPILER_MODULES = (
 )
 
 
-def preload_worker_modules(cfg: RunConfig, compile_folder: Path | None) -> None:
-    """Before GPU workers are forked: import here what each would otherwise import for itself, so
-    that its memory is shared and its import time paid once; nothing here initializes CUDA.
+def preload_worker_modules(cfg: RunConfig, compile_folder: Path) -> None:
+    """Before workers are forked: import here the compiler every compiling GPU worker would
+    otherwise import for itself, so that its memory is shared and its import time paid once; and
+    set the compile caches' place, which the workers inherit.
 
-    - With ``compile_folder`` (training): the compile caches' place, which the workers inherit, and
-      the compiler when training compiles (about 550 modules).
-    - FlashAttention 4 when attention may take it (attention_kernels.preload_without_cuda), in the
-      probe too (``compile_folder`` None: its kernels then stay in memory)."""
+    FlashAttention 4 and quack are not preloaded: importing them initializes CUDA (quack asks torch
+    for the GPU's compute capability on import; measured on an H200, 2026-12-01), and a process that
+    has initialized CUDA cannot fork workers that use it. Each worker imports them itself."""
     accelerator = resolve_accelerator(cfg)
-    if accelerator != "gpu":
+    if accelerator != "gpu" or not compiles(cfg, accelerator):
         return
-    if compile_folder is not None and compiles(cfg, accelerator):
-        prepare_compile(compile_folder, world_size(cfg))
-        for name in COMPILER_MODULES:
-            try:
-                importlib.import_module(name)
-            except ImportError as error:  # an older torch lays the compiler out differently: the worker imports it
-                log.debug("not preloaded: %s (%s)", name, error)
-    if cfg.model.attention in ("auto", "fa4"):
-        attention_kernels.preload_without_cuda()
+    prepare_compile(compile_folder, world_size(cfg))
+    for name in COMPILER_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as error:  # an older torch lays the compiler out differently: the worker imports it
+            log.debug("not preloaded: %s (%s)", name, error)
 
 
 def inductor_default_cache() -> Path:

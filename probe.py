@@ -23,7 +23,7 @@ from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict
 from stages import Row, collate_rows
 from device_policy import (
     build_module, check_host_memory, limit_gpu_memory, lightning_trainer, local_device, platform_memory_fraction,
-    preload_worker_modules, resolve_accelerator, setup_process, use_allocator_settings, world_size,
+    resolve_accelerator, setup_process, use_allocator_settings, world_size,
 )
 
 log = logging.getLogger("train")
@@ -65,8 +65,6 @@ def run_probe(cfg: RunConfig, microbatch: int, effective: int) -> dict:
         return run_probe_local(cfg, microbatch, 1, effective, platform_fraction)
     spec = {"config": as_dict(cfg), "microbatch": microbatch, "effective": effective, "probe": True,
             "platform_memory_fraction": platform_fraction}
-    if launcher.resolve_start(cfg.trainer.worker_start) == "fork":
-        preload_worker_modules(cfg, compile_folder=None)  # FA4, in memory: the probe writes nothing
     with launcher.worker_group(world, spec, BUNDLE_ROOT, cfg.trainer.worker_start) as group:
         try:
             group.wait()

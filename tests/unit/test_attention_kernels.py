@@ -21,34 +21,6 @@ from model import GPT, GPTConfig, document_offsets
 CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
 
 
-def test_fa4_is_preloaded_for_forked_workers_with_both_gpu_questions_answered_without_cuda(monkeypatch):
-    """tvm_ffi asks torch.cuda.is_available() and quack the compute capability while FA4 imports;
-    the NVML answers (PYTORCH_NVML_BASED_CUDA_CHECK, QUACK_ARCH) hold for the import only."""
-    seen = []
-
-    def interface():
-        seen.append({k: os.environ.get(k) for k in ("PYTORCH_NVML_BASED_CUDA_CHECK", "QUACK_ARCH")})
-        return object()
-
-    for name in ("PYTORCH_NVML_BASED_CUDA_CHECK", "QUACK_ARCH"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(attention_kernels.importlib.util, "find_spec", lambda name: object())
-    monkeypatch.setattr(attention_kernels, "fa4_interface", interface)
-    monkeypatch.setattr(attention_kernels, "nvml_compute_capability", lambda: (9, 0))
-    assert attention_kernels.preload_without_cuda()
-    assert seen == [{"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "QUACK_ARCH": "sm_90"}]
-    assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ and "QUACK_ARCH" not in os.environ
-    monkeypatch.setenv("QUACK_ARCH", "sm_100")  # the user's own setting is kept
-    assert attention_kernels.preload_without_cuda() and seen[-1]["QUACK_ARCH"] == "sm_100"
-    assert os.environ["QUACK_ARCH"] == "sm_100"
-    for capability in ((8, 0), None):  # a GPU FA4 does not serve, or NVML cannot say: no import
-        monkeypatch.setattr(attention_kernels, "nvml_compute_capability", lambda: capability)
-        assert not attention_kernels.preload_without_cuda()
-    assert len(seen) == 2
-
-
-
-
 # ----------------------------------------------------------------------------- selection
 
 
