@@ -85,15 +85,17 @@ def fa4_interface():
     return _fa4
 
 
-@lru_cache(maxsize=1)
-def fa4_version() -> str | None:
+@lru_cache(maxsize=None)
+def installed_version(package: str) -> str | None:
+    """An optional package's version for the log and the run record (FA4's, quack's), or None."""
     try:
-        return metadata.version(FA4_PACKAGE)
+        return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
 
 
-def _compute_capability(device: torch.device) -> tuple[int, int]:
+def compute_capability(device: torch.device) -> tuple[int, int]:
+    """The GPU's compute capability: which CuTe-DSL kernels (FA4's, quack's) it can run."""
     return torch.cuda.get_device_capability(device)
 
 
@@ -101,7 +103,7 @@ def fa4_unavailable_reason(device: torch.device, head_dim: int) -> str | None:
     """None when FA4 can run attention of ``head_dim`` on ``device``, else why not."""
     if device.type != "cuda":
         return f"needs a CUDA device, not {device.type}"
-    major, minor = _compute_capability(device)
+    major, minor = compute_capability(device)
     if major not in FA4_COMPUTE_CAPABILITIES:
         return f"compute capability {major}.{minor} is not one FA4 supports here (9.x, 10.x)"
     if head_dim not in FA4_HEAD_DIMS:
@@ -134,7 +136,7 @@ def choose(requested: str, device: torch.device, dtype: torch.dtype, head_dim: i
 def describe(family: str, packed: bool) -> str:
     """What runs for a batch: packed rows (several documents) or one document per row."""
     if family == "fa4":
-        version = fa4_version() or "?"
+        version = installed_version(FA4_PACKAGE) or "?"
         return f"FlashAttention 4 {'varlen' if packed else 'dense causal'} (flash-attn-4 {version})"
     if family == "flash":
         return "varlen_attn (FlashAttention 2)" if packed else "SDPA is_causal (cuDNN/flash)"

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-from functools import lru_cache
-from importlib import metadata
 
 import torch
 
@@ -56,23 +54,11 @@ def quack_module():
     return _quack
 
 
-@lru_cache(maxsize=1)
-def quack_version() -> str | None:
-    try:
-        return metadata.version(QUACK_PACKAGE)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _compute_capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 def quack_unavailable_reason(device: torch.device) -> str | None:
     """None when quack's LayerNorm can run on ``device``, else why not."""
     if device.type != "cuda":
         return f"needs a CUDA device, not {device.type}"
-    major, minor = _compute_capability(device)
+    major, minor = attention_kernels.compute_capability(device)
     if major not in QUACK_COMPUTE_CAPABILITIES:
         return f"compute capability {major}.{minor} is not one quack is used on here (9.x, 10.x)"
     if quack_module() is None:
@@ -94,7 +80,7 @@ def choose(requested: str, device: torch.device, dtype: torch.dtype) -> str:
 
 def describe(kernel: str) -> str:
     if kernel == "quack":
-        return f"quack fused residual-add + LayerNorm (quack-kernels {quack_version() or '?'})"
+        return f"quack fused residual-add + LayerNorm (quack-kernels {attention_kernels.installed_version(QUACK_PACKAGE) or '?'})"
     return "torch LayerNorm (residual add separate; inductor fuses both when compiled)"
 
 

@@ -76,3 +76,24 @@ def records(n: int = 400) -> bytes:
     with SAMPLE.open() as f:
         lines = (json.loads(line) for line in f)
         return b"".join(json.dumps({"text": r["text"]}).encode() + b"\n" for _, r in zip(range(n), lines))
+
+
+def fake_kernel_gpu(monkeypatch, module, importer: str, error_attribute: str, error: str) -> dict:
+    """A GPU of compute capability ``state["capability"]`` and an optional kernel package (FA4,
+    quack) that imports unless ``state["imports"]`` is False: ``module.importer`` is replaced by a
+    loader that counts its calls in ``state["imported"]`` and, failing, sets ``module.error_attribute``."""
+    import attention_kernels
+
+    state = {"capability": (9, 0), "imports": True, "imported": 0}
+
+    def load():
+        state["imported"] += 1
+        if not state["imports"]:
+            monkeypatch.setattr(module, error_attribute, error)
+            return None
+        return object()
+
+    monkeypatch.setattr(attention_kernels, "compute_capability", lambda device: state["capability"])
+    monkeypatch.setattr(module, importer, load)
+    return state
+

@@ -18,6 +18,8 @@ import attention_kernels
 import model as model_module
 from model import GPT, GPTConfig, document_offsets
 
+from tests.helpers import fake_kernel_gpu
+
 CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
 
 
@@ -27,18 +29,8 @@ CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a G
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """A GPU of the given compute capability and an FA4 that imports (or not)."""
-    state = {"capability": (9, 0), "imports": True, "imported": 0}
-
-    def interface():
-        state["imported"] += 1
-        if not state["imports"]:
-            monkeypatch.setattr(attention_kernels, "_fa4_error", "flash_attn.cute does not import (ModuleNotFoundError)")
-            return None
-        return object()
-
-    monkeypatch.setattr(attention_kernels, "_compute_capability", lambda device: state["capability"])
-    monkeypatch.setattr(attention_kernels, "fa4_interface", interface)
-    return state
+    return fake_kernel_gpu(monkeypatch, attention_kernels, "fa4_interface", "_fa4_error",
+                           "flash_attn.cute does not import (ModuleNotFoundError)")
 
 
 def test_auto_takes_fa4_on_hopper_when_it_imports(fake_gpu):

@@ -16,24 +16,16 @@ import norm_kernels
 from config import ConfigError, load_config
 from model import GPT, GPTConfig
 
+from tests.helpers import fake_kernel_gpu
+
 CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """A GPU of the given compute capability and a quack that imports (or not)."""
-    state = {"capability": (9, 0), "imports": True, "imported": 0}
-
-    def module():
-        state["imported"] += 1
-        if not state["imports"]:
-            monkeypatch.setattr(norm_kernels, "_quack_error", "quack does not import (ModuleNotFoundError)")
-            return None
-        return object()
-
-    monkeypatch.setattr(norm_kernels, "_compute_capability", lambda device: state["capability"])
-    monkeypatch.setattr(norm_kernels, "quack_module", module)
-    return state
+    return fake_kernel_gpu(monkeypatch, norm_kernels, "quack_module", "_quack_error",
+                           "quack does not import (ModuleNotFoundError)")
 
 
 def test_quack_runs_on_hopper_and_blackwell_with_bf16_only_when_asked(fake_gpu):
