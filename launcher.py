@@ -327,7 +327,8 @@ def _run_forked_child(script: Path, env: dict[str, str], out_fd: int | None, err
         sys.stdin = open(os.devnull)
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", line_buffering=True)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", line_buffering=True)
-        for handler in logging.getLogger().handlers:  # the parent's log handler wrote to the parent's stderr
+        loggers = [logging.root, *(x for x in list(logging.root.manager.loggerDict.values()) if isinstance(x, logging.Logger))]
+        for handler in {h for logger in loggers for h in logger.handlers}:  # ours, Lightning's: they held the old stderr
             if isinstance(handler, logging.StreamHandler) and handler.stream is old_stderr:
                 handler.setStream(sys.stderr)
         os.environ.update(env)
