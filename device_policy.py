@@ -168,7 +168,7 @@ COMPILER_MODULES = (
 )
 
 
-def preload_worker_modules(cfg: RunConfig, compile_folder: Path) -> None:
+def preload_worker_modules(cfg: RunConfig, compile_folder: Path, world: int) -> None:
     """Before workers are forked: import here the compiler every compiling GPU worker would
     otherwise import for itself, so that its memory is shared and its import time paid once; and
     set the compile caches' place, which the workers inherit.
@@ -181,7 +181,7 @@ def preload_worker_modules(cfg: RunConfig, compile_folder: Path) -> None:
     accelerator = resolve_accelerator(cfg)
     if accelerator != "gpu" or not compiles(cfg, accelerator):
         return
-    prepare_compile(compile_folder, world_size(cfg))
+    prepare_compile(compile_folder, world)
     for name in COMPILER_MODULES:
         try:
             importlib.import_module(name)

@@ -337,10 +337,12 @@ def _run_forked_child(script: Path, env: dict[str, str], out_fd: int | None, err
         try:
             runpy.run_path(str(script), run_name="__main__")
             code = 0
-        except SystemExit as done:
-            code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-            if not isinstance(done.code, int) and done.code is not None:
+        except SystemExit as done:  # as the interpreter treats it: a number is the status, anything else is printed
+            if done.code is None or isinstance(done.code, int):
+                code = done.code or 0
+            else:
                 print(done.code, file=sys.stderr)
+                code = 1
     except BaseException:  # noqa: BLE001 - report whatever ended the worker, as an interpreter would
         traceback.print_exc()
         code = 1

@@ -301,7 +301,7 @@ def train_data_parallel(cfg: RunConfig, split: BatchSplit, feeder: UpdateFeeder,
             "effective": split.effective,
             "address": list(listener.address), "authkey": authkey.hex(), "platform_memory_fraction": platform_fraction}
     if launcher.resolve_start(cfg.trainer.worker_start) == "fork":
-        preload_worker_modules(cfg, compile_folder(cfg))
+        preload_worker_modules(cfg, compile_folder(cfg), world)
     with launcher.worker_group(world, spec, BUNDLE_ROOT, cfg.trainer.worker_start,
                                on_first_signal=feeder.finish) as group:
         try:
