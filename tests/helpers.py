@@ -97,3 +97,15 @@ def fake_kernel_gpu(monkeypatch, module, importer: str, error_attribute: str, er
     monkeypatch.setattr(module, importer, load)
     return state
 
+
+def tiktoken_encoder(path: Path):
+    """The tokenizer at ``path`` through its fast backend (tiktoken); the test is skipped without tiktoken."""
+    import pytest
+
+    from tokenizer import TextEncoder
+
+    pytest.importorskip("tiktoken")
+    encoder = TextEncoder(path)
+    assert encoder.backend == "tiktoken"
+    return encoder
+

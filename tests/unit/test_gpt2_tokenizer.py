@@ -23,7 +23,7 @@ from tests.gpt2_reference import ENCODER_JSON, VOCAB_BPE, ReferenceGPT2, read_fi
 from tokenizer import EOS_TOKEN, TextEncoder, read_ndjson_texts
 from tools import build_gpt2_tokenizer
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, tiktoken_encoder
 
 GPT2_TOKENIZER = ROOT / "conf" / "gpt2" / "tokenizer.json"
 SOURCE = ROOT / "conf" / "gpt2" / "SOURCE.json"
@@ -85,10 +85,7 @@ def reference() -> ReferenceGPT2:
 
 @pytest.fixture(scope="module")
 def fast() -> TextEncoder:
-    pytest.importorskip("tiktoken")
-    encoder = TextEncoder(GPT2_TOKENIZER)
-    assert encoder.backend == "tiktoken"
-    return encoder
+    return tiktoken_encoder(GPT2_TOKENIZER)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 import tokenizer
 from tokenizer import EOS_TOKEN, TextEncoder, read_ndjson_texts, train_tokenizer
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, tiktoken_encoder
 
 SAMPLE = ROOT / "data" / "sample.jsonl"
 SHIPPED_TOKENIZER = ROOT / "conf" / "tokenizer.json"
@@ -64,10 +64,7 @@ def plain_encoder() -> TextEncoder:
 
 @pytest.fixture(scope="module")
 def fast_encoder() -> TextEncoder:
-    pytest.importorskip("tiktoken")
-    encoder = TextEncoder(SHIPPED_TOKENIZER)
-    assert encoder.backend == "tiktoken"
-    return encoder
+    return tiktoken_encoder(SHIPPED_TOKENIZER)
 
 
 @pytest.fixture(scope="module")
