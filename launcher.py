@@ -425,19 +425,22 @@ class WorkerGroup:
 
         ``on_first_exit`` runs once as soon as any worker has ended (training is over: stop reading).
         """
+        seen_failing: list[tuple[int, int]] = []  # (rank, code) in the order the failures were noticed
         while True:
             codes = [p.poll() for p in self.processes]
             if any(code is not None for code in codes):
                 on_first_exit()
-            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            new = [(rank, code) for rank, code in enumerate(codes)
+                   if code not in (None, 0) and rank not in {r for r, _ in seen_failing}]
+            # Within one poll, a rank killed by a signal is the cause; its peers' errors ("a remote
+            # worker crashed") are the consequence.
+            seen_failing += sorted(new, key=lambda failure: (failure[1] >= 0, failure[0]))
             error = feeder_error()
-            if error is not None and (failed or all(c is not None for c in codes)):
+            if error is not None and (seen_failing or all(c is not None for c in codes)):
                 raise error
-            if failed:
-                rank, code = failed[0]
+            if seen_failing:
                 time.sleep(POLL_SECONDS)  # let its stderr pump catch up
-                tail = "\n".join(self.tails[rank])
-                raise WorkerFailed(f"worker rank {rank} exited with code {code}:\n{tail}")
+                raise WorkerFailed(_failure_message(seen_failing, self.tails))
             if all(code == 0 for code in codes):
                 for thread in self._threads:
                     thread.join(timeout=5)
@@ -456,6 +459,16 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 _signal_group(p, signal.SIGKILL)
                 p.wait()
+
+
+def _failure_message(failures: list[tuple[int, int]], tails: list[deque]) -> str:
+    """Name the first failure with the end of its stderr, then any later ones by rank and code."""
+    rank, code = failures[0]
+    cause = f" (killed by {signal.Signals(-code).name})" if code < 0 and -code in signal.valid_signals() else ""
+    message = f"worker rank {rank} exited with code {code}{cause}:\n" + "\n".join(tails[rank])
+    if len(failures) > 1:
+        message += "\nthen " + ", ".join(f"rank {r} exited with code {c}" for r, c in failures[1:])
+    return message
 
 
 @contextlib.contextmanager

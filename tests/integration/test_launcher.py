@@ -194,3 +194,31 @@ def test_workers_fork_only_from_a_process_that_has_not_initialized_cuda(monkeypa
         launcher.resolve_start("fork")
     with pytest.raises(ValueError, match="worker_start"):
         launcher.resolve_start("spawn")
+
+
+class _Exited:
+    """A worker handle whose exit code is already known."""
+
+    def __init__(self, code):
+        self.code = code
+
+    def poll(self):
+        return self.code
+
+
+def test_a_failure_report_names_the_killed_rank_before_the_peers_it_brought_down():
+    """A peer that loses its collective partner errors out too; if both are seen in one poll,
+    the report must lead with the rank killed by a signal, not with the lowest rank."""
+    from collections import deque
+
+    import launcher
+
+    group = launcher.WorkerGroup.__new__(launcher.WorkerGroup)
+    group.processes = [_Exited(1), _Exited(-signal.SIGKILL), _Exited(None)]
+    group.tails = [deque(["gloo: a remote worker crashed"]), deque([]), deque([])]
+    group._threads = []
+    with pytest.raises(launcher.WorkerFailed) as failure:
+        group.wait()
+    message = str(failure.value)
+    assert message.startswith("worker rank 1 exited with code -9 (killed by SIGKILL)")
+    assert message.endswith("then rank 0 exited with code 1")
