@@ -234,16 +234,24 @@ def test_a_run_that_ends_while_stdin_is_still_open_exits_zero(tmp_path):
 
 
 def assert_exits_zero_with_stdin_open(process: subprocess.Popen) -> None:
-    """Two updates and a little more on stdin, which stays open: the reader then waits on a silent
-    stdin while training ends, and the process must still exit 0 (no abort at shutdown)."""
-    process.stdin.write(sample(45))
-    process.stdin.flush()
+    """Records for more than two updates beyond what the shuffle and tokenizer buffers hold back, on a
+    stdin that stays open: the reader then waits on a silent stdin while training ends, and the
+    process must still exit 0 (no abort at shutdown)."""
+    process.stdin.write(sample(120))
+    process.stdin.flush()  # 51 kB fit the pipe's buffer; left open until the process has exited
+    stderr: list[bytes] = []
+    drained = [threading.Thread(target=process.stdout.read, daemon=True),
+               threading.Thread(target=lambda: stderr.append(process.stderr.read()), daemon=True)]
+    for thread in drained:
+        thread.start()
     try:
-        _, stderr = process.communicate(timeout=120)
+        returncode = process.wait(timeout=120)
     finally:
         process.kill()
-    assert process.returncode == 0, stderr.decode()[-3000:]
-    assert b"Fatal Python error" not in stderr
+        process.stdin.close()
+    drained[1].join(timeout=10)
+    assert returncode == 0, b"".join(stderr).decode()[-3000:]
+    assert b"Fatal Python error" not in b"".join(stderr)
 
 
 @pytest.mark.parametrize("stdin", ["empty", "closed"])
