@@ -61,6 +61,9 @@ class DescriptorReader:
             return line
 
 
+ASK_FOR_SAMPLE = "pass --data.source sample (under RunFab's train(), which takes no options: data.source: sample in the bundle's config)"
+
+
 def open_input(sample_path: Path | None, stdin: BinaryIO | None = None, source: str = "auto") -> tuple[BinaryIO, str]:
     """Where records come from: ``data.source``.
 
@@ -73,8 +76,8 @@ def open_input(sample_path: Path | None, stdin: BinaryIO | None = None, source: 
     if stdin is None:
         if sys.stdin is None or _closed(0):
             raise UnusableInputError(
-                "stdin is closed, so there is no input. Pipe NDJSON records into stdin, or pass "
-                "--data.source sample to train on the bundled sample."
+                "stdin is closed, so there is no input. Pipe NDJSON records into stdin, or train on the bundled "
+                f"sample: {ASK_FOR_SAMPLE}."
             )
         stdin = DescriptorReader(0)
         interactive = os.isatty(0)
@@ -85,7 +88,7 @@ def open_input(sample_path: Path | None, stdin: BinaryIO | None = None, source: 
     if not stdin.peek(1)[:1]:
         raise UnusableInputError(
             "stdin is empty: the input ended before its first record. Under RunFab stdin is the dataset; "
-            "check the dataset attached to the job. To train on the bundled sample, pass --data.source sample."
+            f"check the dataset attached to the job. To train on the bundled sample: {ASK_FOR_SAMPLE}."
         )
     return stdin, "stdin"
 

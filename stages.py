@@ -66,7 +66,8 @@ class StreamStats:
     updates: int = 0
     update_target_tokens: int = 0
     tail_tokens_dropped: int = 0
-    end_of_input: bool = False
+    end_of_input: bool = False  # the reader reached the end of the stream
+    drained: bool = False  # and the flow behind it used up everything it had read (or hit its token budget)
     training_wait_seconds: float = 0.0  # time training sat waiting for its next microbatch (after the first)
     fingerprint: str = ""
     _sha: object = field(default_factory=hashlib.sha256, repr=False)
@@ -92,6 +93,7 @@ class StreamStats:
             "update_target_tokens": self.update_target_tokens,
             "tail_tokens_dropped": self.tail_tokens_dropped,
             "end_of_input": self.end_of_input,
+            "drained": self.drained,
             "training_wait_seconds": round(self.training_wait_seconds, 3),
             "input_sha256": self.fingerprint,
         }
@@ -100,23 +102,36 @@ class StreamStats:
 # ----------------------------------------------------------------------------- read
 
 
-def _read_lines(stream: BinaryIO, max_bytes: int, stats: StreamStats) -> Iterator[bytes | None]:
-    """Yield each line's bytes, or None for a line longer than ``max_bytes`` (skipped in bounded chunks).
+UTF8_BOM = b"\xef\xbb\xbf"
 
-    Every byte read, skipped ones included, goes into the byte count and the input fingerprint.
+
+def _read_lines(stream: BinaryIO, max_bytes: int, stats: StreamStats) -> Iterator[bytes | None]:
+    """Yield each line's bytes, or None for a record longer than ``max_bytes`` (skipped in bounded chunks).
+
+    The limit counts the record, not its line ending (``\n`` or ``\r\n``). A UTF-8 byte-order mark
+    opening the stream is dropped. Every byte read, skipped ones included, goes into the byte count
+    and the input fingerprint.
     """
+    first = True
     while True:
-        line = stream.readline(max_bytes + 1)
+        line = stream.readline(max_bytes + 2)
         stats.count_bytes(line)
         if not line:
             return
-        if len(line) <= max_bytes or line.endswith(b"\n") and len(line) == max_bytes + 1:
-            yield line
+        cut = len(line) == max_bytes + 2 and not line.endswith(b"\n")  # stopped by the limit, not a line end
+        record = line.removeprefix(UTF8_BOM) if first else line
+        first = False
+        if not cut and len(record) - _line_ending_length(record) <= max_bytes:
+            yield record
             continue
         while line and not line.endswith(b"\n"):
             line = stream.readline(1 << 20)
             stats.count_bytes(line)
         yield None
+
+
+def _line_ending_length(line: bytes) -> int:
+    return 2 if line.endswith(b"\r\n") else 1 if line.endswith(b"\n") else 0
 
 
 def parse_record(line: bytes, vocab_size: int) -> Document | str:
@@ -133,7 +148,7 @@ def parse_record(line: bytes, vocab_size: int) -> Document | str:
         return "nested_too_deeply"
     if not isinstance(record, dict):
         return "not_an_object"
-    if "text" in record:
+    if record.get("text") is not None or "input_ids" not in record and "text" in record:
         value = record["text"]
         if not isinstance(value, str):
             return "text_not_a_string"
@@ -481,6 +496,7 @@ def stream_updates(
     rows = pack_rows(shuffled, s.seq_len, stats)
     for update in assemble_updates(rows, s.rows_per_update, stats, d.max_train_tokens):
         yield split_update(update, s.world_size, s.microbatch, stats)
+    stats.drained = True
     if stats.updates == 0:
         rejected = ", ".join(f"{n} {reason}" for reason, n in stats.rejected.most_common()) or "none"
         raise UnusableInputError(
@@ -496,9 +512,17 @@ def summary_line(stats: StreamStats) -> str:
     return (
         f"input: {stats.records} records, {stats.accepted} accepted, rejected: {rejected}; "
         f"{stats.documents} documents, {stats.held_out_documents} held out for validation; "
-        f"{stats.updates} complete updates; "
-        + (f"end of input, tail dropped: {stats.tail_tokens_dropped} tokens" if stats.end_of_input
-           else "training stopped before the end of input")
+        f"{stats.updates} complete updates assembled; " + _how_the_input_ended(stats)
     )
+
+
+def _how_the_input_ended(stats: StreamStats) -> str:
+    if stats.drained:
+        return (f"end of input, tail dropped: {stats.tail_tokens_dropped} tokens" if stats.end_of_input
+                else "the token budget (data.max_train_tokens) ended the stream")
+    if stats.end_of_input:
+        return ("training stopped before the input was used up: all of it was read, but what the shuffle and "
+                "packing buffers still held was not trained")
+    return "training stopped before the end of input"
 
 

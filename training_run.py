@@ -81,7 +81,9 @@ def claimed_output(root: Path):
         root.mkdir(parents=True, exist_ok=True)
         lock = (root / LOCK_NAME).open("a+")
     except (FileExistsError, NotADirectoryError):
-        raise ConfigError(f"the output root {root} is a file, not a folder; set RUNFABRIC_OUTPUT (or output.root) "
+        file = next(p for p in (root, *root.parents) if p.exists() and not p.is_dir())
+        where = "is a file" if file == root else f"lies under {file}, which is a file"
+        raise ConfigError(f"the output root {root} {where}, not a folder; set RUNFABRIC_OUTPUT (or output.root) "
                           "to a folder") from None
     except OSError as error:
         raise ConfigError(f"cannot write to the output root {root} ({error.strerror}); set RUNFABRIC_OUTPUT "

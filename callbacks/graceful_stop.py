@@ -35,15 +35,23 @@ class GracefulStop(L.Callback):
         self._original: dict = {}
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if threading.current_thread() is threading.main_thread():
+        """Installed now, not only at the start of training: Lightning fetches the first batch before
+        ``on_train_start``, and a signal while that fetch waits on a slow or silent input must end it."""
+        if trainer.world_size == 1 and threading.current_thread() is threading.main_thread():
             self._original = {sig: signal.getsignal(sig) for sig in SIGNALS}  # before Lightning adds its own
+            self._install(trainer)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Installed after Lightning's SIGTERM handler, which would end fit by an exception and skip the export."""
-        if trainer.world_size == 1 and self._original:
-            self._trainer = trainer
-            for sig in SIGNALS:
-                signal.signal(sig, self._handle)
+        """Installed again after Lightning's SIGTERM handler, which wraps ours and would end fit by an
+        exception and skip the export. (A SIGTERM before this point reaches both: nothing was trained
+        yet, and Lightning's exception says so.)"""
+        if self._original:
+            self._install(trainer)
+
+    def _install(self, trainer: L.Trainer) -> None:
+        self._trainer = trainer
+        for sig in SIGNALS:
+            signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name

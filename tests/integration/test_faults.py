@@ -227,6 +227,31 @@ def test_a_signal_while_the_input_is_silent_exports_and_exits(tmp_path, sig):
     assert record["status"] == f"partial: {signal.Signals(sig).name}" and record["optimizer_steps"] >= 1
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_before_the_first_update_ends_the_wait_for_input(tmp_path, sig):
+    """Lightning fetches the first batch before ``on_train_start``; a signal while that fetch waits
+    on a silent input must still end the run, promptly and non-zero, with nothing exported."""
+    process = start_training(tmp_path, "--trainer.max_steps", "1000")
+    process.stdin.write(sample(3))  # too few records for one update; stdin stays open and silent
+    process.stdin.flush()
+    stderr = Lines(process.stderr)
+    deadline = time.monotonic() + 90
+    while not any(b"reading records from stdin" in line for line in stderr.lines):
+        assert time.monotonic() < deadline and process.poll() is None, b"".join(stderr.lines).decode()[-3000:]
+        time.sleep(0.1)
+    time.sleep(1.0)  # into the first fetch
+    process.send_signal(sig)
+    try:
+        returncode = process.wait(timeout=30)
+    finally:
+        process.kill()
+        process.stdin.close()
+    stderr.thread.join(timeout=10)
+    message = b"".join(stderr.lines).decode()
+    assert returncode not in (0, None) and signal.Signals(sig).name in message, message[-3000:]
+    assert "nothing was trained" in message and not (tmp_path / "out" / "model").exists()
+
+
 def test_a_run_that_ends_while_stdin_is_still_open_exits_zero(tmp_path):
     process = start_training(tmp_path, "--trainer.max_steps", "2", "--data.tokenize_batch_docs", "8")
     assert_exits_zero_with_stdin_open(process)
@@ -298,11 +323,13 @@ def test_a_failed_run_never_leaves_an_earlier_model_looking_like_its_result(tmp_
     assert json.loads((out / "previous-model" / "run_record.json").read_text())["optimizer_steps"] == 2
 
 
-@pytest.mark.parametrize("output, says", [("file", "is a file"), ("/sys/runfab-output", "cannot write")])
+@pytest.mark.parametrize("output, says", [("file", "a-file is a file"), ("under-file", "lies under {file}, which is a file"),
+                                          ("/sys/runfab-output", "cannot write")])
 def test_an_output_root_that_cannot_hold_the_output_is_refused_before_training(tmp_path, output, says):
-    if output == "file":
-        output = tmp_path / "a-file"
-        output.write_text("not a folder")
+    if output in ("file", "under-file"):
+        file = tmp_path / "a-file"
+        file.write_text("not a folder")
+        output, says = (file if output == "file" else file / "out"), says.format(file=file)
     env = dict(os.environ, RUNFABRIC_OUTPUT=str(output), CUDA_VISIBLE_DEVICES="")
     result = subprocess.run([sys.executable, str(ROOT / "train.py"), *ARGS], input=sample(300), env=env,
                             capture_output=True, timeout=120, cwd=tmp_path)

@@ -31,6 +31,7 @@ from stages import (
     split_update,
     split_validation,
     stream_updates,
+    summary_line,
     StreamSettings,
     StreamStats,
     UnusableInputError,
@@ -101,6 +102,21 @@ def test_a_record_just_at_the_size_limit_is_kept_and_one_byte_more_is_not():
     docs, stats = reader(ndjson(exact, over, {"text": "after"}), max_bytes=limit)
     assert [d.text for d in docs] == ["y" * (limit - 12), "after"]
     assert stats.rejected == {"record_too_large": 1}
+    # The limit is the record's: the line ending does not count, CRLF or none at the very end.
+    docs, stats = reader(exact + b"\r\n" + over + b"\r\n" + exact, max_bytes=limit)
+    assert [d.text for d in docs] == ["y" * (limit - 12)] * 2 and stats.rejected == {"record_too_large": 1}
+
+
+def test_a_byte_order_mark_opening_the_stream_does_not_cost_the_first_record():
+    docs, stats = reader(b"\xef\xbb\xbf" + ndjson({"text": "first"}, {"text": "second"}))
+    assert [d.text for d in docs] == ["first", "second"] and not stats.rejected
+    assert stats.bytes_read == len(ndjson({"text": "first"}, {"text": "second"})) + 3  # the mark is still read and counted
+
+
+def test_a_null_text_beside_input_ids_takes_the_ids():
+    assert parse_record(b'{"text": null, "input_ids": [5, 6]}', VOCAB).ids.tolist() == [5, 6]
+    assert parse_record(b'{"text": null}', VOCAB) == "text_not_a_string"
+    assert parse_record(b'{"text": 3, "input_ids": [5, 6]}', VOCAB) == "text_not_a_string"
 
 
 def test_an_image_stream_is_refused_quickly_naming_what_was_expected_and_found():
@@ -293,6 +309,21 @@ def test_the_token_budget_stops_at_an_update_boundary():
     assert len(updates) == 3 and stats.update_target_tokens >= 300
 
 
+def test_the_summary_tells_a_used_up_input_from_one_training_stopped_short_of():
+    """Reading to the end of the stream is not training on all of it: the buffers behind the reader
+    still hold documents when training stops first, and the summary must not say "end of input"."""
+    data = ndjson(*({"input_ids": [3] * 50} for _ in range(40)))
+    used_up, stopped = StreamStats(), StreamStats()
+    s = settings(val_fraction=0.0)
+    all_updates = list(stream_updates(io.BytesIO(data), s, fake_encode, used_up, ValidationPool(0)))
+    flow = stream_updates(io.BytesIO(data), s, fake_encode, stopped, ValidationPool(0))
+    next(flow)  # training takes one update and stops; the tokenizer's first batch read all 40 records
+    assert len(all_updates) > 1 and used_up.drained and used_up.end_of_input
+    assert "end of input, tail dropped" in summary_line(used_up)
+    assert stopped.end_of_input and not stopped.drained
+    assert "training stopped before the input was used up" in summary_line(stopped)
+
+
 def test_the_feeder_delivers_complete_updates_then_ends_and_forwards_errors():
     data = ndjson(*({"input_ids": [3] * 50} for _ in range(100)))
     s = settings(val_fraction=0.0)
@@ -323,7 +354,8 @@ def test_input_is_stdin_and_the_bundled_sample_only_when_a_person_means_it(tmp_p
     sample.write_bytes(ndjson({"text": "bundled"}))
     stream, source = open_input(sample, FakeStdin(io.BytesIO(b'{"text": "piped"}\n')))
     assert source == "stdin" and stream.readline() == b'{"text": "piped"}\n'
-    with pytest.raises(UnusableInputError, match="stdin is empty.*--data.source sample"):
+    hook_user = r"train\(\), which takes no options: data.source: sample in the bundle's config"
+    with pytest.raises(UnusableInputError, match=r"stdin is empty.*--data.source sample.*" + hook_user):
         open_input(sample, FakeStdin(io.BytesIO(b"")))  # under RunFab an empty stdin is an empty dataset
     stream, source = open_input(sample, FakeStdin(io.BytesIO(b""), tty=True))  # a person at a terminal
     assert source == str(sample) and stream.readline() == b'{"text": "bundled"}\n'
