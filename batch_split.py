@@ -40,7 +40,8 @@ class BatchSplit:
                          accumulation: int | None = None) -> BatchSplit:
         """A local run names either part, or neither (the config's microbatch); the other follows."""
         microbatch = command_line_microbatch(effective, ranks, default_microbatch, microbatch, accumulation)
-        return cls(microbatch, accumulation or max(1, effective // (microbatch * ranks)), ranks, effective)
+        implied = max(1, effective // (microbatch * ranks))
+        return cls(microbatch, accumulation if accumulation is not None else implied, ranks, effective)
 
     def as_dict(self) -> dict:
         return {"effective": self.effective, "microbatch": self.microbatch, "accumulation": self.accumulation,
@@ -50,9 +51,12 @@ class BatchSplit:
 def command_line_microbatch(effective: int, ranks: int, default: int, microbatch: int | None,
                             accumulation: int | None) -> int:
     """The microbatch a local command asks for: named, implied by a named accumulation, or the config's."""
-    if microbatch:
+    for name, value in (("microbatch", microbatch), ("accumulation", accumulation)):
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name} must be at least 1, not {value}")
+    if microbatch is not None:
         return microbatch
-    return effective // (accumulation * ranks) if accumulation else default
+    return effective // (accumulation * ranks) if accumulation is not None else default
 
 
 def probe_accumulation(effective: int, microbatch: int, ranks: int) -> int:

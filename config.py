@@ -12,7 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from callbacks.observe import ObserveConfig
@@ -23,6 +23,8 @@ from runfab_limits import GIB, OUTPUT_BYTES, RAM_BYTES
 
 BUNDLE_ROOT = Path(__file__).resolve().parent
 DEFAULT_CONFIG = "conf/config.yaml"
+ACCELERATORS = ("auto", "cpu", "gpu")  # trainer.accelerator; auto: gpu when a CUDA GPU is visible
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")  # Lightning's names
 WORKER_STARTS = ("auto", "fork", "exec")  # trainer.worker_start; launcher.py says what each does
 CONFIG_ENV = "RUNFAB_CONFIG"
 
@@ -57,6 +59,16 @@ class TrainerConfig:
                 self.time_limit()
             except ValueError as error:
                 found.append(str(error))
+        if self.accelerator not in ACCELERATORS:
+            found.append(f"trainer.accelerator must be one of {', '.join(ACCELERATORS)}, not {self.accelerator!r}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            found.append(f"trainer.precision must be one of {', '.join(PRECISIONS)} (or null: bf16-mixed on a GPU, "
+                         f"32-true on a CPU), not {self.precision!r}")
+        found += [f"trainer.{name} must be at least 1, not {getattr(self, name)}"
+                  for name in ("devices", "val_batches") if getattr(self, name) is not None and getattr(self, name) < 1]
+        found += [f"trainer.{name} must be >= 0 (0: off), not {getattr(self, name)}"
+                  for name in ("val_every_steps", "checkpoint_every_steps", "export_reserve_seconds")
+                  if getattr(self, name) < 0]
         if self.memory_headroom_gib < 0 or self.probe_margin_gib < 0:
             found.append("trainer.memory_headroom_gib and trainer.probe_margin_gib must be >= 0")
         if self.worker_start not in WORKER_STARTS:
@@ -129,13 +141,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     path = bundle_path(path) if path is not None else default_config_path()
     if not path.is_file():
         raise ConfigError(f"config file {path} not found (set {CONFIG_ENV} to a YAML file of the bundle)")
+    source = f"{path} with the command line's overrides" if overrides else str(path)
     try:
-        merged = OmegaConf.merge(
-            OmegaConf.structured(RunConfig), OmegaConf.load(path), OmegaConf.from_dotlist(overrides or [])
-        )
+        values = OmegaConf.load(path)
+        if not isinstance(values, DictConfig):
+            raise ConfigError(f"{path} must hold a mapping of sections (model:, data:, ...), not a "
+                              f"{type(values).__name__.removesuffix('Config').lower()}")
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), values, OmegaConf.from_dotlist(overrides or []))
         config = OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
     except (OmegaConfBaseException, ValueError) as error:  # ValueError: a section that cannot be built (GPTConfig)
-        raise ConfigError(f"invalid configuration in {path}: {error}") from None
+        raise ConfigError(f"invalid configuration ({source}): {error}") from None
     except yaml.YAMLError as error:
         raise ConfigError(f"{path} is not valid YAML: {error}") from None
     resolve_defaults(config)
@@ -163,6 +180,8 @@ def check_config(cfg: RunConfig) -> None:
         *cfg.model.problems(), *cfg.data.problems(), *cfg.optim.problems(cfg.trainer.max_steps),
         *cfg.trainer.problems(), *cfg.metrics.problems(), *cfg.observe.problems(),
     ]
+    if len(problems) == 1:
+        raise ConfigError(f"invalid configuration: {problems[0]}")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 

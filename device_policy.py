@@ -41,6 +41,9 @@ def local_device() -> int:
 
 
 def resolve_accelerator(cfg: RunConfig) -> str:
+    if cfg.trainer.accelerator == "gpu" and not cuda_present():
+        raise ConfigError("trainer.accelerator is gpu, but no CUDA GPU is visible to this process (check "
+                          "CUDA_VISIBLE_DEVICES and the torch build); use trainer.accelerator auto or cpu")
     if cfg.trainer.accelerator != "auto":
         return cfg.trainer.accelerator
     return "gpu" if cuda_present() else "cpu"
@@ -129,11 +132,13 @@ def build_module(cfg: RunConfig, device: torch.device | None) -> GPTTrainingModu
     return module
 
 
-def check_host_memory(cfg: RunConfig, world: int, in_workers: bool) -> None:
-    """Refuse, before any data is read or worker started, a GPU count whose host memory cannot fit."""
+def check_host_memory(cfg: RunConfig, world: int, in_workers: bool, microbatch: int) -> None:
+    """Refuse, before any data is read or worker started, a run whose host memory cannot fit: a GPU
+    count over the job's budget, or a CPU run (activations in host memory) over what the machine has."""
     if resolve_accelerator(cfg) != "gpu":
-        return  # the projection is of CUDA processes; CPU workers hold far less
-    problem = hostmem.host_budget_problem(cfg.trainer.host_memory_budget_gib, world, in_workers)
+        problem = hostmem.cpu_memory_problem(cfg.model, microbatch, world, hostmem.available_host_bytes())
+    else:
+        problem = hostmem.host_budget_problem(cfg.trainer.host_memory_budget_gib, world, in_workers)
     if problem is not None:
         raise ConfigError(problem)
 

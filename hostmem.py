@@ -100,6 +100,67 @@ def host_budget_problem(budget_gib: float, world: int, in_workers: bool) -> str 
     )
 
 
+# A CPU run keeps its activations in host memory too, and the reference model at microbatch 8
+# needs about 70 GiB there: the machine's own OOM killer, not a message, would end it. A process's
+# peak RSS in the probe (two eager fp32 steps on worst-case rows) fits, within 3 % over 8 models
+# (1-6 layers, width 32-256, rows of 64-2048, microbatch 1-16; 2-core CPU, torch 2.13,
+# docs/PERFORMANCE.md, 2026-12-01):
+#   0.37 GiB imported + 16 B per parameter (weights, gradients, AdamW's two moments)
+#   + tokens x layers x width x 20 fp32 values (the blocks' saved activations)
+#   + min(tokens, loss chunk) x padded vocabulary x 3.5 fp32 values (logits, their softmax and gradient)
+#   + rows x row length^2 x heads x layers x 0.5 fp32 values (SDPA with a document mask).
+CPU_PROCESS_GIB = 0.37
+CPU_FP32_PER_TOKEN_LAYER_WIDTH = 20
+CPU_FP32_PER_LOGIT = 3.5
+CPU_FP32_PER_ATTENTION_PAIR = 0.5
+
+
+def cpu_process_bytes(model, microbatch: int) -> float:
+    """A CPU training process's peak host memory at ``microbatch`` rows (``model`` a GPTConfig)."""
+    L, C, T = model.n_layer, model.n_embd, model.max_seq_len
+    vocab = -(-model.vocab_size // 128) * 128
+    tokens = microbatch * T
+    parameters = vocab * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
+    logits = min(tokens, model.loss_chunk_tokens or tokens) * vocab
+    values = (CPU_FP32_PER_TOKEN_LAYER_WIDTH * tokens * L * C + CPU_FP32_PER_LOGIT * logits
+              + CPU_FP32_PER_ATTENTION_PAIR * microbatch * T * T * model.n_head * L)
+    return CPU_PROCESS_GIB * GIB + 16 * parameters + 4 * values
+
+
+def available_host_bytes() -> float | None:
+    """Memory this process may still take: the kernel's MemAvailable, capped by a cgroup v2 limit."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def cpu_memory_problem(model, microbatch: int, processes: int, available: float | None) -> str | None:
+    """Why ``processes`` CPU training processes at ``microbatch`` rows cannot fit ``available`` bytes, or None."""
+    if available is None:
+        return None
+    need = processes * cpu_process_bytes(model, microbatch)
+    if need <= available:
+        return None
+    fits = [m for m in range(microbatch - 1, 0, -1) if processes * cpu_process_bytes(model, m) <= available]
+    advice = f"--microbatch {fits[0]}, " if fits else ""
+    return (
+        f"training on the CPU at microbatch {microbatch} needs about {need / GIB:.1f} GiB of host memory "
+        f"({processes} process(es): activations, logits and attention of {microbatch} rows of {model.max_seq_len} "
+        f"tokens, {model.n_layer} layers of width {model.n_embd}), but {available / GIB:.1f} GiB are available. "
+        f"Use {advice}a smaller model (--config conf/smoke.yaml), or a GPU"
+    )
+
+
 # ----------------------------------------------------------------------------- stages
 
 

@@ -34,6 +34,16 @@ class OptimConfig:
 
     def problems(self, max_steps: int) -> list[str]:
         """What makes the schedule impossible; ``max_steps`` (trainer.max_steps) is where decay_steps comes from by default."""
+        ranges = [
+            ("optim.lr", self.lr > 0, "> 0"), ("optim.min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+            ("optim.weight_decay", self.weight_decay >= 0, ">= 0"), ("optim.beta1", 0 <= self.beta1 < 1, "in [0, 1)"),
+            ("optim.beta2", 0 <= self.beta2 < 1, "in [0, 1)"), ("optim.eps", self.eps > 0, "> 0"),
+            ("optim.grad_clip", self.grad_clip >= 0, ">= 0 (0: none)"),
+            ("optim.warmup_steps", self.warmup_steps >= 0, ">= 0"),
+        ]
+        found = [f"{name} must be {rule}, not {getattr(self, name.split('.')[1])}" for name, ok, rule in ranges if not ok]
+        if found:
+            return found
         if self.schedule not in SCHEDULES:
             return [f"optim.schedule must be one of {', '.join(SCHEDULES)}, not {self.schedule!r}"]
         if self.schedule == "cosine" and self.decay_steps is None:

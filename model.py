@@ -68,8 +68,11 @@ class GPTConfig:
             raise ValueError("; ".join(self.problems()))
 
     def problems(self) -> list[str]:
-        found = []
-        if self.n_embd % self.n_head:
+        found = [f"model.{name} must be at least 1, not {getattr(self, name)}"
+                 for name in ("vocab_size", "n_layer", "n_head", "n_embd", "max_seq_len") if getattr(self, name) < 1]
+        if self.loss_chunk_tokens < 0 or self.layer_norm_eps <= 0 or self.init_std <= 0:
+            found.append("model.loss_chunk_tokens must be >= 0, model.layer_norm_eps and model.init_std > 0")
+        if self.n_head >= 1 and self.n_embd % self.n_head:
             found.append(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
         if self.attention not in ATTENTION_CHOICES:
             found.append(f"model.attention must be one of {', '.join(ATTENTION_CHOICES)}, not {self.attention!r}")

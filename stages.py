@@ -462,6 +462,12 @@ class DataConfig:
             found.append(f"data.source must be one of {', '.join(INPUT_SOURCES)}, not {self.source!r}")
         if not 0 <= self.val_fraction < 1:
             found.append("data.val_fraction must lie in [0, 1)")
+        found += [f"data.{name} must be at least 1, not {getattr(self, name)}" for name in (
+            "microbatch", "max_record_bytes", "give_up_after", "tokenize_batch_docs", "tokenize_batch_bytes",
+            "tokenizer_threads", "shuffle_buffer_docs", "shuffle_buffer_tokens", "prefetch_updates",
+        ) if getattr(self, name) < 1]
+        if self.val_max_tokens < 0 or self.max_train_tokens is not None and self.max_train_tokens < 1:
+            found.append("data.val_max_tokens must be >= 0 and data.max_train_tokens at least 1 (or null: no budget)")
         return found
 
 

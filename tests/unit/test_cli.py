@@ -98,3 +98,42 @@ def test_runfab_path_never_imports_jsonargparse():
             "assert 'jsonargparse' not in sys.modules and 'cli' not in sys.modules, 'imported on the hook path'\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("override, says", [
+    ("model.n_layer=0", "model.n_layer must be at least 1, not 0"),
+    ("model.n_head=0", "model.n_head must be at least 1"),  # was a ZeroDivisionError in the divisibility check
+    ("model.max_seq_len=0", "model.max_seq_len must be at least 1"),
+    ("trainer.devices=0", "trainer.devices must be at least 1"),
+    ("trainer.val_every_steps=-5", "trainer.val_every_steps must be >= 0"),
+    ("trainer.precision=garbage", "trainer.precision must be one of 32-true"),
+    ("trainer.accelerator=tpu", "trainer.accelerator must be one of auto, cpu, gpu"),
+    ("optim.lr=-1", "optim.lr must be > 0"),
+    ("optim.warmup_steps=-2", "optim.warmup_steps must be >= 0"),
+    ("data.microbatch=0", "data.microbatch must be at least 1"),
+    ("model.compile_scope=x", "with the command line's overrides"),  # a command-line value is not the file's fault
+])
+def test_a_value_no_run_can_use_is_refused_when_the_config_loads(override, says):
+    from config import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        load_config("conf/smoke.yaml", [override])
+    assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_config_file_that_is_not_a_mapping_is_refused(tmp_path):
+    from config import ConfigError
+
+    path = tmp_path / "list.yaml"
+    path.write_text("- model\n- data\n")
+    with pytest.raises(ConfigError, match="must hold a mapping of sections"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("microbatch, accumulation", [(0, None), (None, 0), (-3, None)])
+def test_a_command_line_split_below_one_row_is_refused_not_replaced(microbatch, accumulation):
+    from batch_split import BatchSplit
+    from config import ConfigError
+
+    with pytest.raises(ConfigError, match="must be at least 1|must equal EFFECTIVE_BATCH_SIZE"):
+        BatchSplit.for_command_line(32, 1, 8, microbatch, accumulation)

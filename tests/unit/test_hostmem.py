@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from omegaconf import OmegaConf
 
 import hostmem
 import train
@@ -15,6 +16,7 @@ from batch_split import BatchSplit
 import probe
 import training_run
 from config import ConfigError, load_config
+from tests.helpers import ROOT
 from tools.check import process_family
 
 
@@ -35,7 +37,8 @@ def test_pss_of_a_tree_counts_a_child_and_shares_what_parent_and_child_map():
     assert hostmem.read_rollup(child.pid) == {}  # a process that is gone adds nothing
 
 
-def test_a_gpu_count_over_the_host_budget_is_refused_before_any_input_is_read():
+def test_a_gpu_count_over_the_host_budget_is_refused_before_any_input_is_read(monkeypatch):
+    monkeypatch.setattr("device_policy.cuda_present", lambda: True)  # the refusal comes before any CUDA call
     overrides = ["trainer.accelerator=gpu", "trainer.devices=8", "trainer.host_memory_budget_gib=8"]
     cfg = load_config("conf/smoke.yaml", overrides)
     need = hostmem.projected_host_gib(8)
@@ -53,3 +56,34 @@ def test_a_gpu_count_over_the_host_budget_is_refused_before_any_input_is_read():
     assert "Use at most 3 GPUs" in hostmem.host_budget_problem(8.0, 4, True)
     assert hostmem.host_budget_problem(0, 64, True) is None  # 0 switches the check off
     assert hostmem.host_budget_problem(8.0, 1, False) is None  # one GPU trains in RunFab's own process
+
+
+def test_the_cpu_estimate_matches_a_measured_probe_within_a_tenth(tmp_path):
+    """The estimate a CPU run is refused by, against the peak RSS of a real probe (two fp32 steps)."""
+    overrides = ["model.n_layer=3", "model.n_embd=96", "model.n_head=3", "model.max_seq_len=768"]
+    config = tmp_path / "cpu.yaml"  # smoke.yaml with a model big enough for activations to dominate
+    OmegaConf.save(OmegaConf.merge(OmegaConf.load(ROOT / "conf/smoke.yaml"), OmegaConf.from_dotlist(overrides)), config)
+    code = ("import resource, train; train.probe_batch(4); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    env = {**__import__("os").environ, "RUNFAB_CONFIG": str(config), "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = int(result.stdout.split()[-1])
+    estimate = hostmem.cpu_process_bytes(load_config(config).model, 4)
+    assert 0.9 < estimate / measured < 1.1, (estimate, measured)
+
+
+def test_a_cpu_run_that_cannot_fit_the_machine_is_refused_with_a_microbatch_that_fits(monkeypatch):
+    cfg = load_config("conf/config.yaml", ["trainer.accelerator=cpu"])  # the reference model: 71 GiB at 8 rows
+    need_8, need_1 = (hostmem.cpu_process_bytes(cfg.model, m) for m in (8, 1))
+    assert need_8 > 60 * hostmem.GIB and need_1 < 16 * hostmem.GIB
+    monkeypatch.setattr(hostmem, "available_host_bytes", lambda: 16 * hostmem.GIB)
+    stdin = io.BytesIO(b'{"text": "never read"}\n')
+    with pytest.raises(ConfigError) as error:
+        training_run.run_training(cfg, BatchSplit(8, 4, 1, train.EFFECTIVE_BATCH_SIZE), stdin=stdin)
+    message = str(error.value)
+    assert f"{need_8 / hostmem.GIB:.1f} GiB" in message and "16.0 GiB are available" in message
+    assert "--microbatch " in message and "conf/smoke.yaml" in message and stdin.tell() == 0
+    assert hostmem.cpu_memory_problem(cfg.model, 1, 1, 16 * hostmem.GIB) is None
+    assert hostmem.cpu_memory_problem(cfg.model, 1, 1, None) is None  # nothing known: no refusal
