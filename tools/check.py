@@ -819,8 +819,9 @@ def check_bundle(path: str | Path, options: Options | None = None, out: TextIO |
 
         options = replace(options, probe_limit=PROBE_SECONDS)
     out = out or sys.stdout
+    visible = cuda_gpus() if options.cuda else max(1, visible_gpus())
     source = BundleSource.open(Path(path).resolve())
-    gpus, gpus_from = (options.gpus, "--gpus") if options.gpus else (max(1, visible_gpus()), "visible on this machine")
+    gpus, gpus_from = (options.gpus, "--gpus") if options.gpus else (visible, "visible on this machine")
     emit(out, f"RunFab contract check of {source.path} ({source.kind}, {len(source.files)} files"
               + (f"; {source.selection}" if source.selection else "") + ")")
     devices = os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)") if options.cuda else '""'
@@ -880,6 +881,17 @@ def visible_gpus() -> int:
         return torch.cuda.device_count()
     except Exception:  # a broken driver counts as no GPU here; the probe would tell the rest
         return 0
+
+
+def cuda_gpus() -> int:
+    """The GPUs ``--cuda`` hands to the children. None is a usage error: the children would run on
+    the CPU, and their pass would be taken for the GPU run that was asked for."""
+    gpus = visible_gpus()
+    if not gpus:
+        devices = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = "" if devices is None else f" (CUDA_VISIBLE_DEVICES={devices!r})"
+        raise UsageError(f"--cuda: no CUDA GPU is visible on this machine{shown}; leave out --cuda to run on the CPU")
+    return gpus
 
 
 def show(out: TextIO, result: Result, index: int) -> None:

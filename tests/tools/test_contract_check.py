@@ -306,3 +306,11 @@ def test_probe_stdin_use_is_blamed_on_the_import_when_the_import_reads_it(tmp_pa
     results = check(write_bundle(tmp_path / "p", header="DATA = sys.stdin.read()"))
     assert results["import"].verdict == FAIL and results["probe"].verdict == PASS
     assert any("the import already consumes it" in note for note in results["probe"].notes)
+
+
+def test_cuda_without_a_visible_gpu_is_a_usage_error(good, monkeypatch, capsys):
+    """--cuda on a machine without a GPU would pass a CPU run off as the GPU check asked for: refused, as emulate does."""
+    monkeypatch.setattr(contract_check, "visible_gpus", lambda: 0)
+    assert contract_check.main(["--cuda", str(good)]) == 2
+    captured = capsys.readouterr()
+    assert "no CUDA GPU is visible" in captured.err and captured.err.count("\n") == 1 and captured.out == ""
