@@ -819,9 +819,10 @@ def check_bundle(path: str | Path, options: Options | None = None, out: TextIO |
 
         options = replace(options, probe_limit=PROBE_SECONDS)
     out = out or sys.stdout
-    visible = cuda_gpus() if options.cuda else max(1, visible_gpus())
+    visible = cuda_gpus() if options.cuda else None  # refused before anything runs when there are none
     source = BundleSource.open(Path(path).resolve())
-    gpus, gpus_from = (options.gpus, "--gpus") if options.gpus else (visible, "visible on this machine")
+    gpus, gpus_from = ((options.gpus, "--gpus") if options.gpus
+                       else (visible or max(1, visible_gpus()), "visible on this machine"))
     emit(out, f"RunFab contract check of {source.path} ({source.kind}, {len(source.files)} files"
               + (f"; {source.selection}" if source.selection else "") + ")")
     devices = os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)") if options.cuda else '""'
