@@ -55,7 +55,7 @@ from feeder import UpdateFeeder  # noqa: E402
 from stages import ValidationPool  # noqa: E402
 from lit_module import GPTTrainingModule  # noqa: E402
 from model import training_flops  # noqa: E402
-from tools.check import process_family  # noqa: E402
+from tools.check import dies_with_parent, process_family  # noqa: E402
 
 LAYOUTS = {
     # Heavy-tailed document lengths with a mean near 1,000 tokens: many documents per row.
@@ -120,11 +120,13 @@ def run_lightning(layout: str, args, out: Path, name: str = "lightning", extra: 
     if args.records:  # written beforehand: no generator competing for the 2 cores the job is pinned to
         generator, source = None, args.records.open("rb")
     else:
-        generator = subprocess.Popen(records_command(layout, args.docs), stdout=subprocess.PIPE)
+        generator = subprocess.Popen(records_command(layout, args.docs), stdout=subprocess.PIPE,
+                                     preexec_fn=dies_with_parent())
         source = generator.stdout
     started = time.perf_counter()
     process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *overrides], stdin=source, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=dies_with_parent())
     sampler = MemorySampler(process)
     sampler.start()
     stdout, stderr = process.communicate()
@@ -220,7 +222,8 @@ def probe_timing(args) -> dict:
     env = dict(os.environ, **{hostmem.STAGE_LOG_ENV: str(stages)})
     started = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-c", f"import train; train.probe_batch({args.probe_timing})"],
-                               cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                               cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=dies_with_parent())
     sampler = MemorySampler(process)
     sampler.start()
     _, stderr = process.communicate()
@@ -242,7 +245,8 @@ def run_plain(layout: str, args) -> dict:
     cfg = load_config(overrides=["data.val_fraction=0", *args.set])
     accumulation = train.EFFECTIVE_BATCH_SIZE // args.microbatch
     encoder = training_run.load_encoder(cfg)
-    generator = subprocess.Popen(records_command(layout, args.docs), stdout=subprocess.PIPE)
+    generator = subprocess.Popen(records_command(layout, args.docs), stdout=subprocess.PIPE,
+                                 preexec_fn=dies_with_parent())
     split = BatchSplit(args.microbatch, accumulation, 1, train.EFFECTIVE_BATCH_SIZE)
     settings = training_run.stream_settings(cfg, encoder, split)
     feeder = UpdateFeeder(lambda: (generator.stdout, "generator"), settings, encoder.encode_batch_arrays, ValidationPool(0))
@@ -347,7 +351,8 @@ def host_pipeline(args) -> dict:
     split = BatchSplit(args.microbatch, train.EFFECTIVE_BATCH_SIZE // args.microbatch, 1, train.EFFECTIVE_BATCH_SIZE)
     settings = training_run.stream_settings(cfg, encoder, split)
     text = (ROOT / "data/sample.jsonl").read_bytes() * 30
-    ids = subprocess.run(records_command("realistic", 8_000), capture_output=True, check=True).stdout
+    ids = subprocess.run(records_command("realistic", 8_000), capture_output=True, check=True,
+                         preexec_fn=dies_with_parent()).stdout
     figures = {}
     for name, records in (("text", text), ("input_ids", ids)):
         feeder = UpdateFeeder(lambda: (io.BytesIO(records), name), settings, encoder.encode_batch_arrays,

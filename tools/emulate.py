@@ -76,7 +76,8 @@ def probe(sandbox: check.Sandbox, microbatch: int, cuda: bool, limit: float) -> 
     measured: dict = {}
     usage = Usage()
     process = subprocess.Popen(command, cwd=sandbox.bundle, env=sandbox.env(cuda), stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                               preexec_fn=check.dies_with_parent())
     sampler = threading.Thread(target=sample_memory, args=(process, usage), daemon=True)
     sampler.start()
     try:
@@ -152,7 +153,7 @@ def run_training(sandbox: check.Sandbox, microbatch: int, accumulation: int, cud
     command = [sys.executable, "-c", f"import train; train.train({microbatch}, {accumulation})"]
     start = time.monotonic()
     process = subprocess.Popen(command, cwd=sandbox.bundle, env=sandbox.env(cuda), stdin=stdin,
-                               stdout=subprocess.PIPE, start_new_session=True)
+                               stdout=subprocess.PIPE, start_new_session=True, preexec_fn=check.dies_with_parent())
     watchdog = threading.Thread(target=watch, args=(process, sandbox, usage), daemon=True)
     watchdog.start()
     lines = 0
