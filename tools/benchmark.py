@@ -15,7 +15,8 @@ Extra runs, in the same job:
                   the peak host memory (RSS and PSS summed over the process tree) of both paths.
   --memory-sweep  the probe (eager, as RunFab runs it) and the same probe compiled, at every
                   candidate microbatch: compiled peak memory must not exceed eager.
-  --host-pipeline the data pipeline alone (stdin -> tokens -> rows -> updates), no GPU needed.
+  --host-pipeline the data pipeline alone (stdin -> tokens -> rows -> updates), no GPU needed: the one
+                  mode that runs on a CPU; every other one is refused at once there.
   --scaling       data parallelism: `train.py` on 1 GPU (microbatch x 2) then on 2 GPUs (microbatch x 1
                   each), the same job, each with a cold compile cache as on RunFab: tokens/s, scaling, peak
                   host memory (PSS summed over the tree, RSS beside it) and each process's memory by stage.
@@ -421,6 +422,17 @@ def print_table(results: dict, args) -> None:
             print(f"{layout:<10} Lightning / nanoGPT recipe, same job: {ratio:.3f} (target 2: 1.15)")
 
 
+def gpu_run(args) -> str | None:
+    """What main would run that needs a CUDA GPU, in main's order; None for --host-pipeline alone, the CPU mode."""
+    if args.probe_timing:
+        return "--probe-timing"
+    if args.scaling:
+        return "--scaling"
+    if args.host_pipeline:
+        return None
+    return "the Lightning and plain-loop runs (--layouts, --observe, --workers, --reference, --memory-sweep)"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
@@ -446,6 +458,11 @@ def main() -> int:
                         help="add a Lightning run with these overrides on top of --set; repeat for more runs")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
     args = parser.parse_args()
+    needs_gpu = gpu_run(args)
+    if needs_gpu and not device_policy.cuda_present():  # on a CPU they would run for hours and take all the RAM
+        print(f"benchmark: {needs_gpu} cannot run without a CUDA GPU, and none is visible; on a CPU only "
+              "--host-pipeline runs", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     cache = Path(os.environ.get("BENCH_COMPILE_CACHE", args.out / "compile-cache"))
     device_policy.prepare_compile(cache, 1)  # shared by every run of the job: train.py keeps a folder the environment names
