@@ -5,23 +5,34 @@ from __future__ import annotations
 import importlib
 import sys
 
-# command -> module whose main(argv) runs it
+# command -> (module whose main(argv) runs it, the line --help shows for it)
 COMMANDS = {
-    "package": "tools.package",  # write the upload ZIP (--dry-run lists it)
-    "check": "tools.check",  # check a ZIP or folder against the contract, as RunFab runs it
-    "emulate": "tools.emulate",  # RunFab's probe-then-train procedure on this machine
-    "report": "tools.report",  # one HTML page of a run's output
-    "tokenizer": "tokenizer",  # train a byte-level BPE tokenizer.json from NDJSON
+    "package": ("tools.package", "write the upload ZIP (--dry-run lists it)"),
+    "check": ("tools.check", "check a ZIP or folder against the contract, as RunFab runs it"),
+    "emulate": ("tools.emulate", "RunFab's probe-then-train procedure on this machine"),
+    "report": ("tools.report", "one HTML page of a run's output"),
+    "tokenizer": ("tokenizer", "train a byte-level BPE tokenizer.json from NDJSON"),
 }
+USAGE = f"usage: python -m tools {{{','.join(COMMANDS)}}} [ARGS]"
+
+
+def help_text() -> str:
+    """The commands, one line each; modules are not imported, so help is instant."""
+    width = max(map(len, COMMANDS))
+    rows = [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    return "\n".join([USAGE, "", "commands:", *rows, "", "python -m tools COMMAND --help describes one command."])
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(help_text())
+        return 0
     if not argv or argv[0] not in COMMANDS:
         found = f"got {argv[0]!r}" if argv else "got none"
-        print(f"usage: python -m tools {{{','.join(COMMANDS)}}} [ARGS]: expected a command, {found}", file=sys.stderr)
+        print(f"{USAGE}: expected a command, {found} (--help lists them)", file=sys.stderr)
         return 2
-    return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
+    return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
 
 
 if __name__ == "__main__":

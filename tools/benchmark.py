@@ -15,7 +15,8 @@ Extra runs, in the same job:
                   the peak host memory (RSS and PSS summed over the process tree) of both paths.
   --memory-sweep  the probe (eager, as RunFab runs it) and the same probe compiled, at every
                   candidate microbatch: compiled peak memory must not exceed eager.
-  --host-pipeline the data pipeline alone (stdin -> tokens -> rows -> updates), no GPU needed.
+  --host-pipeline the data pipeline alone (stdin -> tokens -> rows -> updates), no GPU needed: the one
+                  mode that runs on a CPU; every other one is refused at once there.
   --scaling       data parallelism: `train.py` on 1 GPU (microbatch x 2) then on 2 GPUs (microbatch x 1
                   each), the same job, each with a cold compile cache as on RunFab: tokens/s, scaling, peak
                   host memory (PSS summed over the tree, RSS beside it) and each process's memory by stage.
@@ -55,7 +56,7 @@ from feeder import UpdateFeeder  # noqa: E402
 from stages import ValidationPool  # noqa: E402
 from lit_module import GPTTrainingModule  # noqa: E402
 from model import training_flops  # noqa: E402
-from tools.check import process_family  # noqa: E402
+from tools.check import dies_with_parent, process_family  # noqa: E402
 
 LAYOUTS = {
     # Heavy-tailed document lengths with a mean near 1,000 tokens: many documents per row.
@@ -120,11 +121,13 @@ def run_lightning(layout: str, args, out: Path, name: str = "lightning", extra: 
     if args.records:  # written beforehand: no generator competing for the 2 cores the job is pinned to
         generator, source = None, args.records.open("rb")
     else:
-        generator = subprocess.Popen(records_command(layout, args.docs), stdout=subprocess.PIPE)
+        generator = subprocess.Popen(records_command(layout, args.docs), stdout=subprocess.PIPE,
+                                     preexec_fn=dies_with_parent())
         source = generator.stdout
     started = time.perf_counter()
     process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *overrides], stdin=source, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=dies_with_parent())
     sampler = MemorySampler(process)
     sampler.start()
     stdout, stderr = process.communicate()
@@ -220,7 +223,8 @@ def probe_timing(args) -> dict:
     env = dict(os.environ, **{hostmem.STAGE_LOG_ENV: str(stages)})
     started = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-c", f"import train; train.probe_batch({args.probe_timing})"],
-                               cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                               cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=dies_with_parent())
     sampler = MemorySampler(process)
     sampler.start()
     _, stderr = process.communicate()
@@ -242,7 +246,8 @@ def run_plain(layout: str, args) -> dict:
     cfg = load_config(overrides=["data.val_fraction=0", *args.set])
     accumulation = train.EFFECTIVE_BATCH_SIZE // args.microbatch
     encoder = training_run.load_encoder(cfg)
-    generator = subprocess.Popen(records_command(layout, args.docs), stdout=subprocess.PIPE)
+    generator = subprocess.Popen(records_command(layout, args.docs), stdout=subprocess.PIPE,
+                                 preexec_fn=dies_with_parent())
     split = BatchSplit(args.microbatch, accumulation, 1, train.EFFECTIVE_BATCH_SIZE)
     settings = training_run.stream_settings(cfg, encoder, split)
     feeder = UpdateFeeder(lambda: (generator.stdout, "generator"), settings, encoder.encode_batch_arrays, ValidationPool(0))
@@ -347,7 +352,8 @@ def host_pipeline(args) -> dict:
     split = BatchSplit(args.microbatch, train.EFFECTIVE_BATCH_SIZE // args.microbatch, 1, train.EFFECTIVE_BATCH_SIZE)
     settings = training_run.stream_settings(cfg, encoder, split)
     text = (ROOT / "data/sample.jsonl").read_bytes() * 30
-    ids = subprocess.run(records_command("realistic", 8_000), capture_output=True, check=True).stdout
+    ids = subprocess.run(records_command("realistic", 8_000), capture_output=True, check=True,
+                         preexec_fn=dies_with_parent()).stdout
     figures = {}
     for name, records in (("text", text), ("input_ids", ids)):
         feeder = UpdateFeeder(lambda: (io.BytesIO(records), name), settings, encoder.encode_batch_arrays,
@@ -416,6 +422,17 @@ def print_table(results: dict, args) -> None:
             print(f"{layout:<10} Lightning / nanoGPT recipe, same job: {ratio:.3f} (target 2: 1.15)")
 
 
+def gpu_run(args) -> str | None:
+    """What main would run that needs a CUDA GPU, in main's order; None for --host-pipeline alone, the CPU mode."""
+    if args.probe_timing:
+        return "--probe-timing"
+    if args.scaling:
+        return "--scaling"
+    if args.host_pipeline:
+        return None
+    return "the Lightning and plain-loop runs (--layouts, --observe, --workers, --reference, --memory-sweep)"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
@@ -441,6 +458,11 @@ def main() -> int:
                         help="add a Lightning run with these overrides on top of --set; repeat for more runs")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
     args = parser.parse_args()
+    needs_gpu = gpu_run(args)
+    if needs_gpu and not device_policy.cuda_present():  # on a CPU they would run for hours and take all the RAM
+        print(f"benchmark: {needs_gpu} cannot run without a CUDA GPU, and none is visible; on a CPU only "
+              "--host-pipeline runs", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     cache = Path(os.environ.get("BENCH_COMPILE_CACHE", args.out / "compile-cache"))
     device_policy.prepare_compile(cache, 1)  # shared by every run of the job: train.py keeps a folder the environment names

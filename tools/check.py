@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import ctypes
 import hashlib
 import importlib
 import inspect
@@ -322,6 +323,33 @@ def new_processes(entries: list[str], exclude: list[str]) -> list[str]:
     return unique
 
 
+PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
+
+
+def dies_with_parent():
+    """A ``preexec_fn`` that has the kernel SIGKILL the child when this process ends, however it ends.
+
+    The tools start their children in sessions of their own, so neither a terminal's Ctrl-C nor a
+    killed tool reaches them; without this a probe or a training run keeps the machine's memory
+    under PID 1. (launcher.exit_with_parent does the same from inside the trainer's own workers; a
+    tool's children run commands the tool does not write.) The signal comes when the thread that
+    started the child ends, so start children from the main thread. None where prctl is missing
+    (not Linux): the children then outlive a killed tool, as before.
+    """
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the forked child only calls it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the call: no signal will come
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return arm
+
+
 def kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -516,7 +544,7 @@ def run_child(sandbox: Sandbox, mode: str, options: Options, microbatch: int, ti
         child = subprocess.Popen(
             [sys.executable, "-B", "-c", CHILD_BOOTSTRAP, str(Path(__file__).resolve()), str(spec_path)],
             cwd=sandbox.cwd, env=sandbox.env(options.cuda), stdin=subprocess.PIPE, stdout=out, stderr=err,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=dies_with_parent(),
         )
     feeder = threading.Thread(target=feed, args=(child.stdin, payload), daemon=True)
     feeder.start()
@@ -819,8 +847,10 @@ def check_bundle(path: str | Path, options: Options | None = None, out: TextIO |
 
         options = replace(options, probe_limit=PROBE_SECONDS)
     out = out or sys.stdout
+    visible = cuda_gpus() if options.cuda else None  # refused before anything runs when there are none
     source = BundleSource.open(Path(path).resolve())
-    gpus, gpus_from = (options.gpus, "--gpus") if options.gpus else (max(1, visible_gpus()), "visible on this machine")
+    gpus, gpus_from = ((options.gpus, "--gpus") if options.gpus
+                       else (visible or max(1, visible_gpus()), "visible on this machine"))
     emit(out, f"RunFab contract check of {source.path} ({source.kind}, {len(source.files)} files"
               + (f"; {source.selection}" if source.selection else "") + ")")
     devices = os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)") if options.cuda else '""'
@@ -880,6 +910,17 @@ def visible_gpus() -> int:
         return torch.cuda.device_count()
     except Exception:  # a broken driver counts as no GPU here; the probe would tell the rest
         return 0
+
+
+def cuda_gpus() -> int:
+    """The GPUs ``--cuda`` hands to the children. None is a usage error: the children would run on
+    the CPU, and their pass would be taken for the GPU run that was asked for."""
+    gpus = visible_gpus()
+    if not gpus:
+        devices = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = "" if devices is None else f" (CUDA_VISIBLE_DEVICES={devices!r})"
+        raise UsageError(f"--cuda: no CUDA GPU is visible on this machine{shown}; leave out --cuda to run on the CPU")
+    return gpus
 
 
 def show(out: TextIO, result: Result, index: int) -> None:

@@ -76,7 +76,8 @@ def probe(sandbox: check.Sandbox, microbatch: int, cuda: bool, limit: float) -> 
     measured: dict = {}
     usage = Usage()
     process = subprocess.Popen(command, cwd=sandbox.bundle, env=sandbox.env(cuda), stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                               preexec_fn=check.dies_with_parent())
     sampler = threading.Thread(target=sample_memory, args=(process, usage), daemon=True)
     sampler.start()
     try:
@@ -152,7 +153,7 @@ def run_training(sandbox: check.Sandbox, microbatch: int, accumulation: int, cud
     command = [sys.executable, "-c", f"import train; train.train({microbatch}, {accumulation})"]
     start = time.monotonic()
     process = subprocess.Popen(command, cwd=sandbox.bundle, env=sandbox.env(cuda), stdin=stdin,
-                               stdout=subprocess.PIPE, start_new_session=True)
+                               stdout=subprocess.PIPE, start_new_session=True, preexec_fn=check.dies_with_parent())
     watchdog = threading.Thread(target=watch, args=(process, sandbox, usage), daemon=True)
     watchdog.start()
     lines = 0
@@ -196,6 +197,7 @@ def write_report(output_root: Path, folder: Path) -> Path:
 
 def emulate(bundle: Path, report: Path, cuda: bool, gpus: int | None, microbatches: list[int] | None,
             out: TextIO, log: TextIO, stdin=None) -> Emulation:
+    visible = check.cuda_gpus() if cuda else 1
     source = check.BundleSource.open(bundle)
     report.mkdir(parents=True, exist_ok=True)
     with check.Sandbox(source, keep=False) as sandbox:
@@ -203,7 +205,7 @@ def emulate(bundle: Path, report: Path, cuda: bool, gpus: int | None, microbatch
         effective, why = check.batch_literal(tree) if tree is not None else (None, error)
         if effective is None:
             raise check.UsageError(f"cannot read EFFECTIVE_BATCH_SIZE: {why}")
-        gpus = gpus or (check.visible_gpus() if cuda else 1)
+        gpus = gpus or visible
         result = Emulation(gpus=gpus, effective_batch_size=effective)
         for k in microbatches or candidates(effective, gpus):
             outcome = probe(sandbox, k, cuda, PROBE_LIMIT)
@@ -237,13 +239,25 @@ def emulate(bundle: Path, report: Path, cuda: bool, gpus: int | None, microbatch
     return result
 
 
+def microbatch_value(text: str) -> int:
+    """One value of ``--microbatches``. The list takes every word up to the next option, so a word that is
+    not a count is most likely the bundle, and the message says how to place it."""
+    try:
+        return check.positive_int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a microbatch (a whole number); name the bundle before "
+                                         "--microbatches, or end the list with --") from None
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools emulate", description=__doc__.splitlines()[0])
     parser.add_argument("bundle", nargs="?", default=str(check.PROJECT_ROOT), help="ZIP or folder")
     parser.add_argument("--report", type=Path, default=Path("emulate-report"), help="where summary and plots go")
     parser.add_argument("--cuda", action="store_true", help="let the children see the GPUs (default: CPU only)")
-    parser.add_argument("--gpus", type=int, help="GPU count to plan for (default: visible GPUs with --cuda, else 1)")
-    parser.add_argument("--microbatches", type=int, nargs="+", help="candidates to probe instead of every divisor")
+    parser.add_argument("--gpus", type=check.positive_int,
+                        help="GPU count to plan for (default: visible GPUs with --cuda, else 1)")
+    parser.add_argument("--microbatches", type=microbatch_value, nargs="+", metavar="K",
+                        help="candidates to probe instead of every divisor (bundle first, or after --)")
     args = parser.parse_args(argv)
     try:
         result = emulate(Path(args.bundle), args.report, args.cuda, args.gpus, args.microbatches, sys.stdout, sys.stderr)

@@ -21,6 +21,8 @@ The archive is reproducible: entries sorted by name, timestamps fixed at 1980-01
 0644, DEFLATE at level 9 and no extra fields, so the same files give the same bytes (with the same
 zlib). The file is named ``runfab-trainer-<first 12 hex digits of its SHA-256>.zip``: an upload can
 be checked against its name with ``sha256sum``, and two different bundles never overwrite each other.
+Writing one removes the earlier bundles of that name pattern from the output folder, so ``dist/*.zip``
+names exactly one file (what ``check`` and ``emulate`` take); nothing else there is touched.
 
 Messages go to stderr; stdout carries only the file listing of ``--dry-run``.
 """
@@ -47,6 +49,7 @@ from shipping import git_files, shipped_files, untracked_matches
 
 DEFAULT_ROOT = Path(__file__).resolve().parent.parent
 ZIP_PREFIX = "runfab-trainer-"
+ZIP_NAME_PATTERN = re.compile(re.escape(ZIP_PREFIX) + r"[0-9a-f]{12}\.zip")  # what zip_name() writes
 
 
 @dataclass(frozen=True)
@@ -292,6 +295,20 @@ def write_zip(root: Path, files: list[str], dest: Path, limits: Limits | None = 
     return path
 
 
+def remove_older_bundles(dest: Path, kept: Path) -> list[Path]:
+    """Delete the bundles this tool wrote into `dest` before `kept`; returns them.
+
+    Only regular files named as ``zip_name`` names them go: one bundle left means ``dist/*.zip``
+    is one argument, and an outdated ZIP cannot be uploaded by mistake.
+    """
+    removed = []
+    for path in sorted(dest.iterdir()):
+        if path != kept and ZIP_NAME_PATTERN.fullmatch(path.name) and path.is_file() and not path.is_symlink():
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
 # ----------------------------------------------------------------------------- command line
 
 
@@ -302,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Write the RunFab upload ZIP of this project (allow-listed files only) after checking it for "
         "secrets, weights, unsafe paths and RunFab's size limits.",
     )
-    parser.add_argument("--output", type=Path, help="folder for the ZIP (default: ROOT/dist)")
+    parser.add_argument("--output", type=Path,
+                        help="folder for the ZIP (default: ROOT/dist); earlier runfab-trainer-*.zip there are removed")
     parser.add_argument("--dry-run", action="store_true", help="list the files and sizes on stdout, write nothing")
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="project to pack (default: the project this tool belongs to)")
     args = parser.parse_args(argv)
@@ -340,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         print("package: dry run, nothing written", file=sys.stderr)
     else:
         print(f"package: wrote {path}: {summary}, sha256 {hashlib.sha256(data).hexdigest()}", file=sys.stderr)
+        for older in remove_older_bundles(path.parent, path):
+            print(f"package: removed the older bundle {older}", file=sys.stderr)
     return 0
 
 

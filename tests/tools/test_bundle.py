@@ -118,6 +118,22 @@ def test_real_project_zip_is_byte_identical_across_runs(tmp_path, capsys):
     assert first.read_bytes() == second.read_bytes()
 
 
+def test_a_new_bundle_replaces_the_earlier_ones_and_leaves_other_files(project, tmp_path, capsys):
+    """`check dist/*.zip` takes one ZIP: packing changed files removes the bundles packed before, nothing else."""
+    out = tmp_path / "dist"
+    assert pack(project, out, capsys)[0] == 0
+    first = only_zip(out)
+    others = [write(out, "notes.zip", b"mine"), write(out, "runfab-trainer-latest.zip", b"mine"),
+              write(out, "runfab-trainer-0123456789ab.zip.sha256", b"mine")]
+    write(project, "model.py", "x = 2\n")
+    code, _, stderr = pack(project, out, capsys)
+    assert code == 0, stderr
+    bundles = sorted(path for path in out.iterdir() if path not in others)
+    assert len(bundles) == 1 and bundles[0] != first, bundles
+    assert all(path.read_bytes() == b"mine" for path in others)
+    assert f"package: removed the older bundle {first}" in stderr.splitlines()
+
+
 def test_dry_run_lists_files_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "dist"
     code, stdout, stderr = pack(ROOT, out, capsys, "--dry-run")

@@ -11,10 +11,12 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import zipfile
 from pathlib import Path
 
@@ -306,3 +308,43 @@ def test_probe_stdin_use_is_blamed_on_the_import_when_the_import_reads_it(tmp_pa
     results = check(write_bundle(tmp_path / "p", header="DATA = sys.stdin.read()"))
     assert results["import"].verdict == FAIL and results["probe"].verdict == PASS
     assert any("the import already consumes it" in note for note in results["probe"].notes)
+
+
+def test_cuda_without_a_visible_gpu_is_a_usage_error(good, monkeypatch, capsys):
+    """--cuda on a machine without a GPU would pass a CPU run off as the GPU check asked for: refused, as emulate does."""
+    monkeypatch.setattr(contract_check, "visible_gpus", lambda: 0)
+    assert contract_check.main(["--cuda", str(good)]) == 2
+    captured = capsys.readouterr()
+    assert "no CUDA GPU is visible" in captured.err and captured.err.count("\n") == 1 and captured.out == ""
+
+
+def test_a_killed_check_takes_its_probe_child_with_it(tmp_path):
+    """The children run in sessions of their own: without the parent-death signal a killed tool left them under PID 1."""
+    pid_file = tmp_path / "probe.pid"
+    bundle = write_bundle(tmp_path / "slow", probe_body=f"""
+        open({str(pid_file)!r}, "w").write(str(os.getpid()))
+        time.sleep(120)
+    """)
+    sandboxes = tmp_path / "tmp"  # a killed check cannot remove its sandbox: it goes with tmp_path
+    sandboxes.mkdir()
+    tool = subprocess.Popen([sys.executable, "-m", "tools", "check", "--gpus", "1", str(bundle)], cwd=ROOT,
+                            env={**os.environ, "TMPDIR": str(sandboxes)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.is_file() or not pid_file.read_text():
+            assert tool.poll() is None and time.monotonic() < deadline, "the probe never started"
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+        tool.kill()
+        tool.wait()
+        deadline = time.monotonic() + 5
+        while is_running(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        survived = is_running(child)
+        if survived:
+            os.kill(child, signal.SIGKILL)
+        assert not survived, "the probe outlived the killed check"
+    finally:
+        tool.kill()
+        tool.wait()

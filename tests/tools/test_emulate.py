@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
+
 from tools import emulate
 
 from tests.helpers import ROOT, as_yaml, tiny
@@ -69,3 +71,23 @@ def test_probe_peaks_are_read_from_the_trainers_probe_line():
     assert emulate.probe_figures(["noise", line, "tail"]) == {"peak_allocated_gib": 17.5, "peak_reserved_gib": 18.0}
     assert emulate.probe_figures(["[x train] probe: {'microbatch': 8, 'steps': 4}"]) == {}  # CPU: no GPU peaks
     assert emulate.probe_figures(["Traceback", "torch.OutOfMemoryError: CUDA out of memory"]) == {}
+
+
+def test_cuda_without_a_visible_gpu_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(emulate.check, "visible_gpus", lambda: 0)
+    assert emulate.main([str(ROOT), "--cuda", "--report", str(tmp_path / "report")]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA GPU is visible" in err and err.count("\n") == 1
+    assert not (tmp_path / "report").exists()
+
+
+def test_a_bundle_after_microbatches_is_named_with_the_fix(tmp_path, capsys):
+    """--microbatches takes every word up to the next option: a bundle there gets a message saying where it goes."""
+    with pytest.raises(SystemExit) as exit_status:
+        emulate.main(["--microbatches", "8", "dist/x.zip"])
+    err = capsys.readouterr().err
+    assert exit_status.value.code == 2
+    assert "'dist/x.zip' is not a microbatch" in err and "before --microbatches" in err and "with --" in err
+    missing = tmp_path / "missing.zip"
+    assert emulate.main(["--microbatches", "8", "--", str(missing)]) == 2  # after --, it is the bundle
+    assert f"{missing} does not exist" in capsys.readouterr().err
