@@ -19,6 +19,7 @@ import json
 import sys
 import tokenize
 import typing
+from pathlib import Path
 from dataclasses import MISSING, dataclass, fields, is_dataclass
 from functools import cache
 
@@ -93,6 +94,14 @@ def main(argv: list[str], effective: int) -> int:
     return 0
 
 
+def config_from_here(path: str | None) -> str | None:
+    """--config names a file from the current folder when one is there, else one of the bundle's
+    (so --config conf/smoke.yaml works from any folder)."""
+    if path is not None and Path(path).expanduser().is_file():
+        return str(Path(path).expanduser().resolve())
+    return path
+
+
 def parse(argv: list[str]) -> Command:
     """Parse ``argv`` (without the program name); ``fit`` when no subcommand is named.
 
@@ -116,7 +125,7 @@ def parse(argv: list[str]) -> Command:
     options = {key: given.pop(key, None) for key in ("config", "microbatch", "accumulation")}
     return Command(
         name=name,
-        config_path=options["config"],
+        config_path=config_from_here(options["config"]),
         overrides=[f"{key}={json.dumps(value)}" for key, value in given.items()],
         microbatch=options["microbatch"],
         accumulation=options["accumulation"],

@@ -32,7 +32,7 @@ CONFIG_ENV = "RUNFAB_CONFIG"
 @dataclass
 class TrainerConfig:
     max_steps: int = 2000  # optimizer updates; -1: until the input ends
-    max_time: str | None = None  # "DD:HH:MM:SS": the whole training job, export included
+    max_time: str | None = None  # "DD:HH:MM:SS": training and export, counted from the start of fit
     export_reserve_seconds: int = 60  # kept out of max_time's training loop for the export and run record
     precision: str | None = None  # None: bf16-mixed on CUDA, 32-true on CPU
     accelerator: str = "auto"  # Lightning accelerator (gpu, cpu); auto: gpu when CUDA is available
@@ -140,7 +140,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Schema defaults <- YAML file <- dotted overrides ("model.n_layer=2"), then checked."""
     path = bundle_path(path) if path is not None else default_config_path()
     if not path.is_file():
-        raise ConfigError(f"config file {path} not found (set {CONFIG_ENV} to a YAML file of the bundle)")
+        raise ConfigError(f"config file {path} not found (a relative --config is looked for in the current folder, "
+                          f"then in the bundle; {CONFIG_ENV} names a file of the bundle)")
     source = f"{path} with the command line's overrides" if overrides else str(path)
     try:
         values = OmegaConf.load(path)

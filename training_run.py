@@ -14,7 +14,6 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -102,13 +101,22 @@ def claimed_output(root: Path):
         model_dir = root / "model"
         if model_dir.exists():
             previous = root / PREVIOUS_MODEL
-            shutil.rmtree(previous, ignore_errors=True)
+            kept = ""
+            if previous.exists():  # never deleted: it may hold the only copy of a model, or the user's own files
+                older = root / f"{PREVIOUS_MODEL}.{_next_free_number(root, PREVIOUS_MODEL)}"
+                previous.rename(older)
+                kept = f" (the model that was there is now in {older})"
             model_dir.rename(previous)
-            log.warning("an earlier run's model was in %s; it is now in %s", model_dir, previous)
+            log.warning("an earlier run's model was in %s; it is now in %s%s", model_dir, previous, kept)
         try:
             yield
         finally:
             (root / LOCK_NAME).unlink(missing_ok=True)
+
+
+def _next_free_number(root: Path, name: str) -> int:
+    taken = [int(p.name.rsplit(".", 1)[1]) for p in root.glob(f"{name}.*") if p.name.rsplit(".", 1)[1].isdigit()]
+    return max(taken, default=0) + 1
 
 
 def stream_settings(cfg: RunConfig, encoder: TextEncoder, split: BatchSplit) -> StreamSettings:
@@ -290,7 +298,8 @@ def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
             "documents or a fragmented allocator can need more than the probe's worst case: rerun with a smaller "
             "microbatch, or set model.activation_checkpointing: true. Original error: " + str(error)
         ) from error
-    log.info("finished: %d optimizer steps; model in %s", trainer.global_step, model_dir)
+    log.info("finished: %d optimizer steps; %s", trainer.global_step,
+             f"model in {model_dir}" if trainer.global_step else "no model exported")
     return {"steps": trainer.global_step, "model_dir": str(model_dir), "metrics": metrics.last_record}
 
 

@@ -399,3 +399,21 @@ def test_each_section_reports_its_problems_naming_the_choices(overrides, says):
         load_config("conf/smoke.yaml", overrides)
     for phrase in says:
         assert phrase in str(error.value)
+
+
+def test_an_earlier_model_is_moved_aside_and_never_deleted(tmp_path):
+    """Three runs on one output folder: the second run's model is previous-model/, the first's (with a
+    file the user added to it) is kept as previous-model.1/ instead of being deleted."""
+    from training_run import claimed_output
+
+    root = tmp_path / "out"
+    for run in (1, 2, 3):
+        with claimed_output(root):
+            (root / "model").mkdir()
+            (root / "model" / "run.txt").write_text(str(run))
+        if run == 1:
+            (root / "model" / "notes.txt").write_text("mine")
+    assert (root / "model" / "run.txt").read_text() == "3"
+    assert (root / "previous-model" / "run.txt").read_text() == "2"
+    assert (root / "previous-model.1" / "run.txt").read_text() == "1"
+    assert (root / "previous-model.1" / "notes.txt").read_text() == "mine"

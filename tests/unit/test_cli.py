@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 import cli
-from config import RunConfig, load_config
+from config import RunConfig, bundle_path, load_config
 
 from tests.helpers import ROOT
 
@@ -41,7 +41,7 @@ def test_help_lists_every_key_with_type_default_and_help(tmp_path):
 
 def test_every_key_has_a_line_of_help_from_its_field_comment():
     helps = {key: text for key, _, _, text in cli.config_keys(RunConfig)}
-    assert helps["trainer.max_time"] == '"DD:HH:MM:SS": the whole training job, export included'
+    assert helps["trainer.max_time"] == '"DD:HH:MM:SS": training and export, counted from the start of fit'
     assert helps["model.attention"].startswith('"auto": FlashAttention 4')  # the comment block above the field
     assert helps["output.root"] == "RunFab's output root; ./output when unset"
     undocumented = {key for key, text in helps.items() if not text}
@@ -64,7 +64,7 @@ def test_print_config_shows_the_merged_configuration_and_does_not_train(tmp_path
 
 def test_fit_is_the_default_subcommand_and_only_given_keys_override():
     plain = cli.parse(["--config", "conf/smoke.yaml"])
-    assert plain.name == "fit" and plain.config_path == "conf/smoke.yaml" and plain.overrides == []
+    assert plain.name == "fit" and bundle_path(plain.config_path) == ROOT / "conf/smoke.yaml" and plain.overrides == []
     assert cli.parse(["fit", "--config", "conf/smoke.yaml"]) == plain
     assert not plain.print_config and plain.microbatch is None
 
@@ -137,3 +137,11 @@ def test_a_command_line_split_below_one_row_is_refused_not_replaced(microbatch, 
 
     with pytest.raises(ConfigError, match="must be at least 1|must equal EFFECTIVE_BATCH_SIZE"):
         BatchSplit.for_command_line(32, 1, 8, microbatch, accumulation)
+
+
+def test_a_relative_config_is_found_in_the_current_folder_first(tmp_path, monkeypatch):
+    (tmp_path / "mine.yaml").write_text("model:\n  n_layer: 3\n")
+    monkeypatch.chdir(tmp_path)
+    assert cli.parse(["--config", "mine.yaml"]).config_path == str(tmp_path / "mine.yaml")
+    assert cli.parse(["--config", "conf/smoke.yaml"]).config_path == "conf/smoke.yaml"  # the bundle's, from anywhere
+    assert load_config(cli.parse(["--config", "mine.yaml"]).config_path).model.n_layer == 3
