@@ -40,6 +40,11 @@ class BatchSplit:
                          accumulation: int | None = None) -> BatchSplit:
         """A local run names either part, or neither (the config's microbatch); the other follows."""
         microbatch = command_line_microbatch(effective, ranks, default_microbatch, microbatch, accumulation)
+        if accumulation is None and effective % (microbatch * ranks):  # say so, rather than imply an accumulation
+            per_rank = effective // ranks
+            fits = ", ".join(str(m) for m in range(1, per_rank + 1) if per_rank % m == 0)
+            raise ConfigError(f"microbatch {microbatch} x {ranks} GPU(s) does not divide EFFECTIVE_BATCH_SIZE "
+                              f"({effective}) rows per update; use one of {fits}")
         implied = max(1, effective // (microbatch * ranks))
         return cls(microbatch, accumulation if accumulation is not None else implied, ranks, effective)
 

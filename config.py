@@ -34,6 +34,7 @@ class TrainerConfig:
     max_steps: int = 2000  # optimizer updates; -1: until the input ends
     max_time: str | None = None  # "DD:HH:MM:SS": training and export, counted from the start of fit
     export_reserve_seconds: int = 60  # kept out of max_time's training loop for the export and run record
+    stop_grace_seconds: int = 90  # after SIGTERM/SIGINT, data-parallel ranks that have not stopped by then are killed
     precision: str | None = None  # None: bf16-mixed on CUDA, 32-true on CPU
     accelerator: str = "auto"  # Lightning accelerator (gpu, cpu); auto: gpu when CUDA is available
     val_every_steps: int = 250  # 0 disables validation
@@ -67,7 +68,7 @@ class TrainerConfig:
         found += [f"trainer.{name} must be at least 1, not {getattr(self, name)}"
                   for name in ("devices", "val_batches") if getattr(self, name) is not None and getattr(self, name) < 1]
         found += [f"trainer.{name} must be >= 0 (0: off), not {getattr(self, name)}"
-                  for name in ("val_every_steps", "checkpoint_every_steps", "export_reserve_seconds")
+                  for name in ("val_every_steps", "checkpoint_every_steps", "export_reserve_seconds", "stop_grace_seconds")
                   if getattr(self, name) < 0]
         if self.memory_headroom_gib < 0 or self.probe_margin_gib < 0:
             found.append("trainer.memory_headroom_gib and trainer.probe_margin_gib must be >= 0")

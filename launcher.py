@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from callbacks.runfab_metrics import deliver
 from config import WORKER_STARTS
 from feeder import ValidationDocument
 
@@ -409,21 +410,24 @@ class WorkerGroup:
 
     def _follow(self, source, sink, tail: deque | None) -> None:
         def pump() -> None:
-            for raw in iter(source.readline, b""):
-                line = raw.decode("utf-8", "replace")
+            delivering = True
+            for raw in iter(source.readline, b""):  # read to the end whatever happens to the sink: a worker
+                line = raw.decode("utf-8", "replace")  # blocked on a full pipe would hang every rank
                 if tail is not None:
                     tail.append(line.rstrip("\n"))
-                sink.write(line)
-                sink.flush()
+                if delivering:
+                    delivering = deliver(sink, line)
 
         thread = threading.Thread(target=pump, daemon=True)
         thread.start()
         self._threads.append(thread)
 
-    def wait(self, feeder_error=lambda: None, on_first_exit=lambda: None) -> None:
+    def wait(self, feeder_error=lambda: None, on_first_exit=lambda: None, stop_deadline=lambda: None) -> None:
         """Return when every worker exited 0; raise as soon as one fails (or the feeder fails).
 
         ``on_first_exit`` runs once as soon as any worker has ended (training is over: stop reading).
+        ``stop_deadline()`` is the monotonic time by which a graceful stop must be over, or None: a
+        rank that is stuck (stopped, or blocked on a pipe) must not hold the job past it.
         """
         seen_failing: list[tuple[int, int]] = []  # (rank, code) in the order the failures were noticed
         while True:
@@ -445,6 +449,11 @@ class WorkerGroup:
                 for thread in self._threads:
                     thread.join(timeout=5)
                 return
+            deadline = stop_deadline()
+            if deadline is not None and time.monotonic() > deadline:
+                stuck = [rank for rank, code in enumerate(codes) if code is None]
+                raise Interrupted(f"the graceful stop did not end within trainer.stop_grace_seconds: rank(s) "
+                                  f"{', '.join(map(str, stuck))} still running, now stopped at once")
             time.sleep(POLL_SECONDS)
 
     def stop(self, grace_seconds: float = 5.0) -> None:

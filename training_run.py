@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -204,8 +205,13 @@ def raise_if_ended_early(feeder: UpdateFeeder, result: dict) -> None:
     """A run cut short by a signal or by its input fails, after the model trained so far was exported;
     so does one whose time limit passed before the input delivered a single update."""
     if feeder.time_limit_reached and not result["steps"]:
-        raise UnusableInputError("trainer.max_time passed before the input delivered one complete update: nothing was "
-                                 "trained or exported. Send records sooner, or give the run more time")
+        stats, data = feeder.stats, feeder.settings.data
+        raise UnusableInputError(
+            "trainer.max_time passed before the input delivered one complete update: nothing was trained or "
+            f"exported. {stats.records} records ({stats.document_tokens} tokens) had arrived; until the input ends, "
+            f"the tokenizer's batch (data.tokenize_batch_docs {data.tokenize_batch_docs}) and the shuffle buffer "
+            f"(data.shuffle_buffer_docs {data.shuffle_buffer_docs}) hold documents back until they fill. Send records "
+            "sooner, close the input once it is complete, or give the run more time")
     if feeder.early_end is None:
         return
     where = (f"stopped after optimizer step {result['steps']}; the model trained so far is in {result['model_dir']} "
@@ -313,11 +319,18 @@ def train_data_parallel(cfg: RunConfig, split: BatchSplit, feeder: UpdateFeeder,
             "address": list(listener.address), "authkey": authkey.hex(), "platform_memory_fraction": platform_fraction}
     if launcher.resolve_start(cfg.trainer.worker_start) == "fork":
         preload_worker_modules(cfg, compile_folder(cfg), world)
+    stop_by: list[float] = []  # set by the first signal: when the graceful stop must be over
+
+    def stop_gracefully(name: str) -> None:
+        stop_by.append(time.monotonic() + cfg.trainer.stop_grace_seconds)
+        feeder.finish(name)
+
     with launcher.worker_group(world, spec, BUNDLE_ROOT, cfg.trainer.worker_start,
-                               on_first_signal=feeder.finish) as group:
+                               on_first_signal=stop_gracefully) as group:
         try:
             launcher.serve_feeder(feeder, listener, world)
-            group.wait(feeder_error=lambda: feeder.error, on_first_exit=feeder.stop)
+            group.wait(feeder_error=lambda: feeder.error, on_first_exit=feeder.stop,
+                       stop_deadline=lambda: stop_by[0] if stop_by else None)
         finally:
             feeder.stop()
             listener.close()

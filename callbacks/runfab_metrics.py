@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Collection
@@ -37,6 +38,28 @@ def peak_memory(device: torch.device) -> dict[str, float]:
 
 class NonFiniteLossError(FloatingPointError):
     """Training diverged; the run stops rather than report or export a broken model."""
+
+
+def deliver(stream: TextIO, text: str) -> bool:
+    """Write and flush ``text``; if the reader of ``stream`` has gone (``python train.py | head``, a
+    platform that stopped reading), say so once and point the stream at /dev/null, so that training,
+    the export and the interpreter's own exit go on. The lines stay in run/metrics.jsonl."""
+    try:
+        stream.write(text)
+        stream.flush()
+        return True
+    except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
+        pass
+    log.warning("%s is closed: lines are no longer delivered there (run/metrics.jsonl keeps the metric lines)",
+                getattr(stream, "name", "the output stream"))
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+        stream.flush()  # what the failed write left in the buffer now goes nowhere, without an error at exit
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 class RunFabMetrics(L.Callback):
@@ -239,8 +262,7 @@ class RunFabMetrics(L.Callback):
         line = json.dumps(record, allow_nan=False, separators=(",", ":"))
         if len(line) > MAX_LINE_CHARS:
             raise ValueError(f"metrics line of {len(line)} characters exceeds RunFab's {METRIC_LINE_CHARS:,}")
-        self.stream.write(line + "\n")
-        self.stream.flush()
+        deliver(self.stream, line + "\n")
         if self._log_file is not None:
             self._log_file.write(line + "\n")
             self._log_file.flush()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -122,7 +123,8 @@ def test_max_time_ends_a_run_whose_input_went_silent_and_the_model_is_exported(t
     finally:
         process.kill()
         process.stdin.close()
-    assert b"before the input delivered one complete update" in stderr and not (tmp_path / "none/model").exists()
+    assert b"before the input delivered one complete update" in stderr and b"3 records (" in stderr
+    assert not (tmp_path / "none/model").exists()
 
 
 # ----------------------------------------------------------------------------- driven adversarially
@@ -417,3 +419,29 @@ def test_an_earlier_model_is_moved_aside_and_never_deleted(tmp_path):
     assert (root / "previous-model" / "run.txt").read_text() == "2"
     assert (root / "previous-model.1" / "run.txt").read_text() == "1"
     assert (root / "previous-model.1" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_reader_of_stdout_that_goes_away_costs_the_metric_lines_not_the_run(tmp_path, devices):
+    """`python train.py | head -1`: the pipe breaks after the first line. Training, the export and the
+    exit code must not depend on it (before: a BrokenPipeError ended one process with nothing exported,
+    and with workers rank 0 blocked on a full pipe, hanging every rank)."""
+    process = start_training(tmp_path, "--trainer.max_steps", "60", "--optim.schedule", "constant",
+                             "--metrics.interval_seconds", "0", "--trainer.devices", str(devices))
+    stderr = Lines(process.stderr)
+
+    def feed() -> None:
+        with contextlib.suppress(BrokenPipeError):
+            process.stdin.write(sample(1400))
+            process.stdin.close()
+
+    threading.Thread(target=feed, daemon=True).start()  # more than a pipe's buffer: written beside the reading
+    try:
+        assert process.stdout.readline().startswith(b"{")
+        process.stdout.close()  # the reader is gone
+        assert process.wait(timeout=120) == 0, b"".join(stderr.lines).decode()[-3000:]
+    finally:
+        process.kill()
+    record = json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())
+    assert record["status"] == "completed" and record["optimizer_steps"] == 60
+    assert len((tmp_path / "out" / "run" / "metrics.jsonl").read_text().splitlines()) >= 60

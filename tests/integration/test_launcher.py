@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -170,6 +171,35 @@ def test_a_killed_worker_or_a_terminated_feeder_stops_everything_promptly(tmp_pa
         record = json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())
         assert record["status"] == "partial: SIGTERM" and record["optimizer_steps"] >= 1
         assert (tmp_path / "out" / "model" / "model.safetensors").stat().st_size > 0
+
+
+def test_a_graceful_stop_that_a_stuck_rank_holds_up_ends_at_its_deadline(tmp_path):
+    """SIGTERM asks every rank to finish its update; a rank that cannot (stopped here, as one blocked on
+    a pipe or a device would be) must not hold the job: at trainer.stop_grace_seconds all are killed."""
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+    args = [*TINY, "--trainer.max_steps", "100000", "--optim.schedule", "constant", "--microbatch", "4",
+            "--trainer.devices", "2", "--trainer.stop_grace_seconds", "4"]
+    records = tmp_path / "records.jsonl"
+    records.write_bytes(sample_records() * 20)
+    with records.open("rb") as stdin:
+        feeder = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], stdin=stdin, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+        assert feeder.stdout.readline()  # training is under way
+        workers = _workers_of(psutil.Process(feeder.pid))
+        assert len(workers) == 2
+        workers[1].suspend()
+        start = time.monotonic()
+        feeder.send_signal(signal.SIGTERM)
+        try:
+            _, stderr = feeder.communicate(timeout=60)
+        finally:
+            for worker in workers:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    worker.resume()
+    assert feeder.returncode != 0 and 4 <= time.monotonic() - start < 30
+    assert "did not end within trainer.stop_grace_seconds: rank(s) " in stderr.decode()
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive
 
 
 def test_the_probe_runs_on_every_device_under_the_training_setup(tmp_path):

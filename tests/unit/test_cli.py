@@ -145,3 +145,12 @@ def test_a_relative_config_is_found_in_the_current_folder_first(tmp_path, monkey
     assert cli.parse(["--config", "mine.yaml"]).config_path == str(tmp_path / "mine.yaml")
     assert cli.parse(["--config", "conf/smoke.yaml"]).config_path == "conf/smoke.yaml"  # the bundle's, from anywhere
     assert load_config(cli.parse(["--config", "mine.yaml"]).config_path).model.n_layer == 3
+
+
+def test_a_microbatch_that_does_not_divide_the_batch_names_those_that_do():
+    from batch_split import BatchSplit
+    from config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"microbatch 5 x 2 GPU\(s\) does not divide .* use one of 1, 2, 4, 8, 16$"):
+        BatchSplit.for_command_line(32, 2, 8, 5, None)
+    assert BatchSplit.for_command_line(32, 2, 8, 4, None).accumulation == 4
