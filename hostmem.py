@@ -26,6 +26,8 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from model import padded_vocab_size
+
 log = logging.getLogger(__name__)
 
 FIELDS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Pss_Shmem", "Anonymous")
@@ -118,7 +120,7 @@ CPU_FP32_PER_ATTENTION_PAIR = 0.5
 def cpu_process_bytes(model, microbatch: int) -> float:
     """A CPU training process's peak host memory at ``microbatch`` rows (``model`` a GPTConfig)."""
     L, C, T = model.n_layer, model.n_embd, model.max_seq_len
-    vocab = -(-model.vocab_size // 128) * 128
+    vocab = padded_vocab_size(model.vocab_size)  # the loss's weight copy and gradient are padded; so are its logits
     tokens = microbatch * T
     parameters = vocab * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
     logits = min(tokens, model.loss_chunk_tokens or tokens) * vocab
@@ -151,8 +153,8 @@ def cpu_memory_problem(model, microbatch: int, processes: int, available: float 
     need = processes * cpu_process_bytes(model, microbatch)
     if need <= available:
         return None
-    fits = [m for m in range(microbatch - 1, 0, -1) if processes * cpu_process_bytes(model, m) <= available]
-    advice = f"--microbatch {fits[0]}, " if fits else ""
+    fits = next((m for m in range(microbatch - 1, 0, -1) if processes * cpu_process_bytes(model, m) <= available), None)
+    advice = f"--microbatch {fits}, " if fits else ""
     return (
         f"training on the CPU at microbatch {microbatch} needs about {need / GIB:.1f} GiB of host memory "
         f"({processes} process(es): activations, logits and attention of {microbatch} rows of {model.max_seq_len} "

@@ -429,22 +429,20 @@ class WorkerGroup:
         ``stop_deadline()`` is the monotonic time by which a graceful stop must be over, or None: a
         rank that is stuck (stopped, or blocked on a pipe) must not hold the job past it.
         """
-        seen_failing: list[tuple[int, int]] = []  # (rank, code) in the order the failures were noticed
         while True:
             codes = [p.poll() for p in self.processes]
             if any(code is not None for code in codes):
                 on_first_exit()
-            new = [(rank, code) for rank, code in enumerate(codes)
-                   if code not in (None, 0) and rank not in {r for r, _ in seen_failing}]
-            # Within one poll, a rank killed by a signal is the cause; its peers' errors ("a remote
-            # worker crashed") are the consequence.
-            seen_failing += sorted(new, key=lambda failure: (failure[1] >= 0, failure[0]))
+            failed = _failures(codes)
             error = feeder_error()
-            if error is not None and (seen_failing or all(c is not None for c in codes)):
+            if error is not None and (failed or all(c is not None for c in codes)):
                 raise error
-            if seen_failing:
-                time.sleep(POLL_SECONDS)  # let its stderr pump catch up
-                raise WorkerFailed(_failure_message(seen_failing, self.tails))
+            if failed:
+                # The first failure ends the wait. Look again after a pause: the stderr pumps catch up,
+                # and a rank killed by a signal, the cause, may still have been dying when its peer's
+                # error ("a remote worker crashed"), the consequence, was seen.
+                time.sleep(POLL_SECONDS)
+                raise WorkerFailed(_failure_message(_failures([p.poll() for p in self.processes]), self.tails))
             if all(code == 0 for code in codes):
                 for thread in self._threads:
                     thread.join(timeout=5)
@@ -468,6 +466,12 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 _signal_group(p, signal.SIGKILL)
                 p.wait()
+
+
+def _failures(codes: list[int | None]) -> list[tuple[int, int]]:
+    """(rank, code) of the ranks that failed, those killed by a signal first, then by rank."""
+    return sorted(((rank, code) for rank, code in enumerate(codes) if code not in (None, 0)),
+                  key=lambda failure: (failure[1] >= 0, failure[0]))
 
 
 def _failure_message(failures: list[tuple[int, int]], tails: list[deque]) -> str:

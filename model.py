@@ -370,6 +370,11 @@ def _cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, targets:
 VOCAB_ALIGNMENT = 128  # padded vocabulary keeps the head's matmuls on the aligned (fast) GEMM kernels
 
 
+def padded_vocab_size(vocab_size: int) -> int:
+    """The LM head's column count inside the loss: the vocabulary rounded up to VOCAB_ALIGNMENT."""
+    return -(-vocab_size // VOCAB_ALIGNMENT) * VOCAB_ALIGNMENT
+
+
 def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, dtype: torch.dtype):
     """Summed loss of one chunk and d(loss)/d(logits) = softmax - one-hot (zero for ignored targets).
 
@@ -408,7 +413,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
         exact = torch.promote_types(dtype, torch.float32)
         vocab, width = weight.shape
-        padded = -(-vocab // VOCAB_ALIGNMENT) * VOCAB_ALIGNMENT
+        padded = padded_vocab_size(vocab)
         with torch.autocast(device_type=device, enabled=False):
             w = torch.zeros(padded, width, dtype=dtype, device=weight.device)
             w[:vocab] = weight

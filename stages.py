@@ -148,7 +148,7 @@ def parse_record(line: bytes, vocab_size: int) -> Document | str:
         return "nested_too_deeply"
     if not isinstance(record, dict):
         return "not_an_object"
-    if record.get("text") is not None or "input_ids" not in record and "text" in record:
+    if "text" in record and not (record["text"] is None and "input_ids" in record):  # a null text beside ids: the ids
         value = record["text"]
         if not isinstance(value, str):
             return "text_not_a_string"

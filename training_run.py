@@ -116,8 +116,8 @@ def claimed_output(root: Path):
 
 
 def _next_free_number(root: Path, name: str) -> int:
-    taken = [int(p.name.rsplit(".", 1)[1]) for p in root.glob(f"{name}.*") if p.name.rsplit(".", 1)[1].isdigit()]
-    return max(taken, default=0) + 1
+    suffixes = (p.name.removeprefix(f"{name}.") for p in root.glob(f"{name}.*"))
+    return max((int(suffix) for suffix in suffixes if suffix.isdigit()), default=0) + 1
 
 
 def stream_settings(cfg: RunConfig, encoder: TextEncoder, split: BatchSplit) -> StreamSettings:

@@ -266,19 +266,17 @@ def assert_exits_zero_with_stdin_open(process: subprocess.Popen) -> None:
     process must still exit 0 (no abort at shutdown)."""
     process.stdin.write(sample(120))
     process.stdin.flush()  # 51 kB fit the pipe's buffer; left open until the process has exited
-    stderr: list[bytes] = []
-    drained = [threading.Thread(target=process.stdout.read, daemon=True),
-               threading.Thread(target=lambda: stderr.append(process.stderr.read()), daemon=True)]
-    for thread in drained:
-        thread.start()
+    Lines(process.stdout)  # drained, so that a full pipe never blocks the process
+    stderr = Lines(process.stderr)
     try:
         returncode = process.wait(timeout=120)
     finally:
         process.kill()
         process.stdin.close()
-    drained[1].join(timeout=10)
-    assert returncode == 0, b"".join(stderr).decode()[-3000:]
-    assert b"Fatal Python error" not in b"".join(stderr)
+    stderr.thread.join(timeout=10)
+    text = b"".join(stderr.lines)
+    assert returncode == 0, text.decode()[-3000:]
+    assert b"Fatal Python error" not in text
 
 
 @pytest.mark.parametrize("stdin", ["empty", "closed"])

@@ -142,26 +142,31 @@ def _workers_of(process: psutil.Process) -> list[psutil.Process]:
     return [c for c in process.children(recursive=True) if "worker" in c.cmdline() or c.name().endswith("-worker")]
 
 
-@pytest.mark.parametrize("fault", ["kill-worker", "sigterm-feeder"])
-def test_a_killed_worker_or_a_terminated_feeder_stops_everything_promptly(tmp_path, fault):
+def _training_on_two_workers(tmp_path, *extra) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """train.py on 2 CPU ranks with a long input, once training is under way (a metric line arrived)."""
     env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
     args = [*TINY, "--trainer.max_steps", "100000", "--optim.schedule", "constant", "--microbatch", "4",
-            "--trainer.devices", "2"]
+            "--trainer.devices", "2", *extra]
     records = tmp_path / "records.jsonl"
     records.write_bytes(sample_records() * 20)
     with records.open("rb") as stdin:
         feeder = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], stdin=stdin, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
-        assert feeder.stdout.readline()  # training is under way: a metric line arrived
-        handle = psutil.Process(feeder.pid)
-        workers = _workers_of(handle)
-        assert len(workers) == 2
-        start = time.monotonic()
-        if fault == "kill-worker":
-            workers[1].kill()
-        else:
-            feeder.send_signal(signal.SIGTERM)
-        _, stderr = feeder.communicate(timeout=60)
+    assert feeder.stdout.readline()
+    workers = _workers_of(psutil.Process(feeder.pid))
+    assert len(workers) == 2
+    return feeder, workers
+
+
+@pytest.mark.parametrize("fault", ["kill-worker", "sigterm-feeder"])
+def test_a_killed_worker_or_a_terminated_feeder_stops_everything_promptly(tmp_path, fault):
+    feeder, workers = _training_on_two_workers(tmp_path)
+    start = time.monotonic()
+    if fault == "kill-worker":
+        workers[1].kill()
+    else:
+        feeder.send_signal(signal.SIGTERM)
+    _, stderr = feeder.communicate(timeout=60)
     assert feeder.returncode != 0 and time.monotonic() - start < 30
     expected = "worker rank 1 exited" if fault == "kill-worker" else "SIGTERM"
     assert expected in stderr.decode()
@@ -176,26 +181,16 @@ def test_a_killed_worker_or_a_terminated_feeder_stops_everything_promptly(tmp_pa
 def test_a_graceful_stop_that_a_stuck_rank_holds_up_ends_at_its_deadline(tmp_path):
     """SIGTERM asks every rank to finish its update; a rank that cannot (stopped here, as one blocked on
     a pipe or a device would be) must not hold the job: at trainer.stop_grace_seconds all are killed."""
-    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
-    args = [*TINY, "--trainer.max_steps", "100000", "--optim.schedule", "constant", "--microbatch", "4",
-            "--trainer.devices", "2", "--trainer.stop_grace_seconds", "4"]
-    records = tmp_path / "records.jsonl"
-    records.write_bytes(sample_records() * 20)
-    with records.open("rb") as stdin:
-        feeder = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], stdin=stdin, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
-        assert feeder.stdout.readline()  # training is under way
-        workers = _workers_of(psutil.Process(feeder.pid))
-        assert len(workers) == 2
-        workers[1].suspend()
-        start = time.monotonic()
-        feeder.send_signal(signal.SIGTERM)
-        try:
-            _, stderr = feeder.communicate(timeout=60)
-        finally:
-            for worker in workers:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    worker.resume()
+    feeder, workers = _training_on_two_workers(tmp_path, "--trainer.stop_grace_seconds", "4")
+    workers[1].suspend()
+    start = time.monotonic()
+    feeder.send_signal(signal.SIGTERM)
+    try:
+        _, stderr = feeder.communicate(timeout=60)
+    finally:
+        for worker in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker.resume()
     assert feeder.returncode != 0 and 4 <= time.monotonic() - start < 30
     assert "did not end within trainer.stop_grace_seconds: rank(s) " in stderr.decode()
     gone, alive = psutil.wait_procs(workers, timeout=10)
@@ -227,25 +222,27 @@ def test_workers_fork_only_from_a_process_that_has_not_initialized_cuda(monkeypa
         launcher.resolve_start("spawn")
 
 
-class _Exited:
-    """A worker handle whose exit code is already known."""
+class _Exits:
+    """A worker handle that reports the given exit codes on successive polls (the last one from then on)."""
 
-    def __init__(self, code):
-        self.code = code
+    def __init__(self, *codes):
+        self.codes = list(codes)
 
     def poll(self):
-        return self.code
+        return self.codes.pop(0) if len(self.codes) > 1 else self.codes[0]
 
 
-def test_a_failure_report_names_the_killed_rank_before_the_peers_it_brought_down():
-    """A peer that loses its collective partner errors out too; if both are seen in one poll,
-    the report must lead with the rank killed by a signal, not with the lowest rank."""
+@pytest.mark.parametrize("killed_seen", ["in the same poll", "a poll later"])
+def test_a_failure_report_names_the_killed_rank_before_the_peers_it_brought_down(killed_seen):
+    """A peer that loses its collective partner errors out too, sometimes before the killed rank's
+    exit is visible: the report must lead with the rank killed by a signal, not with the lowest rank."""
     from collections import deque
 
     import launcher
 
     group = launcher.WorkerGroup.__new__(launcher.WorkerGroup)
-    group.processes = [_Exited(1), _Exited(-signal.SIGKILL), _Exited(None)]
+    killed = _Exits(-signal.SIGKILL) if killed_seen == "in the same poll" else _Exits(None, -signal.SIGKILL)
+    group.processes = [_Exits(1), killed, _Exits(None)]
     group.tails = [deque(["gloo: a remote worker crashed"]), deque([]), deque([])]
     group._threads = []
     with pytest.raises(launcher.WorkerFailed) as failure:
