@@ -218,6 +218,19 @@ class FeederConnection:
         self.conn.close()
 
 
+def quiet_peer_rank(rank: int) -> None:
+    """On ranks other than 0, stderr gets warnings, errors and the rank's own host memory; the run's
+    story (model, kernels, validation loss, finished) is told once, by rank 0, not once per rank."""
+    if rank == 0:
+        return
+
+    def keep(record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.name == "hostmem"
+
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(keep)
+
+
 def worker_spec() -> dict:
     return json.loads(os.environ[WORKER_SPEC_ENV])
 

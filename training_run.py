@@ -69,14 +69,15 @@ def experiment_loggers(cfg: RunConfig, folder: Path) -> list:
 LOCK_NAME = ".run.lock"
 
 
-PREVIOUS_MODEL = "previous-model"
+RUN_FOLDERS = ("model", "run", "checkpoints")  # what one run writes; an earlier run's are set aside, never mixed in
 
 
 @contextlib.contextmanager
 def claimed_output(root: Path):
     """Hold the output folder for one run: a second run on it is refused (its model and metrics
-    would mix with this one's), and a model left by an earlier run is moved to ``previous-model/``
-    so that ``model/`` only ever holds this run's result, or nothing if this run fails early."""
+    would mix with this one's), and what an earlier run left in ``model/``, ``run/`` and
+    ``checkpoints/`` is moved to ``previous-model/``, ``previous-run/`` and ``previous-checkpoints/``,
+    so that those folders only ever hold this run's results, or nothing if this run fails early."""
     try:
         root.mkdir(parents=True, exist_ok=True)
         lock = (root / LOCK_NAME).open("a+")
@@ -99,25 +100,29 @@ def claimed_output(root: Path):
         lock.truncate(0)
         lock.write(f"{os.getpid()}\n")
         lock.flush()
-        model_dir = root / "model"
-        if model_dir.exists():
-            previous = root / PREVIOUS_MODEL
-            kept = ""
-            if previous.exists():  # never deleted: it may hold the only copy of a model, or the user's own files
-                older = root / f"{PREVIOUS_MODEL}.{_next_free_number(root, PREVIOUS_MODEL)}"
-                previous.rename(older)
-                kept = f" (the model that was there is now in {older})"
-            model_dir.rename(previous)
-            log.warning("an earlier run's model was in %s; it is now in %s%s", model_dir, previous, kept)
+        for name in RUN_FOLDERS:
+            _set_aside(root, name)
         try:
             yield
         finally:
             (root / LOCK_NAME).unlink(missing_ok=True)
 
 
-def _next_free_number(root: Path, name: str) -> int:
-    suffixes = (p.name.removeprefix(f"{name}.") for p in root.glob(f"{name}.*"))
-    return max((int(suffix) for suffix in suffixes if suffix.isdigit()), default=0) + 1
+def _set_aside(root: Path, name: str) -> None:
+    """Move an earlier run's ``name`` to ``previous-name``; a ``previous-name`` already there becomes
+    ``previous-name.N``. Never deleted: it may hold the only copy of a model, or the user's own files."""
+    earlier = root / name
+    if not earlier.exists():
+        return
+    previous = root / f"previous-{name}"
+    kept = ""
+    if previous.exists():
+        suffixes = (p.name.removeprefix(f"{previous.name}.") for p in root.glob(f"{previous.name}.*"))
+        older = root / f"{previous.name}.{max((int(s) for s in suffixes if s.isdigit()), default=0) + 1}"
+        previous.rename(older)
+        kept = f" (what was there is now in {older})"
+    earlier.rename(previous)
+    log.warning("an earlier run's %s was in %s; it is now in %s%s", name, earlier, previous, kept)
 
 
 def stream_settings(cfg: RunConfig, encoder: TextEncoder, split: BatchSplit) -> StreamSettings:
@@ -359,6 +364,7 @@ def run_worker() -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # a probe keeps nothing: skip the interpreter's teardown of CUDA, NCCL and modules (seconds)
+    launcher.quiet_peer_rank(rank)  # a probe's lines stay per rank: each measures its own device
     encoder = load_encoder(cfg)
     split = BatchSplit(spec["microbatch"], spec["accumulation"], world, spec["effective"])
     settings = stream_settings(cfg, encoder, split)

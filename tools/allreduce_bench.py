@@ -52,8 +52,8 @@ def main() -> int:
     args = parser.parse_args()
     world = torch.cuda.device_count()
     if world < 2:
-        print("needs 2 or more GPUs", file=sys.stderr)
-        return 1
+        print(f"allreduce_bench needs 2 or more CUDA GPUs; this machine has {world}", file=sys.stderr)
+        return 2  # refused, as the other tools refuse
     mp.spawn(worker, args=(world, 29511, args.parameters, args.repeats), nprocs=world)
     return 0
 

@@ -324,7 +324,7 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("kernel_bench needs a CUDA device", file=sys.stderr)
-        return 1
+        return 2  # refused, as the other tools refuse
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     if args.fused:
         fused(args)

@@ -745,7 +745,7 @@ def header_html(run: Run, status: str) -> str:
 
 def render(run: Run) -> str:
     """The whole page, as one string: every value from the run goes through html.escape."""
-    status = str(run.record.get("status", "status unknown"))
+    status = str(run.record.get("status", "no run record" if run.record_problem else "status unknown"))
     body = "\n".join(part for part in (
         header_html(run, status), summary_section(run), plots_section(run.lines), configuration_section(run.record),
         environment_section(run.record), data_section(run.record), observations_section(run),

@@ -401,22 +401,25 @@ def test_each_section_reports_its_problems_naming_the_choices(overrides, says):
         assert phrase in str(error.value)
 
 
-def test_an_earlier_model_is_moved_aside_and_never_deleted(tmp_path):
-    """Three runs on one output folder: the second run's model is previous-model/, the first's (with a
-    file the user added to it) is kept as previous-model.1/ instead of being deleted."""
+@pytest.mark.parametrize("folder", ["model", "run", "checkpoints"])
+def test_an_earlier_runs_results_are_moved_aside_and_never_deleted(tmp_path, folder):
+    """Three runs on one output folder: the second run's model (or metric lines, or checkpoints) is in
+    previous-<folder>/, the first's (with a file the user added to it) is kept as previous-<folder>.1/
+    instead of being deleted or mixed with a later run's files."""
     from training_run import claimed_output
 
     root = tmp_path / "out"
     for run in (1, 2, 3):
         with claimed_output(root):
-            (root / "model").mkdir()
-            (root / "model" / "run.txt").write_text(str(run))
+            assert not (root / folder).exists()
+            (root / folder).mkdir()
+            (root / folder / "run.txt").write_text(str(run))
         if run == 1:
-            (root / "model" / "notes.txt").write_text("mine")
-    assert (root / "model" / "run.txt").read_text() == "3"
-    assert (root / "previous-model" / "run.txt").read_text() == "2"
-    assert (root / "previous-model.1" / "run.txt").read_text() == "1"
-    assert (root / "previous-model.1" / "notes.txt").read_text() == "mine"
+            (root / folder / "notes.txt").write_text("mine")
+    assert (root / folder / "run.txt").read_text() == "3"
+    assert (root / f"previous-{folder}" / "run.txt").read_text() == "2"
+    assert (root / f"previous-{folder}.1" / "run.txt").read_text() == "1"
+    assert (root / f"previous-{folder}.1" / "notes.txt").read_text() == "mine"
 
 
 @pytest.mark.parametrize("devices", [1, 2])

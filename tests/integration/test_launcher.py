@@ -73,6 +73,9 @@ def test_two_workers_reach_the_weights_of_one_process(tmp_path):
     )
     assert parallel.returncode == 0, parallel.stderr.decode()[-3000:]
     assert b"2 worker(s) started: forked from this process" in parallel.stderr  # trainer.worker_start: auto
+    told = parallel.stderr.decode()  # the run's story once (rank 0), host memory per rank
+    assert told.count("] finished: 3 optimizer steps") == told.count("] model: ") == 1
+    assert "host memory, rank 1, update 1" in told
     # The feeder marks every update (interval 0): both ranks report each one, and rank 0's lines carry
     # the global loss of all its rows, as the single process's do.
     lines = {name: [json.loads(line) for line in run.stdout.splitlines()] for name, run in

@@ -47,3 +47,19 @@ def test_the_host_pipeline_still_runs_without_a_gpu(no_gpu, monkeypatch, tmp_pat
     monkeypatch.setattr(sys, "argv", ["benchmark", "--host-pipeline", "--out", str(out)])
     assert benchmark.main() == 0
     assert (out / "host_pipeline.json").is_file()
+
+
+@pytest.mark.parametrize("tool, says", [("kernel_bench", "needs a CUDA device"),
+                                        ("allreduce_bench", "needs 2 or more CUDA GPUs; this machine has 0")])
+def test_the_kernel_and_all_reduce_benchmarks_are_refused_without_their_gpus(monkeypatch, capsys, tool, says):
+    import importlib
+
+    import torch
+
+    module = importlib.import_module(f"tools.{tool}")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(sys, "argv", [tool])
+    assert module.main() == 2  # refused, like every tool's usage error: not a crash (1)
+    captured = capsys.readouterr()
+    assert says in captured.err and captured.err.count("\n") == 1 and captured.out == ""

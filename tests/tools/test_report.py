@@ -203,7 +203,7 @@ def test_missing_keys_and_record_get_placeholders_that_name_them(tmp_path):
     assert 'no data: no metric line has &quot;lr&quot;' in svg_of(page, "lr")
     loss = svg_of(page, "loss")
     assert '<polyline data-series="loss"' in loss and "val_loss: no data" in loss
-    assert "model/run_record.json not found" in page
+    assert "model/run_record.json not found" in page and "<title>Run report: no run record</title>" in page
     assert "210,000" in page and "median of 7 normal intervals" in page  # no run record summary: the metric lines
     assert "No run record: the configuration is unknown." in page
     assert "None: nothing in run/profile or run/memory." in page
