@@ -115,6 +115,10 @@ def parse(argv: list[str]) -> Command:
     # configuration), so the flag is taken out before it parses; the option is declared only for --help.
     print_config = PRINT_CONFIG in argv
     argv = [token for token in argv if token != PRINT_CONFIG]
+    configs = [token for token in argv if token == "--config" or token.startswith("--config=")]
+    if len(configs) > 1:  # the parser would keep the last one silently
+        raise CommandLineError(f"--config is given {len(configs)} times; give one file, and change single keys "
+                               "with --section.key VALUE")
     try:
         # defaults=False: only what the user typed, so the YAML file is never overridden by a schema default
         namespace = build_parser().parse_args(argv, defaults=False)

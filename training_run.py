@@ -100,29 +100,30 @@ def claimed_output(root: Path):
         lock.truncate(0)
         lock.write(f"{os.getpid()}\n")
         lock.flush()
-        for name in RUN_FOLDERS:
-            _set_aside(root, name)
+        moves = [move for name in RUN_FOLDERS for move in _set_aside(root, name)]
+        if moves:
+            log.warning("an earlier run's results were moved aside, never deleted: %s",
+                        ", ".join(f"{source} -> {target}" for source, target in moves))
         try:
             yield
         finally:
             (root / LOCK_NAME).unlink(missing_ok=True)
 
 
-def _set_aside(root: Path, name: str) -> None:
-    """Move an earlier run's ``name`` to ``previous-name``; a ``previous-name`` already there becomes
-    ``previous-name.N``. Never deleted: it may hold the only copy of a model, or the user's own files."""
-    earlier = root / name
+def _set_aside(root: Path, name: str) -> list[tuple[Path, Path]]:
+    """Move an earlier run's ``name`` to ``previous-name``, and a ``previous-name`` already there to
+    ``previous-name.N``: it may hold the only copy of a model, or the user's own files. Returns the moves."""
+    earlier, previous = root / name, root / f"previous-{name}"
     if not earlier.exists():
-        return
-    previous = root / f"previous-{name}"
-    kept = ""
+        return []
+    moves = []
     if previous.exists():
         suffixes = (p.name.removeprefix(f"{previous.name}.") for p in root.glob(f"{previous.name}.*"))
         older = root / f"{previous.name}.{max((int(s) for s in suffixes if s.isdigit()), default=0) + 1}"
         previous.rename(older)
-        kept = f" (what was there is now in {older})"
+        moves.append((previous, older))
     earlier.rename(previous)
-    log.warning("an earlier run's %s was in %s; it is now in %s%s", name, earlier, previous, kept)
+    return [*moves, (earlier, previous)]
 
 
 def stream_settings(cfg: RunConfig, encoder: TextEncoder, split: BatchSplit) -> StreamSettings:

@@ -402,7 +402,7 @@ def test_each_section_reports_its_problems_naming_the_choices(overrides, says):
 
 
 @pytest.mark.parametrize("folder", ["model", "run", "checkpoints"])
-def test_an_earlier_runs_results_are_moved_aside_and_never_deleted(tmp_path, folder):
+def test_an_earlier_runs_results_are_moved_aside_and_never_deleted(tmp_path, caplog, folder):
     """Three runs on one output folder: the second run's model (or metric lines, or checkpoints) is in
     previous-<folder>/, the first's (with a file the user added to it) is kept as previous-<folder>.1/
     instead of being deleted or mixed with a later run's files."""
@@ -420,6 +420,9 @@ def test_an_earlier_runs_results_are_moved_aside_and_never_deleted(tmp_path, fol
     assert (root / f"previous-{folder}" / "run.txt").read_text() == "2"
     assert (root / f"previous-{folder}.1" / "run.txt").read_text() == "1"
     assert (root / f"previous-{folder}.1" / "notes.txt").read_text() == "mine"
+    assert caplog.records[-1].getMessage() == (  # the third run says where everything went, in one line
+        f"an earlier run's results were moved aside, never deleted: {root}/previous-{folder} -> "
+        f"{root}/previous-{folder}.1, {root}/{folder} -> {root}/previous-{folder}")
 
 
 @pytest.mark.parametrize("devices", [1, 2])

@@ -86,6 +86,7 @@ def test_overrides_reach_load_config_typed():
     (["stray"], "stray"),
     (["--model.no_such_key", "1"], "--model.no_such_key"),
     (["package", "--dry-run"], "python -m tools package"),
+    (["--config", "conf/smoke.yaml", "--config=conf/config.yaml"], "--config is given 2 times"),
 ])
 def test_bad_input_is_one_readable_error(argv, named):
     with pytest.raises(cli.CommandLineError) as caught:
