@@ -393,6 +393,7 @@ class WorkerGroup:
         self.processes: list[subprocess.Popen | ForkedWorker] = []
         self.tails = [deque(maxlen=STDERR_TAIL_LINES) for _ in range(world_size)]
         self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()  # set when we stop the workers: what they say after is its echo
         try:
             self._start(spec, bundle_root / "train.py", port)
         except BaseException:
@@ -428,6 +429,8 @@ class WorkerGroup:
                 line = raw.decode("utf-8", "replace")  # blocked on a full pipe would hang every rank
                 if tail is not None:
                     tail.append(line.rstrip("\n"))
+                    if self._stopping.is_set():  # a rank that lost its killed peer prints a traceback: noise
+                        continue
                 if delivering:
                     delivering = deliver(sink, line)
 
@@ -468,8 +471,11 @@ class WorkerGroup:
             time.sleep(POLL_SECONDS)
 
     def stop(self, grace_seconds: float = 5.0) -> None:
-        """SIGTERM every worker still running, then SIGKILL what remains; nothing is left behind."""
+        """SIGTERM every worker still running, then SIGKILL what remains; nothing is left behind. From
+        here their stderr only fills the tails: a rank whose peer was stopped first reports a lost peer."""
         alive = [p for p in self.processes if p.poll() is None]
+        if alive:
+            self._stopping.set()
         for p in alive:
             _signal_group(p, signal.SIGTERM)
         deadline = time.monotonic() + grace_seconds

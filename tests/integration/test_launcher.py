@@ -161,18 +161,25 @@ def _training_on_two_workers(tmp_path, *extra) -> tuple[subprocess.Popen, list[p
     return feeder, workers
 
 
-@pytest.mark.parametrize("fault", ["kill-worker", "sigterm-feeder"])
+@pytest.mark.parametrize("fault", ["kill-worker", "sigterm-feeder", "sigint-twice"])
 def test_a_killed_worker_or_a_terminated_feeder_stops_everything_promptly(tmp_path, fault):
     feeder, workers = _training_on_two_workers(tmp_path)
     start = time.monotonic()
     if fault == "kill-worker":
         workers[1].kill()
-    else:
+    elif fault == "sigterm-feeder":
         feeder.send_signal(signal.SIGTERM)
+    else:  # Ctrl-C, then again before the graceful stop is over: stop at once
+        feeder.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        feeder.send_signal(signal.SIGINT)
     _, stderr = feeder.communicate(timeout=60)
     assert feeder.returncode != 0 and time.monotonic() - start < 30
-    expected = "worker rank 1 exited" if fault == "kill-worker" else "SIGTERM"
+    expected = {"kill-worker": "worker rank 1 exited", "sigterm-feeder": "SIGTERM",
+                "sigint-twice": "error: received SIGINT; stopping the workers"}[fault]
     assert expected in stderr.decode()
+    if fault == "sigint-twice":  # the ranks' reactions to being stopped (a lost peer) are not shown as errors
+        assert "Traceback" not in stderr.decode()
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive
     if fault == "sigterm-feeder":  # every rank stopped at the same update and rank 0 exported it
