@@ -107,7 +107,7 @@ class MetricsConfig:
 
 @dataclass
 class OutputConfig:
-    root: str = "${oc.env:RUNFABRIC_OUTPUT,output}"  # RunFab's output root; ./output when unset
+    root: str = "${oc.env:RUNFABRIC_OUTPUT,output}"  # RunFab's output root; ./output when unset or empty
     budget_bytes: int = OUTPUT_BYTES  # RunFab keeps all output in 3 GiB of RAM: model, checkpoints, caches
 
 
@@ -166,6 +166,8 @@ def resolve_defaults(cfg: RunConfig) -> None:
     """Defaults that follow other settings: the cosine schedule decays over the whole run."""
     if cfg.optim.decay_steps is None and cfg.trainer.max_steps > 0:
         cfg.optim.decay_steps = cfg.trainer.max_steps
+    if not cfg.output.root.strip():  # RUNFABRIC_OUTPUT= (set but empty) is unset, as shells treat it: not the cwd
+        cfg.output.root = "output"
 
 
 def load_config_dict(values: dict) -> RunConfig:

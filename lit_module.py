@@ -40,6 +40,7 @@ class OptimConfig:
             ("optim.beta2", 0 <= self.beta2 < 1, "in [0, 1)"), ("optim.eps", self.eps > 0, "> 0"),
             ("optim.grad_clip", self.grad_clip >= 0, ">= 0 (0: none)"),
             ("optim.warmup_steps", self.warmup_steps >= 0, ">= 0"),
+            ("optim.decay_steps", self.decay_steps is None or self.decay_steps >= 1, ">= 1, or null (trainer.max_steps)"),
         ]
         found = [f"{name} must be {rule}, not {getattr(self, name.split('.')[1])}" for name, ok, rule in ranges if not ok]
         if found:

@@ -47,7 +47,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path: str | Path) -> 
     tokenizer.train_from_iterator(texts, trainer=trainer)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(path))
+    path.write_text(tokenizer.to_str(pretty=True), encoding="utf-8")  # an OSError names the problem; tokenizers' save does not
 
 
 def byte_to_unicode() -> dict[int, str]:
@@ -229,13 +229,32 @@ class TextEncoder:
         return self._hf.decode(list(ids), skip_special_tokens=False)
 
 
+class CorpusError(ValueError):
+    """A training corpus the tokenizer tool cannot use; the message names the file and line."""
+
+
 def read_ndjson_texts(paths: Iterable[str | Path], field: str = "text") -> Iterator[str]:
     """The `field` of every non-blank line of the NDJSON files, in order."""
     for path in paths:
-        with open(path, encoding="utf-8") as lines:
-            for line in lines:
-                if line.strip():
-                    yield json.loads(line)[field]
+        try:
+            lines = open(path, encoding="utf-8")
+        except OSError as error:
+            raise CorpusError(f"cannot read {path}: {error.strerror}") from None
+        with lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    raise CorpusError(f"{path}:{number}: not a JSON record") from None
+                text = record.get(field) if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    raise CorpusError(f"{path}:{number}: no string field {field!r} (--field names another)")
+                yield text
+
+
+SMALLEST_VOCABULARY = 257  # the 256 bytes and <|endoftext|>
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,10 +263,18 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m tools tokenizer", description="Train a byte-level BPE tokenizer."
     )
     parser.add_argument("--input", nargs="+", required=True, help="NDJSON files with a text field")
-    parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--output", type=Path, default=Path("conf/tokenizer.json"))
+    parser.add_argument("--vocab-size", type=int, default=8192,
+                        help=f"at most this many tokens (at least {SMALLEST_VOCABULARY}: the 256 bytes and EOS)")
+    parser.add_argument("--output", type=Path, required=True,
+                        help="the tokenizer.json to write (replaced only once the new one is complete); "
+                             "data.tokenizer names the one training uses")
     parser.add_argument("--field", default="text", help="JSON field holding the document")
     args = parser.parse_args(argv)
+    if args.vocab_size < SMALLEST_VOCABULARY:
+        parser.error(f"--vocab-size must be at least {SMALLEST_VOCABULARY} (the 256 bytes and EOS), "
+                     f"got {args.vocab_size}")
+    if args.output.is_dir():
+        parser.error(f"--output {args.output} is a folder; name the file, e.g. {args.output / 'tokenizer.json'}")
 
     documents = 0
 
@@ -257,7 +284,17 @@ def main(argv: list[str] | None = None) -> int:
             documents += 1
             yield text
 
-    train_tokenizer(counted_texts(), args.vocab_size, args.output)
+    staging = args.output.with_name(f".{args.output.name}.tmp")
+    try:
+        train_tokenizer(counted_texts(), args.vocab_size, staging)
+        if not documents:
+            raise CorpusError(f"no documents in {', '.join(args.input)}")
+        staging.replace(args.output)
+    except (CorpusError, OSError) as error:
+        print(f"tokenizer: {error}; {args.output} was not written", file=sys.stderr)
+        return 2
+    finally:
+        staging.unlink(missing_ok=True)
     encoder = TextEncoder(args.output)
     print(
         f"trained on {documents} documents: {args.output} "

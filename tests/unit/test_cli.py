@@ -43,7 +43,7 @@ def test_every_key_has_a_line_of_help_from_its_field_comment():
     helps = {key: text for key, _, _, text in cli.config_keys(RunConfig)}
     assert helps["trainer.max_time"] == '"DD:HH:MM:SS": training and export, counted from the start of fit'
     assert helps["model.attention"].startswith('"auto": FlashAttention 4')  # the comment block above the field
-    assert helps["output.root"] == "RunFab's output root; ./output when unset"
+    assert helps["output.root"] == "RunFab's output root; ./output when unset or empty"
     undocumented = {key for key, text in helps.items() if not text}
     assert undocumented == PENDING_HELP
 
@@ -113,6 +113,8 @@ def test_runfab_path_never_imports_jsonargparse():
     ("optim.warmup_steps=-2", "optim.warmup_steps must be >= 0"),
     ("data.microbatch=0", "data.microbatch must be at least 1"),
     ("model.compile_scope=x", "with the command line's overrides"),  # a command-line value is not the file's fault
+    ("trainer.max_steps=-1", "trainer.max_steps is -1 (until the input ends), so the cosine schedule has no horizon"),
+    ("optim.decay_steps=0", "optim.decay_steps must be >= 1"),
 ])
 def test_a_value_no_run_can_use_is_refused_when_the_config_loads(override, says):
     from config import ConfigError
@@ -155,3 +157,10 @@ def test_a_microbatch_that_does_not_divide_the_batch_names_those_that_do():
     with pytest.raises(ConfigError, match=r"microbatch 5 x 2 GPU\(s\) does not divide .* use one of 1, 2, 4, 8, 16$"):
         BatchSplit.for_command_line(32, 2, 8, 5, None)
     assert BatchSplit.for_command_line(32, 2, 8, 4, None).accumulation == 4
+
+
+def test_an_empty_output_variable_means_the_default_folder_not_the_current_one(monkeypatch):
+    monkeypatch.setenv("RUNFABRIC_OUTPUT", "")  # `RUNFABRIC_OUTPUT= python train.py` wrote model/ into the cwd
+    assert load_config("conf/smoke.yaml").output.root == "output"
+    monkeypatch.setenv("RUNFABRIC_OUTPUT", "/somewhere")
+    assert load_config("conf/smoke.yaml").output.root == "/somewhere"

@@ -213,3 +213,33 @@ def test_cli_trains_from_ndjson(tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "60 documents" in captured.err
+
+
+@pytest.mark.parametrize("corpus, says", [
+    ('{"text": "a document"}\n{"id": 3}\n', "corpus.jsonl:2: no string field 'text'"),
+    ('{"text": "a document"}\nnot json\n', "corpus.jsonl:2: not a JSON record"),
+    ("", "no documents in"),
+    (None, "cannot read"),
+])
+def test_cli_refuses_an_unusable_corpus_in_one_line_and_keeps_the_old_tokenizer(tmp_path, capsys, corpus, says):
+    path = tmp_path / "corpus.jsonl"
+    if corpus is not None:
+        path.write_text(corpus)
+    output = tmp_path / "tokenizer.json"
+    output.write_text("the tokenizer in use")
+    assert tokenizer.main(["--input", str(path), "--vocab-size", "280", "--output", str(output)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1 and "was not written" in err
+    assert output.read_text() == "the tokenizer in use"
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left == {"tokenizer.json", "corpus.jsonl"} - (set() if corpus is not None else {"corpus.jsonl"})  # no staging file
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--vocab-size", "10", "--output", "t.json"], "--vocab-size must be at least 257"),
+    (["--vocab-size", "300"], "required: --output"),  # no default: it replaced the bundled conf/tokenizer.json
+])
+def test_cli_refuses_a_vocabulary_below_the_bytes_and_a_missing_output(capsys, argv, says):
+    with pytest.raises(SystemExit) as exit:
+        tokenizer.main(["--input", str(SAMPLE), *argv])
+    assert exit.value.code == 2 and says in capsys.readouterr().err
