@@ -27,7 +27,7 @@ class BatchSplit:
                 raise ConfigError(f"{name} must be a whole number of rows, not {value!r} ({type(value).__name__})")
         if self.microbatch < 1 or self.accumulation < 1 or self.rows_per_update != self.effective:
             raise ConfigError(
-                f"microbatch ({self.microbatch}) x accumulation ({self.accumulation}) x GPUs ({self.ranks}) must "
+                f"microbatch ({self.microbatch}) x accumulation ({self.accumulation}) x devices ({self.ranks}) must "
                 f"equal EFFECTIVE_BATCH_SIZE ({self.effective}) rows per optimizer update"
             )
 
@@ -39,11 +39,16 @@ class BatchSplit:
     def for_command_line(cls, effective: int, ranks: int, default_microbatch: int, microbatch: int | None = None,
                          accumulation: int | None = None) -> BatchSplit:
         """A local run names either part, or neither (the config's microbatch); the other follows."""
+        named = microbatch
         microbatch = command_line_microbatch(effective, ranks, default_microbatch, microbatch, accumulation)
-        if accumulation is None and effective % (microbatch * ranks):  # say so, rather than imply an accumulation
-            per_rank = effective // ranks
-            fits = ", ".join(str(m) for m in range(1, per_rank + 1) if per_rank % m == 0)
-            raise ConfigError(f"microbatch {microbatch} x {ranks} GPU(s) does not divide EFFECTIVE_BATCH_SIZE "
+        # Say which part does not divide, rather than imply the other or blame one the user never gave.
+        per_rank = effective // ranks
+        fits = ", ".join(str(m) for m in range(1, per_rank + 1) if per_rank % m == 0)
+        if named is None and accumulation is not None and effective % (accumulation * ranks):
+            raise ConfigError(f"accumulation {accumulation} x {ranks} device(s) does not divide EFFECTIVE_BATCH_SIZE "
+                              f"({effective}) rows per update; use one of {fits}")
+        if accumulation is None and effective % (microbatch * ranks):
+            raise ConfigError(f"microbatch {microbatch} x {ranks} device(s) does not divide EFFECTIVE_BATCH_SIZE "
                               f"({effective}) rows per update; use one of {fits}")
         implied = max(1, effective // (microbatch * ranks))
         return cls(microbatch, accumulation if accumulation is not None else implied, ranks, effective)

@@ -81,6 +81,8 @@ def main(argv: list[str], effective: int) -> int:
             return 0
         world = world_size(cfg)
         if command.name == "probe":  # any microbatch the probe accepts, not only those that divide the batch
+            if command.microbatch is not None and command.accumulation is not None:  # both named: they must agree
+                BatchSplit(command.microbatch, command.accumulation, world, effective)
             microbatch = command_line_microbatch(effective, world, cfg.data.microbatch, command.microbatch,
                                                  command.accumulation)
             run_probe(cfg, microbatch, effective)

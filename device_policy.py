@@ -70,7 +70,7 @@ def setup_process(cfg: RunConfig) -> None:
     """Logging to stderr, quiet about what we chose on purpose, seeded."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[%(asctime)s %(name)s] %(message)s")
-    for name in ("train", "datamodule", "stages", "feeder", "sources", "callbacks", "model", "attention_kernels", "norm_kernels", "fp8",
+    for name in ("train", "probe", "datamodule", "stages", "feeder", "sources", "callbacks", "model", "attention_kernels", "norm_kernels", "fp8",
                  "lightning.pytorch"):
         logging.getLogger(name).setLevel(logging.INFO)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")

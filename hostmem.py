@@ -186,10 +186,18 @@ def record_stage(name: str, rank: int | None = None) -> dict:
              rank, name, rollup.get("Pss", 0) / GIB, rollup.get("Pss_Anon", 0) / GIB, rollup.get("Pss_File", 0) / GIB,
              rollup.get("Rss", 0) / GIB, entry["age_seconds"])
     path = os.environ.get(STAGE_LOG_ENV)
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+    if path and path not in _UNWRITABLE:
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+        except OSError as error:  # an observation, never a reason to lose the run
+            _UNWRITABLE.add(path)
+            log.warning("$%s names %s, which cannot be written (%s): host memory goes to this log only",
+                        STAGE_LOG_ENV, path, error.strerror)
     return entry
+
+
+_UNWRITABLE: set[str] = set()  # stage-log paths already reported as unwritable, once per process
 
 
 class HostMemory(L.Callback):

@@ -218,14 +218,17 @@ class FeederConnection:
         self.conn.close()
 
 
+PER_RANK_LOGGERS = ("hostmem", "probe")  # what each rank measures of its own process and device
+
+
 def quiet_peer_rank(rank: int) -> None:
-    """On ranks other than 0, stderr gets warnings, errors and the rank's own host memory; the run's
-    story (model, kernels, validation loss, finished) is told once, by rank 0, not once per rank."""
+    """On ranks other than 0, stderr gets warnings, errors and what the rank measures of itself (host
+    memory, its probe); the run's story (model, kernels, validation loss, finished) is told once, by rank 0."""
     if rank == 0:
         return
 
     def keep(record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or record.name == "hostmem"
+        return record.levelno >= logging.WARNING or record.name in PER_RANK_LOGGERS
 
     for handler in logging.getLogger().handlers:
         handler.addFilter(keep)

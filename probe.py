@@ -26,7 +26,7 @@ from device_policy import (
     resolve_accelerator, setup_process, use_allocator_settings, world_size,
 )
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 PROBE_PASSES = 2  # over the probe batches: the second pass runs with the optimizer state allocated
 

@@ -350,6 +350,10 @@ def train_data_parallel(cfg: RunConfig, split: BatchSplit, feeder: UpdateFeeder,
 
 def run_worker() -> int:
     """``python train.py worker``: one data-parallel rank, started by train_data_parallel or run_probe."""
+    if launcher.WORKER_SPEC_ENV not in os.environ:  # typed by a person
+        print("error: `train.py worker` is a data-parallel rank that train.py starts itself; run `python train.py` "
+              "(--trainer.devices N for N ranks)", file=sys.stderr)
+        return 2
     launcher.exit_with_parent()
     hostmem.record_stage("worker started, modules imported")
     spec = launcher.worker_spec()
@@ -357,6 +361,7 @@ def run_worker() -> int:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     rank_zero_only.rank = rank  # read from the environment when Lightning was imported: a forked worker imported it as rank 0
     setup_process(cfg)
+    launcher.quiet_peer_rank(rank)
     if resolve_accelerator(cfg) == "gpu":
         torch.set_num_threads(1)  # a GPU worker only launches kernels; RunFab's 2 cores serve feeder and workers
     platform_fraction = spec.get("platform_memory_fraction")
@@ -365,7 +370,6 @@ def run_worker() -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # a probe keeps nothing: skip the interpreter's teardown of CUDA, NCCL and modules (seconds)
-    launcher.quiet_peer_rank(rank)  # a probe's lines stay per rank: each measures its own device
     encoder = load_encoder(cfg)
     split = BatchSplit(spec["microbatch"], spec["accumulation"], world, spec["effective"])
     settings = stream_settings(cfg, encoder, split)

@@ -142,6 +142,13 @@ def test_a_command_line_split_below_one_row_is_refused_not_replaced(microbatch, 
         BatchSplit.for_command_line(32, 1, 8, microbatch, accumulation)
 
 
+def test_a_probe_given_a_split_that_does_not_make_the_batch_is_refused_not_half_used(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "run_probe", lambda *args: pytest.fail("the probe ran with --accumulation ignored"))
+    assert cli.main(["probe", "--config", "conf/smoke.yaml", "--trainer.devices", "1", "--microbatch", "8",
+                     "--accumulation", "3"], 32) == 2
+    assert "microbatch (8) x accumulation (3) x devices (1) must equal EFFECTIVE_BATCH_SIZE (32)" in capsys.readouterr().err
+
+
 def test_a_relative_config_is_found_in_the_current_folder_first(tmp_path, monkeypatch):
     (tmp_path / "mine.yaml").write_text("model:\n  n_layer: 3\n")
     monkeypatch.chdir(tmp_path)
@@ -154,9 +161,13 @@ def test_a_microbatch_that_does_not_divide_the_batch_names_those_that_do():
     from batch_split import BatchSplit
     from config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"microbatch 5 x 2 GPU\(s\) does not divide .* use one of 1, 2, 4, 8, 16$"):
+    with pytest.raises(ConfigError, match=r"microbatch 5 x 2 device\(s\) does not divide .* use one of 1, 2, 4, 8, 16$"):
         BatchSplit.for_command_line(32, 2, 8, 5, None)
     assert BatchSplit.for_command_line(32, 2, 8, 4, None).accumulation == 4
+    # only --accumulation given: the message is about it, not about a microbatch the user never typed
+    with pytest.raises(ConfigError, match=r"^accumulation 3 x 1 device\(s\) does not divide .* use one of 1, 2, 4, 8, 16, 32$"):
+        BatchSplit.for_command_line(32, 1, 8, None, 3)
+    assert BatchSplit.for_command_line(32, 1, 8, None, 4).microbatch == 8
 
 
 def test_an_empty_output_variable_means_the_default_folder_not_the_current_one(monkeypatch):
@@ -164,3 +175,12 @@ def test_an_empty_output_variable_means_the_default_folder_not_the_current_one(m
     assert load_config("conf/smoke.yaml").output.root == "output"
     monkeypatch.setenv("RUNFABRIC_OUTPUT", "/somewhere")
     assert load_config("conf/smoke.yaml").output.root == "/somewhere"
+
+
+def test_a_worker_typed_by_a_person_is_one_readable_error(monkeypatch, capsys):
+    import launcher
+    import training_run
+
+    monkeypatch.delenv(launcher.WORKER_SPEC_ENV, raising=False)
+    assert training_run.run_worker() == 2  # was a KeyError traceback
+    assert "a data-parallel rank that train.py starts itself" in capsys.readouterr().err

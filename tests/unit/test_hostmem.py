@@ -87,3 +87,13 @@ def test_a_cpu_run_that_cannot_fit_the_machine_is_refused_with_a_microbatch_that
     assert "--microbatch " in message and "conf/smoke.yaml" in message and stdin.tell() == 0
     assert hostmem.cpu_memory_problem(cfg.model, 1, 1, 16 * hostmem.GIB) is None
     assert hostmem.cpu_memory_problem(cfg.model, 1, 1, None) is None  # nothing known: no refusal
+
+
+@pytest.mark.parametrize("where", ["missing-folder", "folder"])
+def test_an_unwritable_stage_log_costs_the_log_lines_not_the_run(tmp_path, monkeypatch, caplog, where):
+    path = tmp_path / "no-such-folder" / "memory.jsonl" if where == "missing-folder" else tmp_path
+    monkeypatch.setenv(hostmem.STAGE_LOG_ENV, str(path))
+    for stage in ("model built", "update 1"):
+        assert hostmem.record_stage(stage)["stage"] == stage  # was an OSError that ended training
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and f"${hostmem.STAGE_LOG_ENV} names {path}, which cannot be written" in warnings[0]
