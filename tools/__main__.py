@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 
 # command -> (module whose main(argv) runs it, the line --help shows for it)
@@ -32,7 +33,23 @@ def main(argv: list[str] | None = None) -> int:
         found = f"got {argv[0]!r}" if argv else "got none"
         print(f"{USAGE}: expected a command, {found} (--help lists them)", file=sys.stderr)
         return 2
-    return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
+    name = argv[0]
+    # SIGTERM unwinds like Ctrl-C, so a sandbox, staging folder or child process is cleaned up either way.
+    signal.signal(signal.SIGTERM, lambda signum, frame: _raise_interrupt())
+    try:
+        return importlib.import_module(COMMANDS[name][0]).main(argv[1:])
+    except KeyboardInterrupt:
+        print(f"python -m tools {name}: interrupted; what it had started was stopped and removed", file=sys.stderr)
+        return 130
+    except OSError as error:
+        if error.filename is None:  # not about a path the user gave: a defect, with its traceback
+            raise
+        print(f"python -m tools {name}: {error}", file=sys.stderr)
+        return 2
+
+
+def _raise_interrupt() -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -325,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="project to pack (default: the project this tool belongs to)")
     args = parser.parse_args(argv)
     root = args.root.resolve()
+    if args.output is not None and (args.output.suffix == ".zip" or args.output.is_file()):
+        print(f"package: --output names the folder the ZIP goes into (its name carries the version), not a file: "
+              f"{args.output}", file=sys.stderr)
+        return 2
     if not root.is_dir():
         print(f"package: --root {args.root} is not a folder; pass the project root", file=sys.stderr)
         return 2

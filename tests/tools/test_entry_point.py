@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -27,3 +29,46 @@ def test_a_missing_or_unknown_command_is_one_line_and_exit_2(argv, found):
                             timeout=60)
     assert result.returncode == 2 and result.stdout == ""
     assert found in result.stderr and "--help" in result.stderr and result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["package", "--output", "bundle.zip"], "--output names the folder the ZIP goes into"),  # was a folder bundle.zip
+    (["report", "{out}", "--out", "{out}"], "Is a directory"),  # an OSError about a path: one line, not a traceback
+])
+def test_a_path_the_tool_cannot_use_is_one_line_and_exit_2(tmp_path, argv, says):
+    out = tmp_path / "output"
+    (out / "run").mkdir(parents=True)
+    (out / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0, "tokens_per_second": 1.0}\n')
+    argv = [a.format(out=out) for a in argv]
+    result = subprocess.run([sys.executable, "-m", "tools", *argv], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 2 and says in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert not (tmp_path / "bundle.zip").exists()
+
+
+def test_a_terminated_tool_unwinds_and_removes_what_it_started(tmp_path, monkeypatch, capsys):
+    """SIGTERM (timeout, a scheduler) must clean up as Ctrl-C does: a killed check left its sandbox in /tmp."""
+    import signal
+    import types
+
+    from tools import __main__ as entry
+
+    sandbox = tmp_path / "sandbox"
+
+    def main(argv):
+        sandbox.mkdir()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+            return 0
+        finally:
+            sandbox.rmdir()
+
+    monkeypatch.setitem(sys.modules, "fake_tool", types.SimpleNamespace(main=main))
+    monkeypatch.setitem(entry.COMMANDS, "fake", ("fake_tool", "a command that is terminated"))
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        assert entry.main(["fake"]) == 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not sandbox.exists() and "interrupted" in capsys.readouterr().err
