@@ -198,16 +198,27 @@ def write_report(output_root: Path, folder: Path) -> Path:
 def emulate(bundle: Path, report: Path, cuda: bool, gpus: int | None, microbatches: list[int] | None,
             out: TextIO, log: TextIO, stdin=None) -> Emulation:
     visible = check.cuda_gpus() if cuda else 1
+    if gpus is not None and gpus > visible:  # the trainer would refuse the split only after every probe
+        raise check.UsageError(f"--gpus {gpus}, but the children see {visible} device(s)"
+                               + ("" if cuda else ": without --cuda they train on the CPU, as one process"))
     source = check.BundleSource.open(bundle)
-    report.mkdir(parents=True, exist_ok=True)
     with check.Sandbox(source, keep=False) as sandbox:
         tree, error = check.parse_train(sandbox.bundle)
         effective, why = check.batch_literal(tree) if tree is not None else (None, error)
         if effective is None:
             raise check.UsageError(f"cannot read EFFECTIVE_BATCH_SIZE: {why}")
         gpus = gpus or visible
+        planned = candidates(effective, gpus)
+        if unusable := [k for k in microbatches or [] if k not in planned]:
+            raise check.UsageError(f"--microbatches {' '.join(map(str, unusable))}: RunFab probes only microbatches that "
+                                   f"divide EFFECTIVE_BATCH_SIZE ({effective}) / {gpus} GPU(s): "
+                                   f"{', '.join(map(str, planned))}")
+        report.mkdir(parents=True, exist_ok=True)
         result = Emulation(gpus=gpus, effective_batch_size=effective)
-        for k in microbatches or candidates(effective, gpus):
+        where = "the GPUs" if cuda else "the CPU (no --cuda; a CPU-sized config, e.g. RUNFAB_CONFIG=conf/smoke.yaml, is quick)"
+        print(f"emulate: probing microbatch {', '.join(map(str, microbatches or planned))} in fresh processes, "
+              f"at most {PROBE_LIMIT:.0f} s each, on {where}", file=log, flush=True)
+        for k in microbatches or planned:
             outcome = probe(sandbox, k, cuda, PROBE_LIMIT)
             result.probes.append(outcome)
             print(f"emulate: probe microbatch {k}: {'fits' if outcome['fits'] else 'fails'} "

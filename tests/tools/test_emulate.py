@@ -91,3 +91,15 @@ def test_a_bundle_after_microbatches_is_named_with_the_fix(tmp_path, capsys):
     missing = tmp_path / "missing.zip"
     assert emulate.main(["--microbatches", "8", "--", str(missing)]) == 2  # after --, it is the bundle
     assert f"{missing} does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--gpus", "2"], "--gpus 2, but the children see 1 device(s): without --cuda they train on the CPU"),
+    (["--microbatches", "3", "8"], "--microbatches 3: RunFab probes only microbatches that divide"),
+])
+def test_a_plan_the_trainer_would_refuse_is_refused_before_any_probe(tmp_path, monkeypatch, capsys, argv, says):
+    monkeypatch.setattr(emulate, "probe", lambda *args: pytest.fail("a probe ran for a plan that cannot train"))
+    assert emulate.main([str(ROOT), "--report", str(tmp_path / "report"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1
+    assert not (tmp_path / "report").exists()
