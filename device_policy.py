@@ -66,6 +66,11 @@ def resolve_precision(cfg: RunConfig, accelerator: str) -> str:
     return cfg.trainer.precision or ("bf16-mixed" if accelerator == "gpu" else "32-true")
 
 
+def _no_advertisement(record: logging.LogRecord) -> bool:
+    """Lightning's tip to install its hosted logger: the loggers here are chosen in observe.loggers."""
+    return not record.getMessage().startswith("💡 Tip:")
+
+
 def setup_process(cfg: RunConfig) -> None:
     """Logging to stderr, quiet about what we chose on purpose, seeded."""
     if not logging.getLogger().handlers:
@@ -73,6 +78,7 @@ def setup_process(cfg: RunConfig) -> None:
     for name in ("train", "probe", "datamodule", "stages", "feeder", "sources", "callbacks", "model", "attention_kernels", "norm_kernels", "fp8",
                  "lightning.pytorch"):
         logging.getLogger(name).setLevel(logging.INFO)
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_advertisement)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*Consider setting `persistent_workers`.*")
     L.seed_everything(cfg.seed, verbose=False)
