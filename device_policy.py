@@ -163,10 +163,22 @@ def prepare_compile(folder: Path, world: int) -> None:
         if named is None or Path(named).absolute() == default.absolute():
             os.environ[variable] = str(ours)
     attention_kernels.use_cache_folder(folder)  # FA4's kernels, compiled at first use
+    _move_precompiled_headers(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]))
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
         import torch._inductor.config as inductor_config
 
         inductor_config.compile_threads = 1 if world > 1 else min(CPU_CORES, len(os.sched_getaffinity(0)))
+
+
+def _move_precompiled_headers(inductor_folder: Path) -> None:
+    """Inductor's precompiled C++ headers (150 MB, for CPU kernels) ignore TORCHINDUCTOR_CACHE_DIR:
+    their folder is fixed under the temp folder when the code cache is imported. Moved with the rest
+    where this torch has that module attribute."""
+    from torch._inductor import codecache
+
+    if hasattr(codecache, "_HEADER_DIR") and hasattr(codecache, "_HEADER_LOCK_DIR"):
+        codecache._HEADER_DIR = str(inductor_folder / "precompiled_headers")
+        codecache._HEADER_LOCK_DIR = str(inductor_folder / "precompiled_headers" / "locks")
 
 
 # What a compiling GPU worker imports for torch.compile (about 550 modules: dynamo, AOTAutograd,

@@ -157,6 +157,10 @@ def test_compile_caches_go_under_the_output_even_after_imports_wrote_the_tmp_def
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", after_import)
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     import torch._inductor.config as inductor_config
+    from torch._inductor import codecache
+
+    for name in ("_HEADER_DIR", "_HEADER_LOCK_DIR"):  # put back afterwards
+        monkeypatch.setattr(codecache, name, getattr(codecache, name))
 
     # prepare_compile also sets the compile thread count; config.patch puts it back afterwards (a
     # monkeypatch would delete it on undo, and inductor then reports the setting as missing).
@@ -164,9 +168,12 @@ def test_compile_caches_go_under_the_output_even_after_imports_wrote_the_tmp_def
         device_policy.prepare_compile(tmp_path / "out/data/compile-cache", world=1)
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "out/data/compile-cache/inductor")
         assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "out/data/compile-cache/triton")
+        # the precompiled C++ headers (150 MB on a CPU compile) follow, though inductor fixed them under /tmp
+        assert codecache._HEADER_DIR == str(tmp_path / "out/data/compile-cache/inductor/precompiled_headers")
 
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # a folder someone chose is kept
         monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "my-triton"))
         device_policy.prepare_compile(tmp_path / "out/data/compile-cache", world=1)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "my-triton")
+    assert codecache._HEADER_DIR == str(tmp_path / "mine" / "precompiled_headers")
