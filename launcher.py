@@ -230,8 +230,9 @@ def quiet_peer_rank(rank: int) -> None:
     def keep(record: logging.LogRecord) -> bool:
         return record.levelno >= logging.WARNING or record.name in PER_RANK_LOGGERS
 
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(keep)
+    for name in ("", "lightning", "lightning.pytorch", "lightning.fabric"):  # Lightning's loggers have their own handlers
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(keep)
 
 
 def worker_spec() -> dict:

@@ -94,6 +94,21 @@ def candidates(root: Path) -> list[str]:
     return [rel for rel in tracked if os.path.lexists(root / rel)]
 
 
+def source_commit(root: Path) -> dict | None:
+    """The checkout's commit and the shipped files that differ from it, as the lab records "which
+    implementation ran"; None outside a checkout (an unpacked bundle): sources_sha256 says it there."""
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, check=True,
+                                text=True).stdout.strip()
+        changed = subprocess.run(["git", "-C", str(root), "diff", "--name-only", "-z", "HEAD"], capture_output=True,
+                                 check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    shipped = set(shipped_files(root))
+    return {"commit": commit,
+            "uncommitted_changes": sorted(n for n in map(os.fsdecode, changed.split(b"\0")) if n in shipped)}
+
+
 def git_files(root: Path, *extra: str) -> list[str] | None:
     """`git ls-files` under the root (tracked files, or others with `extra` flags); None outside a checkout.
 

@@ -23,7 +23,7 @@ import attention_kernels
 from callbacks.observe import ObservationWindows
 from callbacks.runfab_metrics import RunFabMetrics
 from model import count_parameters
-from shipping import folder_bytes, shipped_files
+from shipping import folder_bytes, shipped_files, source_commit
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,7 @@ class RunRecord(L.Callback):
                 "argv": sys.argv,
             },
             "sources_sha256": source_hashes(self.bundle_root),
+            "git": source_commit(self.bundle_root),  # null in an unpacked bundle: the hashes identify the code
         }
 
     def compile_cache_usage(self) -> dict | None:

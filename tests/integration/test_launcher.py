@@ -75,6 +75,7 @@ def test_two_workers_reach_the_weights_of_one_process(tmp_path):
     assert b"2 worker(s) started: forked from this process" in parallel.stderr  # trainer.worker_start: auto
     told = parallel.stderr.decode()  # the run's story once (rank 0), host memory per rank
     assert told.count("] finished: 3 optimizer steps") == told.count("] model: ") == 1
+    assert "GLOBAL_RANK: 1" not in told  # Lightning's own per-rank line too
     assert "host memory, rank 1, update 1" in told
     # The feeder marks every update (interval 0): both ranks report each one, and rank 0's lines carry
     # the global loss of all its rows, as the single process's do.

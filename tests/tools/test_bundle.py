@@ -382,3 +382,20 @@ def test_path_problem_accepts_ordinary_names(rel):
 def test_symlink_loop_is_refused(project, tmp_path, capsys):
     (project / "conf/loop.yaml").symlink_to("loop.yaml")
     assert_refused(project, tmp_path, capsys, "conf/loop.yaml", "symlink loop")
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_source_commit_names_the_commit_and_the_shipped_files_changed_since(project):
+    """What the run record stores as "which implementation ran": the lab records the commit, and the
+    hashes of what actually ran because experiments run with uncommitted changes too."""
+    assert shipping.source_commit(project) is None  # an unpacked bundle: no checkout
+    git = ["git", "-C", str(project), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run(["git", "init", "-q", str(project)], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "first"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert shipping.source_commit(project) == {"commit": head, "uncommitted_changes": []}
+    write(project, "model.py", "x = 2\n")
+    write(project, "notes.md", "not shipped\n")
+    subprocess.run([*git, "add", "notes.md"], check=True)
+    assert shipping.source_commit(project) == {"commit": head, "uncommitted_changes": ["model.py"]}

@@ -114,6 +114,8 @@ def test_training_in_process_writes_metrics_model_record_and_checkpoints_apart(t
     assert record["config"]["model"]["n_layer"] == 1 and record["seed"] == cfg.seed
     assert record["tokenizer"]["vocab_size"] == 8192 and record["environment"]["libraries"]["torch"]
     assert "train.py" in record["sources_sha256"] and "conf/smoke.yaml" in record["sources_sha256"]
+    head = subprocess.run(["git", "-C", str(training_run.BUNDLE_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert (record["git"] or {}).get("commit") == (head.stdout.strip() if head.returncode == 0 else None)
     assert record["compile_cache"] is None  # CPU training does not compile
 
 
