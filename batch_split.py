@@ -25,7 +25,10 @@ class BatchSplit:
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool):
                 raise ConfigError(f"{name} must be a whole number of rows, not {value!r} ({type(value).__name__})")
-        if self.microbatch < 1 or self.accumulation < 1 or self.rows_per_update != self.effective:
+        if self.microbatch < 1 or self.accumulation < 1:  # (-8) x (-4) would pass the product's check
+            raise ConfigError(f"microbatch ({self.microbatch}) and accumulation ({self.accumulation}) must each be "
+                              "at least 1")
+        if self.rows_per_update != self.effective:
             raise ConfigError(
                 f"microbatch ({self.microbatch}) x accumulation ({self.accumulation}) x devices ({self.ranks}) must "
                 f"equal EFFECTIVE_BATCH_SIZE ({self.effective}) rows per optimizer update"

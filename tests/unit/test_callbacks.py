@@ -144,6 +144,8 @@ def test_a_model_smaller_than_the_tokenizer_vocabulary_is_refused():
 def test_a_batch_split_that_does_not_make_the_effective_batch_is_refused():
     with pytest.raises(ConfigError, match="EFFECTIVE_BATCH_SIZE"):
         BatchSplit(3, 5, 1, train.EFFECTIVE_BATCH_SIZE)
+    with pytest.raises(ConfigError, match=r"microbatch \(-8\) and accumulation \(-4\) must each be at least 1"):
+        BatchSplit(-8, -4, 1, train.EFFECTIVE_BATCH_SIZE)  # their product is 32: the product's message would mislead
     BatchSplit(4, 8, 1, train.EFFECTIVE_BATCH_SIZE)
 
 
