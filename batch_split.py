@@ -27,7 +27,8 @@ class BatchSplit:
                 raise ConfigError(f"{name} must be a whole number of rows, not {value!r} ({type(value).__name__})")
         if self.microbatch < 1 or self.accumulation < 1:  # (-8) x (-4) would pass the product's check
             raise ConfigError(f"microbatch ({self.microbatch}) and accumulation ({self.accumulation}) must each be "
-                              "at least 1")
+                              f"at least 1, their product x devices ({self.ranks}) equal to EFFECTIVE_BATCH_SIZE "
+                              f"({self.effective})")
         if self.rows_per_update != self.effective:
             raise ConfigError(
                 f"microbatch ({self.microbatch}) x accumulation ({self.accumulation}) x devices ({self.ranks}) must "
