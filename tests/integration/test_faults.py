@@ -99,16 +99,12 @@ def test_max_time_ends_a_run_whose_input_went_silent_and_the_model_is_exported(t
                              "--trainer.max_time", "00:00:00:14", "--trainer.export_reserve_seconds", "4",
                              "--data.tokenize_batch_docs", "8")
     started = time.monotonic()
-    drained = [threading.Thread(target=stream.read, daemon=True) for stream in (process.stdout, process.stderr)]
-    for thread in drained:
-        thread.start()
+    Lines(process.stdout)  # drained, so that a full pipe never blocks the process
+    stderr = Lines(process.stderr)
     process.stdin.write(sample(120))  # a few updates beyond what the shuffle and tokenizer buffers hold back
     process.stdin.flush()  # and left open: communicate() would close it
-    try:
-        assert process.wait(timeout=90) == 0
-    finally:
-        process.kill()
-        process.stdin.close()
+    returncode, text = wait_with_stdin_open(process, stderr, timeout=90)
+    assert returncode == 0, text.decode()[-3000:]
     assert time.monotonic() - started < 60
     record = json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())
     assert record["status"] == "completed" and record["optimizer_steps"] >= 1
@@ -162,6 +158,18 @@ class Lines:
                 return
             time.sleep(0.1)
         raise AssertionError(f"no quiet moment within {timeout} s: {len(self.lines)} lines")
+
+
+def wait_with_stdin_open(process: subprocess.Popen, stderr: Lines, timeout: float) -> tuple[int, bytes]:
+    """The exit code of a process whose stdin is left open while it runs, and its whole stderr; it is
+    killed and its stdin closed afterwards, whatever happened (a TimeoutExpired propagates)."""
+    try:
+        returncode = process.wait(timeout=timeout)
+    finally:
+        process.kill()
+        process.stdin.close()
+    stderr.thread.join(timeout=10)
+    return returncode, b"".join(stderr.lines)
 
 
 def test_a_hostile_deeply_nested_record_is_skipped_and_counted(tmp_path):
@@ -243,13 +251,8 @@ def test_a_signal_before_the_first_update_ends_the_wait_for_input(tmp_path, sig)
         time.sleep(0.1)
     time.sleep(1.0)  # into the first fetch
     process.send_signal(sig)
-    try:
-        returncode = process.wait(timeout=30)
-    finally:
-        process.kill()
-        process.stdin.close()
-    stderr.thread.join(timeout=10)
-    message = b"".join(stderr.lines).decode()
+    returncode, text = wait_with_stdin_open(process, stderr, timeout=30)
+    message = text.decode()
     assert returncode not in (0, None) and signal.Signals(sig).name in message, message[-3000:]
     assert "nothing was trained" in message and not (tmp_path / "out" / "model").exists()
 
@@ -267,14 +270,7 @@ def assert_exits_zero_with_stdin_open(process: subprocess.Popen) -> None:
     process.stdin.write(sample(120))
     process.stdin.flush()  # 51 kB fit the pipe's buffer; left open until the process has exited
     Lines(process.stdout)  # drained, so that a full pipe never blocks the process
-    stderr = Lines(process.stderr)
-    try:
-        returncode = process.wait(timeout=120)
-    finally:
-        process.kill()
-        process.stdin.close()
-    stderr.thread.join(timeout=10)
-    text = b"".join(stderr.lines)
+    returncode, text = wait_with_stdin_open(process, Lines(process.stderr), timeout=120)
     assert returncode == 0, text.decode()[-3000:]
     assert b"Fatal Python error" not in text
 
