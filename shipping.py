@@ -100,8 +100,9 @@ def source_commit(root: Path) -> dict | None:
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, check=True,
                                 text=True).stdout.strip()
-        changed = subprocess.run(["git", "-C", str(root), "diff", "--name-only", "-z", "HEAD"], capture_output=True,
-                                 check=True).stdout
+        # --relative: paths from the root, as ls-files gives them, also when the root is a subfolder of the checkout
+        changed = subprocess.run(["git", "-C", str(root), "diff", "--name-only", "--relative", "-z", "HEAD"],
+                                 capture_output=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
     shipped = set(shipped_files(root))

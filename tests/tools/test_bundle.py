@@ -399,3 +399,15 @@ def test_the_source_commit_names_the_commit_and_the_shipped_files_changed_since(
     write(project, "notes.md", "not shipped\n")
     subprocess.run([*git, "add", "notes.md"], check=True)
     assert shipping.source_commit(project) == {"commit": head, "uncommitted_changes": ["model.py"]}
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_source_commit_of_a_project_in_a_subfolder_of_the_checkout(project):
+    """Changed files are named from the project's root, as the shipped files are, not from the checkout's."""
+    checkout = project.parent
+    git = ["git", "-C", str(checkout), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run(["git", "init", "-q", str(checkout)], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "first"], check=True)
+    write(project, "model.py", "x = 2\n")
+    assert shipping.source_commit(project)["uncommitted_changes"] == ["model.py"]
