@@ -26,14 +26,14 @@ from functools import cache
 import yaml
 from jsonargparse import ArgumentParser
 
-import launcher
-import training_run
-from batch_split import BatchSplit, command_line_microbatch
+from runtime import launcher
+from runtime import training_run
+from runtime.batch_split import BatchSplit, command_line_microbatch
 from callbacks.runfab_metrics import NonFiniteLossError
 from config import CONFIG_ENV, DEFAULT_CONFIG, ConfigError, RunConfig, as_dict, load_config
-from device_policy import world_size
-from probe import run_probe
-from stages import UnusableInputError
+from runtime.device_policy import world_size
+from runtime.probe import run_probe
+from pipeline.stages import UnusableInputError
 
 PROG = "train.py"
 DEFAULT_SUBCOMMAND = "fit"

@@ -16,10 +16,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from callbacks.observe import ObserveConfig
-from stages import DataConfig
+from pipeline.stages import DataConfig
 from lit_module import OptimConfig
-from model import GPTConfig
-from runfab_limits import GIB, OUTPUT_BYTES, RAM_BYTES
+from model.gpt import GPTConfig
+from runtime.runfab_limits import GIB, OUTPUT_BYTES, RAM_BYTES
 
 BUNDLE_ROOT = Path(__file__).resolve().parent
 DEFAULT_CONFIG = "conf/config.yaml"

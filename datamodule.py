@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
-from stages import StreamSettings, StreamStats, ValidationPool, collate_rows, pack_rows
+from pipeline.stages import StreamSettings, StreamStats, ValidationPool, collate_rows, pack_rows
 
 
 

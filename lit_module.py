@@ -10,7 +10,7 @@ import torch
 from torch.profiler import record_function
 from torchmetrics.aggregation import MeanMetric
 
-from model import GPT, GPTConfig
+from model.gpt import GPT, GPTConfig
 
 
 SCHEDULES = ("cosine", "constant")

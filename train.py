@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import sys
 
-import training_run
-from batch_split import BatchSplit
+from runtime import training_run
+from runtime.batch_split import BatchSplit
 from config import load_config
-from device_policy import world_size
-from probe import run_probe
+from runtime.device_policy import world_size
+from runtime.probe import run_probe
 
 EFFECTIVE_BATCH_SIZE = 32
 

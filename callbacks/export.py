@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from torch import nn
 
-from model import GPT, GPTConfig
+from model.gpt import GPT, GPTConfig
 
 WEIGHTS_NAME = "model.safetensors"
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import lightning as L
 import torch
 
-import attention_kernels
+from model import attention_kernels
 from callbacks.observe import ObservationWindows
 from callbacks.runfab_metrics import RunFabMetrics
-from model import count_parameters
-from shipping import folder_bytes, shipped_files, source_commit
+from model.gpt import count_parameters
+from runtime.shipping import folder_bytes, shipped_files, source_commit
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import TextIO
 import lightning as L
 import torch
 
-from runfab_limits import METRIC_LINE_CHARS
+from runtime.runfab_limits import METRIC_LINE_CHARS
 
 log = logging.getLogger(__name__)
 

@@ -82,7 +82,7 @@ def fake_kernel_gpu(monkeypatch, module, importer: str, error_attribute: str, er
     """A GPU of compute capability ``state["capability"]`` and an optional kernel package (FA4,
     quack) that imports unless ``state["imports"]`` is False: ``module.importer`` is replaced by a
     loader that counts its calls in ``state["imported"]`` and, failing, sets ``module.error_attribute``."""
-    import attention_kernels
+    from model import attention_kernels
 
     state = {"capability": (9, 0), "imports": True, "imported": 0}
 
@@ -102,7 +102,7 @@ def tiktoken_encoder(path: Path):
     """The tokenizer at ``path`` through its fast backend (tiktoken); the test is skipped without tiktoken."""
     import pytest
 
-    from tokenizer import TextEncoder
+    from pipeline.tokenizer import TextEncoder
 
     pytest.importorskip("tiktoken")
     encoder = TextEncoder(path)

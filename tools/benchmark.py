@@ -44,18 +44,18 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import hostmem  # noqa: E402
-import device_policy  # noqa: E402
-import probe  # noqa: E402
+from runtime import hostmem  # noqa: E402
+from runtime import device_policy  # noqa: E402
+from runtime import probe  # noqa: E402
 import train  # noqa: E402
-import training_run  # noqa: E402
-from batch_split import BatchSplit  # noqa: E402
+from runtime import training_run  # noqa: E402
+from runtime.batch_split import BatchSplit  # noqa: E402
 from callbacks.runfab_metrics import peak_memory  # noqa: E402
 from config import load_config  # noqa: E402
-from feeder import UpdateFeeder  # noqa: E402
-from stages import ValidationPool  # noqa: E402
+from pipeline.feeder import UpdateFeeder  # noqa: E402
+from pipeline.stages import ValidationPool  # noqa: E402
 from lit_module import GPTTrainingModule  # noqa: E402
-from model import training_flops  # noqa: E402
+from model.gpt import training_flops  # noqa: E402
 from tools.check import dies_with_parent, process_family  # noqa: E402
 
 LAYOUTS = {

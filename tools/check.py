@@ -181,7 +181,7 @@ def is_safe_member(name: str) -> bool:
 
 def directory_files(root: Path) -> tuple[list[str], str]:
     """The files a directory would ship: exactly what ``python -m tools package`` would pack from it."""
-    from shipping import git_files, shipped_files
+    from runtime.shipping import git_files, shipped_files
 
     files = [rel for rel in shipped_files(root) if (root / rel).is_file()]
     listing = "git ls-files, tracked files" if git_files(root) is not None else "every file in the tree"
@@ -596,7 +596,7 @@ def check_layout(source: BundleSource) -> Result:
 
 
 def check_archive(source: BundleSource) -> Result:
-    from runfab_limits import EXPANDED_BYTES as EXPANDED_LIMIT, ZIP_BYTES as ZIP_LIMIT
+    from runtime.runfab_limits import EXPANDED_BYTES as EXPANDED_LIMIT, ZIP_BYTES as ZIP_LIMIT
 
     problems, facts = [], [f"{size_text(source.expanded_bytes)} expanded (limit {size_text(EXPANDED_LIMIT)})"]
     if source.expanded_bytes > EXPANDED_LIMIT:
@@ -843,7 +843,7 @@ def check_bundle(path: str | Path, options: Options | None = None, out: TextIO |
     """
     options = options or Options()
     if options.probe_limit is None:
-        from runfab_limits import PROBE_SECONDS
+        from runtime.runfab_limits import PROBE_SECONDS
 
         options = replace(options, probe_limit=PROBE_SECONDS)
     out = out or sys.stdout
@@ -970,7 +970,7 @@ def preview(data: bytes) -> str:
 
 
 def parse_args(argv: list[str]) -> tuple[Path, Options]:
-    from runfab_limits import PROBE_SECONDS
+    from runtime.runfab_limits import PROBE_SECONDS
 
     parser = argparse.ArgumentParser(
         prog="python -m tools check",

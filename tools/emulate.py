@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-import hostmem
-import runfab_limits
-from shipping import folder_bytes
+from runtime import hostmem
+from runtime import runfab_limits
+from runtime.shipping import folder_bytes
 from tools import check
 from tools import report as run_report
 

@@ -28,7 +28,7 @@ except ImportError:
     varlen_attn = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import attention_kernels  # noqa: E402
+from model import attention_kernels  # noqa: E402
 
 
 def timed(fn, repeats: int = 20) -> float:
@@ -266,7 +266,7 @@ def fused(args) -> None:
     except Exception as error:  # noqa: BLE001
         print(f"  quack LayerNorm: {type(error).__name__}: {str(error)[:300]}")
 
-    from model import _chunk_loss_and_grad
+    from model.gpt import _chunk_loss_and_grad
     logits = (2 * torch.randn(chunk, padded, device=dev, generator=gen)).bfloat16()
     targets = torch.randint(0, vocab, (chunk,), device=dev, generator=gen)
     ours = torch.compile(_chunk_loss_and_grad, dynamic=False)

@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-import runfab_limits
-from runfab_limits import MIB
-from shipping import git_files, shipped_files, untracked_matches
+from runtime import runfab_limits
+from runtime.runfab_limits import MIB
+from runtime.shipping import git_files, shipped_files, untracked_matches
 
 DEFAULT_ROOT = Path(__file__).resolve().parent.parent
 ZIP_PREFIX = "runfab-trainer-"

@@ -19,10 +19,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import training_run  # noqa: E402
-from batch_split import BatchSplit  # noqa: E402
+from runtime import training_run  # noqa: E402
+from runtime.batch_split import BatchSplit  # noqa: E402
 from config import load_config  # noqa: E402
-from stages import (  # noqa: E402
+from pipeline.stages import (  # noqa: E402
     StreamStats, ValidationPool, assemble_updates, attention_pairs, balance_ranks, encode_documents, pack_rows,
     read_records, shuffle_documents, split_validation,
 )

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import attention_kernels
-import norm_kernels
-from model import GPT, IGNORE_INDEX, DocumentLayout, GPTConfig, attend, document_offsets, token_loss_sum, varlen_attn
+from model import attention_kernels
+from model import norm_kernels
+from model.gpt import GPT, IGNORE_INDEX, DocumentLayout, GPTConfig, attend, document_offsets, token_loss_sum, varlen_attn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 FA4_MISSING = attention_kernels.fa4_unavailable_reason(torch.device("cuda"), 64) if torch.cuda.is_available() else "no GPU"
@@ -118,7 +118,7 @@ def test_one_document_rows_use_fused_causal_sdpa_and_match_the_varlen_kernel(mon
                 hidden = fast._trunk(tokens, positions, cu_seqlens, "flash")  # several-document path, forced
             else:
                 calls = []
-                monkeypatch.setattr("model.varlen_attn", lambda *a, **k: calls.append(1))
+                monkeypatch.setattr("model.gpt.varlen_attn", lambda *a, **k: calls.append(1))
                 hidden = fast.hidden_states(tokens, positions, cu_seqlens)
                 assert not calls  # one document per row never reaches the varlen kernel
         hidden.float().square().mean().backward()
@@ -294,14 +294,14 @@ def test_the_compiled_trunk_runs_quack_layer_norm_without_a_graph_break_and_matc
 
 
 def fp8_missing() -> str | None:
-    import fp8
+    from model import fp8
 
     return fp8.unavailable_reason(torch.device("cuda")) if torch.cuda.is_available() else "no GPU"
 
 
 @pytest.mark.skipif(fp8_missing() is not None, reason=f"fp8: {fp8_missing()}")
 def test_one_compiled_fp8_training_step_gives_the_bf16_loss_within_a_few_percent():
-    import fp8
+    from model import fp8
     from lit_module import GPTTrainingModule, OptimConfig
 
     from torch._dynamo.utils import counters
@@ -339,14 +339,14 @@ def test_a_memory_window_dumps_a_snapshot_the_memory_viz_reads(tmp_path, monkeyp
 
     import train
 
-    from batch_split import BatchSplit
+    from runtime.batch_split import BatchSplit
 
-    import device_policy
+    from runtime import device_policy
 
 
-    import training_run
+    from runtime import training_run
     from config import load_config
-    from shipping import folder_bytes
+    from runtime.shipping import folder_bytes
     from tests.helpers import IN_PROCESS_RUN, Stdin, as_dotlist, records
 
     monkeypatch.chdir(tmp_path)
@@ -375,7 +375,7 @@ def test_a_memory_window_dumps_a_snapshot_the_memory_viz_reads(tmp_path, monkeyp
 
 
 def test_the_allocator_cap_keeps_the_headroom_and_any_smaller_platform_fraction():
-    import device_policy
+    from runtime import device_policy
     from config import load_config
 
     cfg = load_config("conf/smoke.yaml", ["trainer.memory_headroom_gib=4"])
@@ -395,7 +395,7 @@ def test_the_allocator_cap_keeps_the_headroom_and_any_smaller_platform_fraction(
 
 def test_the_probe_reports_the_peak_gpu_memory_it_measured():
     import train
-    import probe
+    from runtime import probe
     from config import load_config
 
     cfg = load_config("conf/smoke.yaml")

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 import train
-from batch_split import BatchSplit
+from runtime.batch_split import BatchSplit
 from config import ConfigError
-import training_run
+from runtime import training_run
 from config import load_config
 
 from tests.helpers import ROOT, as_args, as_dotlist, tiny
@@ -205,7 +205,7 @@ class FailingStdin(io.RawIOBase):
 
 
 def test_an_input_failure_after_training_started_exports_the_model_so_far(tmp_path, monkeypatch):
-    import launcher
+    from runtime import launcher
 
     monkeypatch.setattr("sys.stdout", io.StringIO())
     cfg = load_config("conf/smoke.yaml", [*as_dotlist(RUN), "trainer.max_steps=-1",
@@ -402,7 +402,7 @@ def test_an_earlier_runs_results_are_moved_aside_and_never_deleted(tmp_path, cap
     """Three runs on one output folder: the second run's model (or metric lines, or checkpoints) is in
     previous-<folder>/, the first's (with a file the user added to it) is kept as previous-<folder>.1/
     instead of being deleted or mixed with a later run's files."""
-    from training_run import claimed_output
+    from runtime.training_run import claimed_output
 
     root = tmp_path / "out"
     for run in (1, 2, 3):

@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from feeder import ValidationDocument
-from launcher import End, receive_items, send_item
+from pipeline.feeder import ValidationDocument
+from runtime.launcher import End, receive_items, send_item
 
 from tests.helpers import ROOT, as_args, tiny
 
@@ -222,7 +222,7 @@ def test_the_probe_runs_on_every_device_under_the_training_setup(tmp_path):
 
 
 def test_workers_fork_only_from_a_process_that_has_not_initialized_cuda(monkeypatch):
-    import launcher
+    from runtime import launcher
 
     assert not launcher.cuda_driver_initialized()  # this CPU process never loaded the driver
     assert launcher.resolve_start("auto") == "fork" and launcher.resolve_start("exec") == "exec"
@@ -250,7 +250,7 @@ def test_a_failure_report_names_the_killed_rank_before_the_peers_it_brought_down
     exit is visible: the report must lead with the rank killed by a signal, not with the lowest rank."""
     from collections import deque
 
-    import launcher
+    from runtime import launcher
 
     group = launcher.WorkerGroup.__new__(launcher.WorkerGroup)
     killed = _Exits(-signal.SIGKILL) if killed_seen == "in the same poll" else _Exits(None, -signal.SIGKILL)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import train
-from batch_split import BatchSplit
-import training_run
+from runtime.batch_split import BatchSplit
+from runtime import training_run
 from callbacks.observe import ObserveConfig
 from config import ConfigError, load_config
 from tests.helpers import IN_PROCESS_RUN, Stdin, as_dotlist, records

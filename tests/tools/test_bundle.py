@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-import shipping
+from runtime import shipping
 from tools import package as bundle
 
 from tests.helpers import ROOT

@@ -14,9 +14,9 @@ import os
 import pytest
 import torch
 
-import attention_kernels
+from model import attention_kernels
 import model as model_module
-from model import GPT, GPTConfig, document_offsets
+from model.gpt import GPT, GPTConfig, document_offsets
 
 from tests.helpers import fake_kernel_gpu
 
@@ -89,7 +89,7 @@ def test_fa4_caches_go_under_the_output_in_training_and_nowhere_otherwise(monkey
 
 
 def test_prepare_compile_hands_its_folder_to_fa4(monkeypatch, tmp_path):
-    import device_policy
+    from runtime import device_policy
 
     monkeypatch.setattr(attention_kernels, "_cache_folder", None)
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # leave inductor's settings alone

@@ -18,15 +18,15 @@ import torch
 from torch.utils.data import DataLoader
 
 import train
-from batch_split import BatchSplit
+from runtime.batch_split import BatchSplit
 from config import ConfigError
-import device_policy
-import training_run
+from runtime import device_policy
+from runtime import training_run
 from callbacks.runfab_metrics import NonFiniteLossError, RunFabMetrics
 from config import load_config
-from stages import Row, StreamStats, split_update
+from pipeline.stages import Row, StreamStats, split_update
 from lit_module import GPTTrainingModule, OptimConfig
-from model import GPTConfig
+from model.gpt import GPTConfig
 from tests.helpers import IN_PROCESS_RUN, Stdin, as_dotlist, records
 
 IN_PROCESS = as_dotlist(IN_PROCESS_RUN)

@@ -135,7 +135,7 @@ def test_a_config_file_that_is_not_a_mapping_is_refused(tmp_path):
 
 @pytest.mark.parametrize("microbatch, accumulation", [(0, None), (None, 0), (-3, None)])
 def test_a_command_line_split_below_one_row_is_refused_not_replaced(microbatch, accumulation):
-    from batch_split import BatchSplit
+    from runtime.batch_split import BatchSplit
     from config import ConfigError
 
     with pytest.raises(ConfigError, match="must be at least 1|must equal EFFECTIVE_BATCH_SIZE"):
@@ -158,7 +158,7 @@ def test_a_relative_config_is_found_in_the_current_folder_first(tmp_path, monkey
 
 
 def test_a_microbatch_that_does_not_divide_the_batch_names_those_that_do():
-    from batch_split import BatchSplit
+    from runtime.batch_split import BatchSplit
     from config import ConfigError
 
     with pytest.raises(ConfigError, match=r"microbatch 5 x 2 device\(s\) does not divide .* use one of 1, 2, 4, 8, 16$"):
@@ -178,8 +178,8 @@ def test_an_empty_output_variable_means_the_default_folder_not_the_current_one(m
 
 
 def test_a_worker_typed_by_a_person_is_one_readable_error(monkeypatch, capsys):
-    import launcher
-    import training_run
+    from runtime import launcher
+    from runtime import training_run
 
     monkeypatch.delenv(launcher.WORKER_SPEC_ENV, raising=False)
     assert training_run.run_worker() == 2  # was a KeyError traceback

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from feeder import UpdateFeeder
+from pipeline.feeder import UpdateFeeder
 
-from sources import DescriptorReader, open_input
+from pipeline.sources import DescriptorReader, open_input
 
-from stages import (
+from pipeline.stages import (
     assemble_updates,
     attention_pairs,
     balance_ranks,
@@ -37,7 +37,7 @@ from stages import (
     UnusableInputError,
     ValidationPool,
 )
-from model import IGNORE_INDEX, document_offsets
+from model.gpt import IGNORE_INDEX, document_offsets
 
 VOCAB = 1000
 

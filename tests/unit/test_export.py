@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
 from callbacks.export import ExportModel, export_model
-from model import GPT, GPTConfig
+from model.gpt import GPT, GPTConfig
 
 EOS = "<|endoftext|>"
 # init_std well above the default so attention is far from uniform and a q/k mix-up shows.

@@ -20,7 +20,7 @@ import torch
 
 from config import load_config
 from tests.gpt2_reference import ENCODER_JSON, VOCAB_BPE, ReferenceGPT2, read_fixture
-from tokenizer import EOS_TOKEN, TextEncoder, read_ndjson_texts
+from pipeline.tokenizer import EOS_TOKEN, TextEncoder, read_ndjson_texts
 from tools import build_gpt2_tokenizer
 
 from tests.helpers import ROOT, tiktoken_encoder
@@ -190,7 +190,7 @@ def test_every_vocabulary_entry_alone_and_glued(reference, fast, plain):
 
 
 def test_reference_config_uses_gpt2_and_smoke_keeps_the_small_tokenizer():
-    import training_run
+    from runtime import training_run
 
     reference_cfg = load_config("conf/config.yaml")
     assert reference_cfg.data.tokenizer == "conf/gpt2/tokenizer.json"
@@ -205,7 +205,7 @@ def test_exported_folder_is_gpt2s_tokenizer(tmp_path, reference):
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from callbacks.export import export_model
-    from model import GPT, GPTConfig
+    from model.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     export_model(GPT(GPTConfig(vocab_size=50257, n_layer=1, n_head=2, n_embd=16, max_seq_len=32)), GPT2_TOKENIZER, tmp_path)

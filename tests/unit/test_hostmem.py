@@ -10,11 +10,11 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-import hostmem
+from runtime import hostmem
 import train
-from batch_split import BatchSplit
-import probe
-import training_run
+from runtime.batch_split import BatchSplit
+from runtime import probe
+from runtime import training_run
 from config import ConfigError, load_config
 from tests.helpers import ROOT
 from tools.check import process_family
@@ -38,7 +38,7 @@ def test_pss_of_a_tree_counts_a_child_and_shares_what_parent_and_child_map():
 
 
 def test_a_gpu_count_over_the_host_budget_is_refused_before_any_input_is_read(monkeypatch):
-    monkeypatch.setattr("device_policy.cuda_present", lambda: True)  # the refusal comes before any CUDA call
+    monkeypatch.setattr("runtime.device_policy.cuda_present", lambda: True)  # the refusal comes before any CUDA call
     overrides = ["trainer.accelerator=gpu", "trainer.devices=8", "trainer.host_memory_budget_gib=8"]
     cfg = load_config("conf/smoke.yaml", overrides)
     need = hostmem.projected_host_gib(8)

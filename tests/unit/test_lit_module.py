@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from stages import Row, StreamStats, split_update
+from pipeline.stages import Row, StreamStats, split_update
 from lit_module import GPTTrainingModule, OptimConfig, lr_factor
-from model import IGNORE_INDEX, GPTConfig, token_loss_sum
+from model.gpt import IGNORE_INDEX, GPTConfig, token_loss_sum
 
 SEQ_LEN = 16
 ROWS = 8

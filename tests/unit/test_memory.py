@@ -21,8 +21,8 @@ import time
 
 import psutil
 
-from stages import DataConfig, StreamSettings, StreamStats, ValidationPool, stream_updates
-from tokenizer import TextEncoder
+from pipeline.stages import DataConfig, StreamSettings, StreamStats, ValidationPool, stream_updates
+from pipeline.tokenizer import TextEncoder
 
 from tests.helpers import ROOT
 

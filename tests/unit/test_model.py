@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from config import load_config
-from model import IGNORE_INDEX, GPT, GPTConfig, count_parameters, document_causal_mask, document_offsets, token_loss_sum, training_flops
+from model.gpt import IGNORE_INDEX, GPT, GPTConfig, count_parameters, document_causal_mask, document_offsets, token_loss_sum, training_flops
 
 
 def tiny_model(seed: int = 0) -> GPT:
@@ -115,7 +115,7 @@ def test_rows_of_one_document_each_take_plain_causal_attention_with_the_same_res
     positions = torch.arange(32).expand(3, 32)
     with torch.no_grad():
         masked = model._trunk(ids, positions, None)  # the document-mask path
-        monkeypatch.setattr("model.document_causal_mask", lambda *a: (_ for _ in ()).throw(AssertionError("mask built")))
+        monkeypatch.setattr("model.gpt.document_causal_mask", lambda *a: (_ for _ in ()).throw(AssertionError("mask built")))
         plain = model.hidden_states(ids, positions, document_offsets(positions))
     torch.testing.assert_close(plain, masked, rtol=1e-5, atol=1e-5)
     two_docs = torch.cat([torch.arange(16), torch.arange(16)]).expand(3, 32)

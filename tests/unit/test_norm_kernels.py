@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import norm_kernels
+from model import norm_kernels
 from config import ConfigError, load_config
-from model import GPT, GPTConfig
+from model.gpt import GPT, GPTConfig
 
 from tests.helpers import fake_kernel_gpu
 
@@ -157,7 +157,7 @@ def test_the_quack_path_trains_like_the_torch_path_and_compiles_without_a_graph_
 
 
 def test_fp8_is_refused_without_a_cuda_gpu():
-    import device_policy
+    from runtime import device_policy
 
     cfg = load_config("conf/smoke.yaml", ["model.fp8=true"])
     with pytest.raises(ConfigError, match="model.fp8 is true but it needs a CUDA GPU"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 
-import shipping
+from runtime import shipping
 
 from tests.helpers import ROOT
 

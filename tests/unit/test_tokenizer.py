@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import tokenizer
-from tokenizer import EOS_TOKEN, TextEncoder, read_ndjson_texts, train_tokenizer
+from pipeline import tokenizer
+from pipeline.tokenizer import EOS_TOKEN, TextEncoder, read_ndjson_texts, train_tokenizer
 
 from tests.helpers import ROOT, tiktoken_encoder
 

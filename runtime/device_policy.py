@@ -18,11 +18,11 @@ from pathlib import Path
 import lightning as L
 import torch
 
-import attention_kernels
-import fp8
-import hostmem
+from model import attention_kernels
+from model import fp8
+from runtime import hostmem
 from config import ConfigError, RunConfig
-from runfab_limits import CPU_CORES
+from runtime.runfab_limits import CPU_CORES
 from lit_module import GPTTrainingModule
 
 log = logging.getLogger("train")
@@ -75,8 +75,7 @@ def setup_process(cfg: RunConfig) -> None:
     """Logging to stderr, quiet about what we chose on purpose, seeded."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[%(asctime)s %(name)s] %(message)s")
-    for name in ("train", "probe", "datamodule", "stages", "feeder", "sources", "callbacks", "model", "attention_kernels", "norm_kernels", "fp8",
-                 "lightning.pytorch"):
+    for name in ("train", "datamodule", "callbacks", "model", "pipeline", "runtime", "lightning.pytorch"):
         logging.getLogger(name).setLevel(logging.INFO)
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_advertisement)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")

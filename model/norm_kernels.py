@@ -27,7 +27,7 @@ import logging
 
 import torch
 
-import attention_kernels
+from model import attention_kernels
 
 log = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ import torch
 
 from callbacks.runfab_metrics import deliver
 from config import WORKER_STARTS
-from feeder import ValidationDocument
+from pipeline.feeder import ValidationDocument
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class FeederConnection:
         self.conn.close()
 
 
-PER_RANK_LOGGERS = ("hostmem", "probe")  # what each rank measures of its own process and device
+PER_RANK_LOGGERS = ("runtime.hostmem", "runtime.probe")  # what each rank measures of its own process and device
 
 
 def quiet_peer_rank(rank: int) -> None:

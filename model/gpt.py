@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import attention_kernels
-import norm_kernels
+from model import attention_kernels
+from model import norm_kernels
 
 try:  # the flash-attention varlen kernel; absent from older PyTorch and CPU-only builds it can't use
     from torch.nn.attention.varlen import varlen_attn

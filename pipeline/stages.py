@@ -26,8 +26,8 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
-from model import IGNORE_INDEX, document_offsets
-from runfab_limits import RECORD_BYTES
+from model.gpt import IGNORE_INDEX, document_offsets
+from runtime.runfab_limits import RECORD_BYTES
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ The list is an allow-list of what training needs, not a deny-list of what it doe
 kind of junk file stays out without anyone having to think of it:
 
     *.py                    root-level modules (train.py among them)
-    callbacks/**/*.py       Lightning callbacks imported by train.py
+    callbacks/ model/ pipeline/ runtime/ (**/*.py)   the packages train.py imports
     conf/**                 YAML configs and the tokenizer
     data/sample.jsonl       the bundled default sample (small local data, contract section 1)
     requirements.txt  README.md  pyproject.toml
@@ -37,7 +37,7 @@ ALLOWED = tuple(
     re.compile(pattern)
     for pattern in (
         r"[^/]+\.py",
-        r"callbacks/(?:[^/]+/)*[^/]+\.py",
+        r"(?:callbacks|model|pipeline|runtime)/(?:[^/]+/)*[^/]+\.py",
         r"conf/.+",
         r"data/sample\.jsonl",
         r"requirements\.txt",

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import BinaryIO
 
-from stages import UnusableInputError
+from pipeline.stages import UnusableInputError
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-import hostmem
-import launcher
-from batch_split import BatchSplit
+from runtime import hostmem
+from runtime import launcher
+from runtime.batch_split import BatchSplit
 from callbacks.export import ExportModel
 from callbacks.graceful_stop import GracefulStop
 from callbacks.observe import ObservationWindows
@@ -33,17 +33,17 @@ from callbacks.run_record import RunRecord, sha256_file
 from callbacks.runfab_metrics import RunFabMetrics
 from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, load_config_dict, training_time_limit
 from datamodule import StreamingDataModule
-from feeder import UpdateFeeder
-from sources import open_input
-from stages import StreamSettings, UnusableInputError, ValidationPool, summary_line
-from device_policy import (
+from pipeline.feeder import UpdateFeeder
+from pipeline.sources import open_input
+from pipeline.stages import StreamSettings, UnusableInputError, ValidationPool, summary_line
+from runtime.device_policy import (
     build_module, check_host_memory, compiles, limit_gpu_memory, lightning_trainer, local_device,
     platform_memory_fraction, preload_worker_modules, prepare_compile, resolve_accelerator, setup_process,
     use_allocator_settings,
 )
-from model import GPT, count_parameters, training_flops
-from probe import run_probe_local
-from tokenizer import TextEncoder
+from model.gpt import GPT, count_parameters, training_flops
+from runtime.probe import run_probe_local
+from pipeline.tokenizer import TextEncoder
 
 log = logging.getLogger("train")
 

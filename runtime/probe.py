@@ -15,13 +15,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-import hostmem
-import launcher
-from batch_split import probe_accumulation
+from runtime import hostmem
+from runtime import launcher
+from runtime.batch_split import probe_accumulation
 from callbacks.runfab_metrics import peak_memory
 from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict
-from stages import Row, collate_rows
-from device_policy import (
+from pipeline.stages import Row, collate_rows
+from runtime.device_policy import (
     build_module, check_host_memory, limit_gpu_memory, lightning_trainer, local_device, platform_memory_fraction,
     resolve_accelerator, setup_process, use_allocator_settings, world_size,
 )

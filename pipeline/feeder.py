@@ -16,7 +16,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from stages import StreamSettings, StreamStats, ValidationPool, stream_updates
+from pipeline.stages import StreamSettings, StreamStats, ValidationPool, stream_updates
 
 log = logging.getLogger(__name__)
 
