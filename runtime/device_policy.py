@@ -137,13 +137,16 @@ def build_module(cfg: RunConfig, device: torch.device | None) -> GPTTrainingModu
     return module
 
 
-def check_host_memory(cfg: RunConfig, world: int, in_workers: bool, microbatch: int) -> None:
+def check_host_memory(cfg: RunConfig, world: int, microbatch: int) -> None:
     """Refuse, before any data is read or worker started, a run whose host memory cannot fit: a GPU
     count over the job's budget, or a CPU run (activations in host memory) over what the machine has."""
     if resolve_accelerator(cfg) != "gpu":
         problem = hostmem.cpu_memory_problem(cfg.model, microbatch, world, hostmem.available_host_bytes())
     else:
-        problem = hostmem.host_budget_problem(cfg.trainer.host_memory_budget_gib, world, in_workers)
+        written = hostmem.output_bytes(cfg)
+        problem = hostmem.host_budget_problem(cfg.trainer.host_memory_budget_gib, world, written)
+        if problem is None and cfg.trainer.host_memory_budget_gib > 0:
+            log.info(hostmem.host_budget(world, written).line(cfg.trainer.host_memory_budget_gib))
     if problem is not None:
         raise ConfigError(problem)
 

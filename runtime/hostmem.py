@@ -7,9 +7,9 @@ once per process that maps it and overstates a tree of several CUDA processes by
 reported beside PSS, never instead of it.
 
 - ``read_rollup`` / ``tree_memory``: /proc/PID/smaps_rollup of one process, or summed over a tree.
-- ``projected_host_gib`` / ``host_budget_problem``: the job's peak PSS for a GPU count, from the
-  figures measured on 2 H200s (docs/PERFORMANCE.md, 2026-11-30); train() and probe_batch() refuse
-  a count that cannot fit before they read any data or start any worker.
+- ``host_budget`` / ``host_budget_problem``: the job's peak for a GPU count (processes' PSS, the
+  output folder, /tmp), from measured figures; train() and probe_batch() refuse a count that cannot
+  fit before they read any data or start any worker.
 - ``HostMemory``: a callback that records the process's memory at each stage of a run and keeps
   Lightning's teardown from copying weights, gradients and optimizer state into host memory once a
   GPU run is over (that copy was the job's peak: 2 GiB per GPU process).
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 import os
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from model.gpt import padded_vocab_size
+from model.gpt import GPT, count_parameters, padded_vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -34,18 +35,15 @@ FIELDS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Pss_Shmem", "Anonymous")
 STAGE_LOG_ENV = "RUNFAB_HOST_MEMORY_LOG"  # a file: one JSON line per stage, from every process (benchmarks)
 GIB = 2**30
 
-# The job's peak PSS with several GPUs, measured on nvidia-h200-x2 under taskset -c 0,1 with the
-# reference config (docs/PERFORMANCE.md, 2026-11-30): the feeder alone (the process RunFab started:
-# torch, Lightning, the tokenizer, full buffers) held 0.72 GiB, and the whole tree with 2 GPU
-# processes peaked at 4.27 GiB (emulate, microbatch 16 x 1), so each GPU process is counted at
-# (4.27 - 0.72) / 2 = 1.78 GiB (one worker's stages: modules imported 0.57, CUDA context and model
-# 0.17, process group, NCCL and DDP 0.37, the first compiled update 0.54; rank 0's export folded in).
-# The margin covers what a sampler every 0.5 s can miss and the spread between runs. One GPU
-# trains in RunFab's own process (no feeder, no worker) and is not projected.
-FEEDER_GIB = 0.72
-PER_GPU_GIB = 1.78
-MARGIN_GIB = 0.25
-
+# RunFab charges the processes' PSS, the RAM-backed output folder and /tmp to the one budget.
+# The process figures are the whole job's peak PSS with the reference configuration under RunFab's
+# procedure, pinned to 2 cores (docs/PERFORMANCE.md, "Host memory"): one GPU trains in RunFab's own
+# process; each further GPU adds a forked worker and the feeder's share of its queue.
+ONE_GPU_GIB = 3.06
+PER_ADDED_GPU_GIB = 0.68
+COMPILE_CACHE_GIB_PER_GPU = 0.02  # inductor, Triton and FA4 caches under the output's data/
+TMP_GIB = 0.25  # RunFab's /tmp may hold 256 MiB; the trainer writes nothing there, others may
+MARGIN_GIB = 0.25  # what a sampler every 0.5 s can miss, and the spread between runs
 
 def read_rollup(pid: int | str = "self") -> dict[str, int]:
     """The fields of FIELDS in bytes, from /proc/PID/smaps_rollup; {} when the process is gone."""
@@ -81,25 +79,52 @@ def tree_memory(pids) -> dict[str, int]:
 # ----------------------------------------------------------------------------- budget
 
 
-def projected_host_gib(world: int) -> float:
-    """The job's projected peak PSS with ``world`` GPU processes and the feeder (the margin excluded)."""
-    return FEEDER_GIB + PER_GPU_GIB * world
+@dataclass(frozen=True)
+class HostBudget:
+    """What a GPU run of ``gpus`` GPUs is expected to hold of the job's RAM at its peak, in GiB."""
+
+    gpus: int
+    processes: float
+    output: float
+    tmp: float = TMP_GIB
+    margin: float = MARGIN_GIB
+
+    @property
+    def total(self) -> float:
+        return self.processes + self.output + self.tmp + self.margin
+
+    def line(self, budget_gib: float) -> str:
+        return (f"host memory for {self.gpus} GPU(s): processes {self.processes:.2f} + output {self.output:.2f} "
+                f"+ /tmp {self.tmp:.2f} + margin {self.margin:.2f} = {self.total:.2f} GiB of {budget_gib:.1f} GiB")
 
 
-def host_budget_problem(budget_gib: float, world: int, in_workers: bool) -> str | None:
-    """Why ``world`` GPU processes cannot fit ``budget_gib`` of host memory, or None when they can."""
-    if budget_gib <= 0 or not in_workers:
+def host_budget(gpus: int, output_bytes: float) -> HostBudget:
+    """The projected peak for ``gpus`` GPUs whose run writes ``output_bytes`` (export, checkpoints)."""
+    processes = ONE_GPU_GIB + PER_ADDED_GPU_GIB * (gpus - 1)
+    return HostBudget(gpus, processes, output_bytes / GIB + COMPILE_CACHE_GIB_PER_GPU * gpus)
+
+
+def output_bytes(cfg) -> int:
+    """What a run writes to the output folder at its peak: the fp32 export (4 bytes a parameter) and,
+    when checkpoints are on, two Lightning checkpoints (weights and AdamW's two moments, 12 bytes a
+    parameter each, while the newest replaces the last)."""
+    with torch.device("meta"):  # the real parameter count, without allocating anything
+        parameters = count_parameters(GPT(cfg.model))
+    return 4 * parameters + (2 * 12 * parameters if cfg.trainer.checkpoint_every_steps > 0 else 0)
+
+
+def host_budget_problem(budget_gib: float, gpus: int, output_bytes: float) -> str | None:
+    """Why ``gpus`` GPUs cannot fit ``budget_gib`` of host memory, or None when they can (0: no check)."""
+    if budget_gib <= 0:
         return None
-    need = projected_host_gib(world)
-    if need + MARGIN_GIB <= budget_gib:
+    need = host_budget(gpus, output_bytes)
+    if need.total <= budget_gib:
         return None
-    fits = max(0, int((budget_gib - MARGIN_GIB - FEEDER_GIB) // PER_GPU_GIB))
-    return (
-        f"{world} GPUs need about {need:.1f} GiB of host memory (PSS: the feeder {FEEDER_GIB:.2f} GiB + {world} x "
-        f"{PER_GPU_GIB:.2f} GiB per GPU process, measured on 2 H200s, + {MARGIN_GIB:.2f} GiB margin), over the job's "
-        f"budget of {budget_gib:.1f} GiB (trainer.host_memory_budget_gib; RunFab grants 8 GiB whatever the GPU "
-        f"count). Use at most {fits} GPUs: --trainer.devices {fits}, or fewer GPUs on RunFab's slider"
-    )
+    fits = max((n for n in range(1, gpus) if host_budget(n, output_bytes).total <= budget_gib), default=0)
+    advice = f"Use at most {fits} GPU(s): --trainer.devices {fits}, or fewer GPUs on RunFab's slider" if fits else (
+        "Not even one GPU fits: shrink the model's export or raise the budget")
+    return (f"{need.line(budget_gib)}: over the job's budget (trainer.host_memory_budget_gib; RunFab grants "
+            f"8 GiB whatever the GPU count, output folder and /tmp included). {advice}")
 
 
 # A CPU run keeps its activations in host memory too, and the reference model at microbatch 8

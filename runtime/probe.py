@@ -57,7 +57,7 @@ def run_probe(cfg: RunConfig, microbatch: int, effective: int) -> dict:
     if isinstance(microbatch, bool) or not isinstance(microbatch, numbers.Integral) or not 1 <= microbatch <= effective:
         raise ConfigError(f"microbatch must be a whole number in 1..{effective}, not {microbatch!r}")
     world = world_size(cfg)
-    check_host_memory(cfg, world, world > 1 or bool(cfg.trainer.worker_processes), microbatch)
+    check_host_memory(cfg, world, microbatch)
     setup_process(cfg)
     use_allocator_settings(cfg)
     platform_fraction = platform_memory_fraction()

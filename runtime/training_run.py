@@ -179,7 +179,7 @@ def run_training(cfg: RunConfig, split: BatchSplit, stdin=None) -> dict:
     world = split.ranks
     check_output_budget(cfg)
     in_workers = world > 1 or bool(cfg.trainer.worker_processes)
-    check_host_memory(cfg, world, in_workers, split.microbatch)
+    check_host_memory(cfg, world, split.microbatch)
     setup_process(cfg)
     with claimed_output(Path(cfg.output.root)):
         use_allocator_settings(cfg)

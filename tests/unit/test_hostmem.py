@@ -39,23 +39,36 @@ def test_pss_of_a_tree_counts_a_child_and_shares_what_parent_and_child_map():
 
 def test_a_gpu_count_over_the_host_budget_is_refused_before_any_input_is_read(monkeypatch):
     monkeypatch.setattr("runtime.device_policy.cuda_present", lambda: True)  # the refusal comes before any CUDA call
-    overrides = ["trainer.accelerator=gpu", "trainer.devices=8", "trainer.host_memory_budget_gib=8"]
+    overrides = ["trainer.accelerator=gpu", "trainer.devices=8", "trainer.host_memory_budget_gib=4"]
     cfg = load_config("conf/smoke.yaml", overrides)
-    need = hostmem.projected_host_gib(8)
-    assert need > 8  # the projection from the 2-GPU measurements: 8 GPU processes do not fit
+    need = hostmem.host_budget(8, hostmem.output_bytes(cfg))
+    assert need.total > 4
     stdin = io.BytesIO(b'{"text": "never read"}\n')
     with pytest.raises(ConfigError) as error:
         training_run.run_training(cfg, BatchSplit(4, 1, 8, train.EFFECTIVE_BATCH_SIZE), stdin=stdin)
     message = str(error.value)
-    assert f"{need:.1f} GiB" in message and "8.0 GiB" in message and "trainer.host_memory_budget_gib" in message
+    assert f"= {need.total:.2f} GiB of 4.0 GiB" in message and "trainer.host_memory_budget_gib" in message
+    assert "Use at most 1 GPU(s)" in message
     assert stdin.tell() == 0
     with pytest.raises(ConfigError, match="host memory"):
         probe.run_probe(cfg, 4, train.EFFECTIVE_BATCH_SIZE)
-    assert hostmem.host_budget_problem(8.0, 2, True) is None  # measured: 4.27 GiB
-    assert hostmem.host_budget_problem(8.0, 3, True) is None
-    assert "Use at most 3 GPUs" in hostmem.host_budget_problem(8.0, 4, True)
-    assert hostmem.host_budget_problem(0, 64, True) is None  # 0 switches the check off
-    assert hostmem.host_budget_problem(8.0, 1, False) is None  # one GPU trains in RunFab's own process
+
+
+def test_the_host_budget_counts_processes_output_and_tmp_and_admits_what_fits():
+    reference = load_config("conf/config.yaml")
+    written = hostmem.output_bytes(reference)
+    assert written == 4 * 126_716_160  # the fp32 export of the lab's model
+    one, two = hostmem.host_budget(1, written), hostmem.host_budget(2, written)
+    assert two.processes - one.processes == pytest.approx(hostmem.PER_ADDED_GPU_GIB)
+    assert one.output == pytest.approx(written / 2**30 + hostmem.COMPILE_CACHE_GIB_PER_GPU)
+    assert one.total == pytest.approx(one.processes + one.output + hostmem.TMP_GIB + hostmem.MARGIN_GIB)
+    fitting = [n for n in range(1, 9) if hostmem.host_budget_problem(8.0, n, written) is None]
+    assert fitting == [n for n in range(1, 9) if hostmem.host_budget(n, written).total <= 8.0]
+    assert 4 in fitting and 8 not in fitting
+    assert f"Use at most {max(fitting)} GPU(s)" in hostmem.host_budget_problem(8.0, 8, written)
+    with_checkpoints = load_config("conf/config.yaml", ["trainer.checkpoint_every_steps=100"])
+    assert hostmem.output_bytes(with_checkpoints) == 28 * 126_716_160
+    assert hostmem.host_budget_problem(0, 64, written) is None  # 0 switches the check off
 
 
 def test_the_cpu_estimate_matches_a_measured_probe_within_a_tenth(tmp_path):
