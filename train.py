@@ -2,43 +2,64 @@
 
 RunFab imports this file, calls ``probe_batch(microbatch)`` in fresh processes, then
 ``train(microbatch, accumulation)`` with records on stdin. ``python train.py`` runs the very
-same path locally. Importing it only defines things: no stdin, no CUDA, no files, no model.
+same path locally. Importing it only defines things: no stdin, no CUDA, no files, no model, and no
+heavy import (torch and Lightning load inside the hooks).
 
 stdout carries RunFab's metric lines and nothing else; everything for people goes to stderr.
-Where each part lives: the batch split in batch_split.py, the probe in probe.py, a training run
-in training_run.py (data parallelism through launcher.py), device and memory policy in
-device_policy.py.
+The batch split is in runtime/batch_split.py, the probe in runtime/probe.py, a training run in
+runtime/training_run.py (data parallelism through runtime/launcher.py).
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import sys
-
-from runtime import training_run
-from runtime.batch_split import BatchSplit
-from config import load_config
-from runtime.device_policy import world_size
-from runtime.probe import run_probe
+import tempfile
 
 EFFECTIVE_BATCH_SIZE = 32
 
 
 def probe_batch(microbatch: int) -> None:
     """Fit ``microbatch`` worst-case rows with the real model and optimizer; CUDA OOM propagates."""
+    private_library_caches()
+    from config import load_config
+    from runtime.probe import run_probe
+
     run_probe(load_config(), microbatch, EFFECTIVE_BATCH_SIZE)
 
 
 def train(microbatch: int, accumulation: int) -> dict:
     """Train on stdin with RunFab's choice of batch split, then export."""
+    private_library_caches()
+    from config import load_config
+    from runtime import training_run
+    from runtime.batch_split import BatchSplit
+    from runtime.device_policy import world_size
+
     cfg = load_config()
     return training_run.run_training(cfg, BatchSplit(microbatch, accumulation, world_size(cfg), EFFECTIVE_BATCH_SIZE))
 
 
+def private_library_caches() -> None:
+    """Lightning imports torchmetrics, which imports matplotlib where it is installed (RunFab's image
+    has it), and matplotlib writes a font cache into HOME. A probe writes nothing and a run writes
+    only under its output, so that cache goes to a folder of this process tree, removed at exit."""
+    if "MPLCONFIGDIR" not in os.environ:
+        folder = tempfile.mkdtemp(prefix="trainer-matplotlib-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        os.environ["MPLCONFIGDIR"] = folder
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python train.py``: a data-parallel worker (``train.py worker``, started by launcher.py), else
+    """``python train.py``: a data-parallel worker (``train.py worker``, started by the launcher), else
     the local command line, cli.py, whose jsonargparse RunFab's hooks and the workers never import."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    private_library_caches()
     if argv[:1] == ["worker"]:
+        from runtime import training_run
+
         return training_run.run_worker()
     import cli
 
