@@ -6,23 +6,29 @@ that lists them all, and ``--print_config``. It only reads the command line. The
 overrides are merged by ``config.load_config``, the path RunFab's hooks take too, so the values are
 checked once, the same way, and the hooks never import jsonargparse (RunFab's image does not have it).
 
-The help line of a key is the ``#`` comment on its field in the dataclass that defines it (or the
-comment block just above the field), so a key's meaning is written once, beside its default.
+The help of a key is the docstring under its field in the dataclass that defines it, so a key's meaning
+is written once, beside its default. They are read here with ``ast``: jsonargparse's own reader of attribute
+docstrings needs docstring-parser, one more package for the command line alone. Any other argument of
+lightning.Trainer is an option too, ``--trainer.NAME VALUE``, passed to the Trainer (config.py keeps it under
+``trainer.lightning``), except those the run sets itself, which are refused with the reason.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import inspect
-import io
 import json
+import re
 import sys
-import tokenize
+import textwrap
+import types
 import typing
 from pathlib import Path
 from dataclasses import MISSING, dataclass, fields, is_dataclass
 from functools import cache
 
+import lightning as L
 import yaml
 from jsonargparse import ArgumentParser
 
@@ -30,7 +36,8 @@ from runtime import launcher
 from runtime import training_run
 from runtime.batch_split import BatchSplit, command_line_microbatch
 from callbacks.runfab_metrics import NonFiniteLossError
-from config import CONFIG_ENV, DEFAULT_CONFIG, ConfigError, RunConfig, as_dict, load_config
+from config import (CONFIG_ENV, DEFAULT_CONFIG, LIGHTNING_REFUSED, ConfigError, RunConfig, TrainerConfig, as_dict,
+                    lightning_argument_problems, lightning_trainer_arguments, load_config)
 from runtime.device_policy import world_size
 from runtime.probe import run_probe
 from pipeline.stages import UnusableInputError
@@ -43,8 +50,9 @@ SUBCOMMANDS = {
 }
 # Former train.py subcommands that now live in `python -m tools` (never imported here: tools/ does not ship).
 TOOLS = ("package", "check", "emulate", "report", "tokenizer")
-UNDOCUMENTED = "(no description yet)"
+HELP = ("-h", "--help")
 PRINT_CONFIG = "--print_config"
+PASSED_TO_LIGHTNING = "trainer.lightning"  # the config's field for them; on the command line each is --trainer.NAME
 
 
 @dataclass
@@ -111,7 +119,7 @@ def parse(argv: list[str]) -> Command:
     """
     if argv[:1] and argv[0] in TOOLS:
         raise CommandLineError(f"{argv[0]} is a tool, not part of training: run `python -m tools {argv[0]}`")
-    if not argv[:1] or argv[0] not in SUBCOMMANDS:
+    if not argv[:1] or argv[0] not in (*SUBCOMMANDS, *HELP):  # alone, --help describes the subcommands
         argv = [DEFAULT_SUBCOMMAND, *argv]
     # jsonargparse treats --print_config itself (it would print the command line's values, not the merged
     # configuration), so the flag is taken out before it parses; the option is declared only for --help.
@@ -121,11 +129,15 @@ def parse(argv: list[str]) -> Command:
     if len(configs) > 1:  # the parser would keep the last one silently
         raise CommandLineError(f"--config is given {len(configs)} times; give one file, and change single keys "
                                "with --section.key VALUE")
+    refused = [token.split("=")[0].removeprefix("--trainer.") for token in argv if token.startswith("--trainer.")]
+    refused = lightning_argument_problems({name: None for name in refused if name in LIGHTNING_REFUSED})
+    if refused:  # the parser has no option for them and would only call them unrecognized
+        raise CommandLineError(refused[0])
     try:
         # defaults=False: only what the user typed, so the YAML file is never overridden by a schema default
         namespace = build_parser().parse_args(argv, defaults=False)
     except Exception as error:  # jsonargparse's ArgumentError, raised because exit_on_error is off
-        raise CommandLineError(" ".join(str(error).split())) from None
+        raise CommandLineError(readable(error)) from None
     name = namespace.subcommand
     given = flatten(namespace[name].as_dict() if namespace[name] is not None else {})
     options = {key: given.pop(key, None) for key in ("config", "microbatch", "accumulation")}
@@ -139,14 +151,41 @@ def parse(argv: list[str]) -> Command:
     )
 
 
+def readable(error: Exception) -> str:
+    """jsonargparse's message on one line; for a choice key, the choices and the value given."""
+    message = " ".join(str(error).split())
+    key = re.match(r'Parser key "([^"]+)"', message)
+    value = re.search(r"(?:Got|Given) value: (.*)$", message)
+    hints = {name: hint for name, hint, _, _ in config_keys(RunConfig)}
+    choices = literal_choices(hints.get(key[1])) if key else None
+    if not (choices and value):
+        return message
+    return f"--{key[1]} must be one of {', '.join(choices)}, not {value[1]}"
+
+
+def literal_choices(hint: object) -> list[str] | None:
+    """The values a choice type (``Literal``, optionally in ``| None`` or ``list[...]``) allows; None for others."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return [str(arg) for arg in args]
+    if origin is list:
+        return literal_choices(args[0])
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [arg for arg in args if arg is not type(None)]
+        choices = literal_choices(rest[0]) if len(rest) == 1 else None
+        return [*choices, "null"] if choices else None
+    return None
+
+
 def config_yaml(cfg: RunConfig) -> str:
     """The merged, resolved configuration as YAML: what ``--print_config`` shows."""
     return yaml.safe_dump(as_dict(cfg), sort_keys=False)
 
 
 def build_parser() -> ArgumentParser:
-    root = ArgumentParser(prog=PROG, exit_on_error=False, description=describe())
-    subcommands = root.add_subcommands(dest="subcommand")
+    root = ArgumentParser(prog=PROG, exit_on_error=False, description=describe(),
+                          usage=f"{PROG} [{{{','.join(SUBCOMMANDS)}}}] [--config FILE] [--section.key VALUE ...]")
+    subcommands = root.add_subcommands(dest="subcommand", required=False)  # train.py names fit when none is given
     for name, summary in SUBCOMMANDS.items():
         subcommands.add_subcommand(name, subcommand_parser(name, summary), help=summary)
     return root
@@ -156,9 +195,9 @@ def describe(summary: str = "") -> str:
     lines = [f"{summary}." if summary else "Pretrain the GPT decoder the way RunFab runs train.py."]
     lines.append(
         f"Subcommands: {DEFAULT_SUBCOMMAND} (the default), "
-        f"{', '.join(name for name in SUBCOMMANDS if name != DEFAULT_SUBCOMMAND)}; `python {PROG} SUBCOMMAND --help` for each. "
-        f"Values come from --config (default: ${CONFIG_ENV} or {DEFAULT_CONFIG}), then --section.key VALUE "
-        "overrides, wherever they stand. The bundle tools run as `python -m tools`."
+        f"{', '.join(name for name in SUBCOMMANDS if name != DEFAULT_SUBCOMMAND)}; `python {PROG} SUBCOMMAND --help` "
+        f"lists every key. Values come from --config (default: ${CONFIG_ENV} or {DEFAULT_CONFIG}), then "
+        "--section.key VALUE overrides, wherever they stand. The bundle tools run as `python -m tools`."
     )
     return " ".join(lines)
 
@@ -174,42 +213,86 @@ def subcommand_parser(name: str, summary: str) -> ArgumentParser:
                         help="microbatches per update (default: what the batch size implies)")
     parser.add_argument(PRINT_CONFIG, action="store_true",
                         help="print the merged configuration as YAML on stdout and exit without training")
+    sections = attribute_docstrings(RunConfig)
+    groups = {}
     for key, hint, default, help_text in config_keys(RunConfig):
-        parser.add_argument(f"--{key}", type=hint, default=default, help=help_text or UNDOCUMENTED)
+        if key == PASSED_TO_LIGHTNING:
+            continue
+        section = key.split(".")[0] if "." in key else None
+        if section not in groups:
+            groups[section] = parser.add_argument_group(section, sections[section]) if section else parser
+        groups[section].add_argument(f"--{key}", type=hint, default=default, help=help_text)
+    add_lightning_options(parser)
     return parser
+
+
+def add_lightning_options(parser: ArgumentParser) -> None:
+    """An option for every lightning.Trainer argument the config has no key for and does not refuse."""
+    group = parser.add_argument_group(
+        "trainer: other lightning.Trainer arguments",
+        f"Passed to the Trainer as given, kept in the config under {PASSED_TO_LIGHTNING} (in YAML, trainer.NAME "
+        f"works too). Unset, each keeps the run's default: Lightning's, except no sanity validation and no model "
+        f"summary. Refused, because the run sets them itself: "
+        f"{', '.join(LIGHTNING_REFUSED)}.")
+    own = {item.name for item in fields(TrainerConfig)}
+    hints = typing.get_type_hints(L.Trainer.__init__)
+    helps = lightning_help()
+    for name in lightning_trainer_arguments():
+        if name not in own and name not in LIGHTNING_REFUSED:
+            group.add_argument(f"--trainer.{name}", type=spelled(hints.get(name, typing.Any)),
+                               default=argparse.SUPPRESS, help=helps.get(name, "an argument of lightning.Trainer"))
+
+
+def spelled(hint: object) -> object:
+    """A Trainer argument's type without the classes that a command line cannot spell (a Profiler object, ...)."""
+    def plain(arg: object) -> bool:
+        return arg in (bool, int, float, str, type(None)) or typing.get_origin(arg) is typing.Literal
+
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        kept = [arg for arg in typing.get_args(hint) if plain(arg)]
+        return typing.Union[tuple(kept)] if kept else typing.Any
+    return hint if plain(hint) else typing.Any
+
+
+@cache
+def lightning_help() -> dict[str, str]:
+    """The first sentence of each argument in the ``Args:`` section of lightning.Trainer's docstring."""
+    found, name = {}, None
+    for line in inspect.cleandoc(L.Trainer.__init__.__doc__ or "").split("Args:", 1)[-1].splitlines():
+        entry = re.match(r"    (\w+): (.*)", line)
+        if entry:
+            name, found[entry[1]] = entry[1], entry[2]
+        elif line.startswith("        ") and name:
+            found[name] += " " + line.strip()
+        elif line.strip():
+            name = None
+    return {key: text.replace("``", "").split(". ")[0].rstrip(".") for key, text in found.items()}
 
 
 def config_keys(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, object, object, str]]:
     """(dotted key, type, default, help) for every leaf field of the configuration dataclasses."""
     hints = typing.get_type_hints(cls)
-    comments = field_comments(cls)
+    docs = attribute_docstrings(cls)
     for item in fields(cls):
         hint = hints[item.name]
         if is_dataclass(hint):
             yield from config_keys(hint, f"{prefix}{item.name}.")
         else:
             default = item.default if item.default is not MISSING else item.default_factory()
-            yield f"{prefix}{item.name}", hint, default, comments.get(item.name, "")
+            yield f"{prefix}{item.name}", hint, default, docs.get(item.name, "")
 
 
 @cache
-def field_comments(cls: type) -> dict[str, str]:
-    """Field name -> its trailing ``#`` comment, or else the comment lines right above it."""
-    source = inspect.getsource(inspect.getmodule(cls))
-    lines = source.splitlines()
-    comments = {token.start[0]: token.string.lstrip("#").strip()
-                for token in tokenize.generate_tokens(io.StringIO(source).readline) if token.type == tokenize.COMMENT}
-    node = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+def attribute_docstrings(cls: type) -> dict[str, str]:
+    """Field name -> the docstring right under the field (a string literal alone on the next line), on one line."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = next(node for node in tree.body if isinstance(node, ast.ClassDef)).body
     found = {}
-    for statement in node.body:
-        if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
-            continue
-        trailing = [comments[row] for row in range(statement.lineno, statement.end_lineno + 1) if row in comments]
-        above, row = [], statement.lineno - 1
-        while row in comments and lines[row - 1].lstrip().startswith("#"):
-            above.insert(0, comments[row])
-            row -= 1
-        found[statement.target.id] = " ".join(trailing or above)
+    for statement, following in zip(body, body[1:]):
+        if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            found[statement.target.id] = " ".join(following.value.value.split())
     return found
 
 

@@ -6,11 +6,18 @@ overrides (`--model.n_layer 2`) override the presets.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
-from dataclasses import dataclass, field
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
 from datetime import timedelta
+from functools import cache
 from pathlib import Path
+from typing import Any, Literal, get_args
 
+import lightning as L
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -23,33 +30,64 @@ from runtime.runfab_limits import GIB, OUTPUT_BYTES, RAM_BYTES
 
 BUNDLE_ROOT = Path(__file__).resolve().parent
 DEFAULT_CONFIG = "conf/config.yaml"
-ACCELERATORS = ("auto", "cpu", "gpu")  # trainer.accelerator; auto: gpu when a CUDA GPU is visible
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")  # Lightning's names
-WORKER_STARTS = ("auto", "fork", "exec")  # trainer.worker_start; launcher.py says what each does
+Accelerator = Literal["auto", "cpu", "gpu"]
+Precision = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true"]  # Lightning's names
+WorkerStart = Literal["auto", "fork", "exec"]  # launcher.py says what each does
+ACCELERATORS, PRECISIONS, WORKER_STARTS = get_args(Accelerator), get_args(Precision), get_args(WorkerStart)
 CONFIG_ENV = "RUNFAB_CONFIG"
 
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 2000  # optimizer updates; -1: until the input ends
-    max_time: str | None = None  # "DD:HH:MM:SS": training and export, counted from the start of fit
-    export_reserve_seconds: int = 60  # kept out of max_time's training loop for the export and run record
-    stop_grace_seconds: int = 90  # after SIGTERM/SIGINT, data-parallel ranks that have not stopped by then are killed
-    precision: str | None = None  # None: bf16-mixed on CUDA, 32-true on CPU
-    accelerator: str = "auto"  # Lightning accelerator (gpu, cpu); auto: gpu when CUDA is available
-    val_every_steps: int = 250  # 0 disables validation
-    val_batches: int | None = None  # None: the whole held-out pool
-    progress_bar: bool | None = None  # None: when stderr is a terminal
-    checkpoint_every_steps: int = 0  # 0: no intermediate checkpoints
-    compile: bool | None = None  # torch.compile the model trunk; None: on CUDA only
-    devices: int | None = None  # data-parallel processes; None: every visible GPU (1 on CPU)
-    worker_processes: bool | None = None  # None: only with several devices; true: one device trains in a worker too
-    memory_headroom_gib: float = 2.0  # GPU memory the allocator leaves free, in the probe and in training alike
-    probe_margin_gib: float = 0.5  # the eager probe's cap is this much tighter than training's (compiled) cap
-    cuda_alloc_conf: str | None = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF unless the platform set one
-    host_memory_budget_gib: float = RAM_BYTES / GIB  # RunFab's RAM for the job; GPU counts projected over it are refused (0: off)
-    ddp_bucket_cap_mb: float = 25.0  # all-reduce bucket size (DDP's default); dynamo splits the compiled trunk there
-    worker_start: str = "auto"  # fork: workers are copies of this process (imports shared, no start-up import); exec: fresh interpreters; auto: fork unless CUDA is initialized here
+    """The ``trainer`` section of the config: how long and on what the run trains, and the Lightning Trainer's
+    arguments. A key named as a lightning.Trainer argument means what that argument means."""
+
+    max_steps: int = 2000
+    """Optimizer updates; -1: until the input ends"""
+    max_time: str | None = None
+    """Time limit "DD:HH:MM:SS" for training and export together, counted from the start of fit; null: no limit"""
+    export_reserve_seconds: int = 60
+    """Seconds of max_time kept out of the training loop for the export and the run record"""
+    stop_grace_seconds: int = 90
+    """After SIGTERM or SIGINT, seconds the data-parallel ranks get to stop before they are killed"""
+    precision: Precision | None = None
+    """Lightning precision; null: bf16-mixed on a GPU, 32-true on a CPU"""
+    accelerator: Accelerator = "auto"
+    """Lightning accelerator; auto: gpu when a CUDA GPU is visible, else cpu"""
+    gradient_clip_val: float = 1.0
+    """Largest total gradient norm of an update; larger gradients are scaled down to it. 0: no clipping"""
+    val_every_steps: int = 250
+    """Optimizer updates between validations; 0: no validation. (Lightning's val_check_interval counts
+    microbatches, whose number per update RunFab chooses.)"""
+    limit_val_batches: int | None = None
+    """Validation batches per validation; null: the whole held-out pool"""
+    enable_progress_bar: bool | None = None
+    """Lightning's progress bar, on stderr; null: when stderr is a terminal"""
+    checkpoint_every_steps: int = 0
+    """Optimizer updates between Lightning checkpoints, kept in the output's checkpoints/ folder; 0: none"""
+    compile: bool | None = None
+    """torch.compile the model trunk; null: on a GPU only"""
+    devices: int | None = None
+    """Data-parallel processes, one per GPU; null: every visible GPU (1 on a CPU)"""
+    worker_processes: bool | None = None
+    """Train in worker processes that this one feeds; null: only with several devices"""
+    memory_headroom_gib: float = 2.0
+    """GPU memory the allocator leaves free, the same in the probe and in training"""
+    probe_margin_gib: float = 0.5
+    """How much tighter the eager probe's GPU memory cap is than compiled training's"""
+    cuda_alloc_conf: str | None = "expandable_segments:True"
+    """PYTORCH_CUDA_ALLOC_CONF of the run, unless the environment sets one; null: the allocator's defaults"""
+    host_memory_budget_gib: float = RAM_BYTES / GIB
+    """Host memory of the job (RunFab's RAM); a GPU count whose projected host memory exceeds it is refused
+    before training. 0: no check"""
+    ddp_bucket_cap_mb: float = 25.0
+    """Size of DDP's all-reduce buckets in MB; the compiled trunk is split into graphs at bucket boundaries"""
+    worker_start: WorkerStart = "auto"
+    """How workers start: fork (copies of this process, sharing its imports) or exec (fresh interpreters);
+    auto: fork unless CUDA is already initialized in this process"""
+    lightning: dict[str, Any] = field(default_factory=dict)
+    """Other lightning.Trainer arguments, passed to the Trainer as given. Write them as trainer.NAME (e.g.
+    --trainer.log_every_n_steps 10); the config keeps them here"""
 
     def problems(self) -> list[str]:
         found = []
@@ -66,7 +104,8 @@ class TrainerConfig:
             found.append(f"trainer.precision must be one of {', '.join(PRECISIONS)} (or null: bf16-mixed on a GPU, "
                          f"32-true on a CPU), not {self.precision!r}")
         found += [f"trainer.{name} must be at least 1, not {getattr(self, name)}"
-                  for name in ("devices", "val_batches") if getattr(self, name) is not None and getattr(self, name) < 1]
+                  for name in ("devices", "limit_val_batches")
+                  if getattr(self, name) is not None and getattr(self, name) < 1]
         found += [f"trainer.{name} must be >= 0 (0: off), not {getattr(self, name)}"
                   for name in ("val_every_steps", "checkpoint_every_steps", "export_reserve_seconds", "stop_grace_seconds")
                   if getattr(self, name) < 0]
@@ -76,7 +115,9 @@ class TrainerConfig:
             found.append(f"trainer.worker_start must be one of {', '.join(WORKER_STARTS)}, not {self.worker_start!r}")
         if self.host_memory_budget_gib < 0 or self.ddp_bucket_cap_mb <= 0:
             found.append("trainer.host_memory_budget_gib must be >= 0 (0: no check) and trainer.ddp_bucket_cap_mb > 0")
-        return found
+        if self.gradient_clip_val < 0:
+            found.append(f"trainer.gradient_clip_val must be >= 0 (0: no clipping), not {self.gradient_clip_val}")
+        return found + lightning_argument_problems(self.lightning)
 
     def time_limit(self) -> timedelta | None:
         """``max_time`` less the export reserve: what the training loop itself may use."""
@@ -98,8 +139,13 @@ class TrainerConfig:
 
 @dataclass
 class MetricsConfig:
-    interval_seconds: float = 5.0  # RunFab wants a line every 5-10 s; 0 reports every update (debugging)
-    peak_flops: float = 989e12  # MFU denominator per GPU: H100/H200 SXM dense BF16, as the training lab uses
+    """The ``metrics`` section of the config: the metric lines on stdout."""
+
+    interval_seconds: float = 5.0
+    """Seconds between metric lines (RunFab wants one every 5-10 s); 0: a line for every update"""
+    peak_flops: float = 989e12
+    """Peak FLOP/s of one GPU, the denominator of MFU; the default is an H100/H200 SXM's dense BF16, as the
+    training lab counts it"""
 
     def problems(self) -> list[str]:
         return ["metrics.interval_seconds must be >= 0 (0 reports every update)"] if self.interval_seconds < 0 else []
@@ -107,20 +153,80 @@ class MetricsConfig:
 
 @dataclass
 class OutputConfig:
-    root: str = "${oc.env:RUNFABRIC_OUTPUT,output}"  # RunFab's output root; ./output when unset or empty
-    budget_bytes: int = OUTPUT_BYTES  # RunFab keeps all output in 3 GiB of RAM: model, checkpoints, caches
+    """The ``output`` section of the config: where the run writes."""
+
+    root: str = "${oc.env:RUNFABRIC_OUTPUT,output}"
+    """Folder of the model, the run record and checkpoints: RunFab's RUNFABRIC_OUTPUT, else ./output"""
+    budget_bytes: int = OUTPUT_BYTES
+    """Bytes all output may take: RunFab keeps it in the job's RAM (model, checkpoints, caches)"""
 
 
 @dataclass
 class RunConfig:
-    seed: int = 1337  # seeds every random generator of the run (model init, data shuffle)
+    """The whole configuration: one section per concern."""
+
+    seed: int = 1337
+    """Seeds every random generator of the run (model init, data shuffle)"""
     model: GPTConfig = field(default_factory=GPTConfig)
+    """The decoder's shape and kernels"""
     data: DataConfig = field(default_factory=DataConfig)
+    """Where records come from, their tokenization, shuffle and packing"""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW and the learning-rate schedule"""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Length of the run, devices, precision, memory limits and the Lightning Trainer's arguments"""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """The metric lines on stdout"""
     observe: ObserveConfig = field(default_factory=ObserveConfig)
+    """Profiler trace, CUDA memory snapshot and experiment loggers"""
     output: OutputConfig = field(default_factory=OutputConfig)
+    """Where the run writes, and how much"""
+
+
+# lightning.Trainer arguments that trainer.NAME does not pass through, and why: the run sets them itself, and
+# another value would break RunFab's batch split, the one pass over the input, or the run's own callbacks.
+LIGHTNING_REFUSED = {
+    "accumulate_grad_batches": "RunFab chooses the accumulation (locally: --microbatch and --accumulation)",
+    "strategy": "the run joins its own data-parallel processes with DDP (trainer.devices, trainer.ddp_bucket_cap_mb)",
+    "num_nodes": "the run starts its data-parallel processes on this machine only",
+    "use_distributed_sampler": "the feeder already hands each rank its own rows",
+    "plugins": "precision is trainer.precision, and the cluster is the processes the run starts itself",
+    "callbacks": "the run installs its own (metrics, export, run record, signals)",
+    "logger": "choose Lightning loggers with observe.loggers",
+    "default_root_dir": "it is output.root",
+    "enable_checkpointing": "set trainer.checkpoint_every_steps (0: no checkpoints)",
+    "gradient_clip_algorithm": "the run clips the total gradient norm (trainer.gradient_clip_val), the norm the "
+                               "metrics report",
+    "max_epochs": "the input is one stream, read once: bound the run with trainer.max_steps or trainer.max_time",
+    "min_epochs": "the input is one stream, read once: bound the run with trainer.max_steps or trainer.max_time",
+    "min_steps": "it would hold off the stop that SIGTERM, trainer.max_time or the end of the input asks for",
+    "val_check_interval": "it counts microbatches, whose number per update RunFab chooses: set "
+                          "trainer.val_every_steps (optimizer updates)",
+    "check_val_every_n_epoch": "the run is one epoch: set trainer.val_every_steps (optimizer updates)",
+    "limit_train_batches": "it counts microbatches and could end the run inside an update: set trainer.max_steps",
+    "overfit_batches": "it counts microbatches and could end the run inside an update: set trainer.max_steps",
+    "fast_dev_run": "it counts microbatches and could end the run inside an update: set trainer.max_steps 1",
+}
+
+
+@cache
+def lightning_trainer_arguments() -> tuple[str, ...]:
+    """The parameters of ``lightning.Trainer``."""
+    return tuple(name for name in inspect.signature(L.Trainer.__init__).parameters if name != "self")
+
+
+def lightning_argument_problems(arguments: dict) -> list[str]:
+    """What is wrong with the names in ``trainer.lightning`` (Lightning itself checks the values)."""
+    own = {item.name for item in fields(TrainerConfig)}
+    found = []
+    for name in arguments:
+        if name in LIGHTNING_REFUSED:
+            found.append(f"trainer.{name} is not passed to Lightning's Trainer: {LIGHTNING_REFUSED[name]}")
+        elif name in own:
+            found.append(f"trainer.lightning.{name}: trainer.{name} is a key of the config, set it there")
+        elif name not in lightning_trainer_arguments():
+            found.append(f"trainer.lightning.{name} is not an argument of lightning.Trainer")
+    return found
 
 
 class ConfigError(ValueError):
@@ -149,8 +255,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(values, DictConfig):
             raise ConfigError(f"{path} must hold a mapping of sections (model:, data:, ...), not a "
                               f"{type(values).__name__.removesuffix('Config').lower()}")
-        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), values, OmegaConf.from_dotlist(overrides or []))
-        config = OmegaConf.to_object(merged)
+        values = lightning_arguments_apart(values)
+        given = lightning_arguments_apart(OmegaConf.from_dotlist(overrides or []))
+        config = built(RunConfig, OmegaConf.merge(OmegaConf.structured(schema(RunConfig)), values, given))
     except ConfigError:
         raise
     except (OmegaConfBaseException, ValueError) as error:  # ValueError: a section that cannot be built (GPTConfig)
@@ -160,6 +267,60 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     resolve_defaults(config)
     check_config(config)
     return config
+
+
+def lightning_arguments_apart(values: DictConfig) -> DictConfig:
+    """``trainer.NAME``, where NAME is an argument of lightning.Trainer and no key of the config, moved to
+    ``trainer.lightning``: YAML files and overrides name a Trainer argument as Lightning does."""
+    trainer = values.get("trainer")
+    own = {item.name for item in fields(TrainerConfig)}
+    passed = [name for name in trainer or () if name not in own and name in lightning_trainer_arguments()]
+    if not passed:
+        return values
+    moved = OmegaConf.to_container(values, resolve=False)  # interpolations are resolved after the merge
+    lightning = moved["trainer"].get("lightning") or {}
+    moved["trainer"]["lightning"] = lightning | {name: moved["trainer"].pop(name) for name in passed}
+    return OmegaConf.create(moved)
+
+
+@cache
+def schema(section: type) -> type:
+    """``section`` as omegaconf's schema, its choice keys typed ``str``: omegaconf before 2.4 refuses
+    ``Literal`` fields. The choices are checked by the sections' ``problems()`` with either version."""
+    hints = typing.get_type_hints(section)
+    specs = []
+    for item in fields(section):
+        hint = hints[item.name]
+        if is_dataclass(hint):
+            specs.append((item.name, schema(hint), field(default_factory=schema(hint))))
+        else:
+            specs.append((item.name, without_literal(hint),
+                          field(default=item.default, default_factory=item.default_factory)))
+    return dataclasses.make_dataclass(section.__name__, specs)
+
+
+def without_literal(hint: Any) -> Any:
+    """``hint`` with each ``Literal[...]`` in it replaced by the type of its values."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return type(args[0])
+    if origin in (typing.Union, types.UnionType):
+        return typing.Union[tuple(without_literal(arg) for arg in args)]
+    if origin is list:
+        return list[without_literal(args[0])]
+    return hint
+
+
+def built(section: type, values: DictConfig) -> Any:
+    """The ``section`` dataclass (and its subsections) holding ``values``, interpolations resolved."""
+    plain = OmegaConf.to_container(values, resolve=True, throw_on_missing=True)
+
+    def build(cls: type, items: dict) -> Any:
+        hints = typing.get_type_hints(cls)
+        return cls(**{name: build(hints[name], value) if is_dataclass(hints[name]) else value
+                      for name, value in items.items()})
+
+    return build(section, plain)
 
 
 def resolve_defaults(cfg: RunConfig) -> None:
@@ -172,7 +333,7 @@ def resolve_defaults(cfg: RunConfig) -> None:
 
 def load_config_dict(values: dict) -> RunConfig:
     """A configuration already resolved (as_dict's output), as a data-parallel worker receives it."""
-    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(values)))
+    config = built(RunConfig, OmegaConf.merge(OmegaConf.structured(schema(RunConfig)), OmegaConf.create(values)))
     resolve_defaults(config)
     check_config(config)
     return config
@@ -196,4 +357,4 @@ def training_time_limit(cfg: RunConfig) -> timedelta | None:
 
 
 def as_dict(cfg: RunConfig) -> dict:
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    return OmegaConf.to_container(OmegaConf.create(dataclasses.asdict(cfg)), resolve=True)

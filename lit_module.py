@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import lightning as L
 import torch
@@ -13,24 +14,36 @@ from torchmetrics.aggregation import MeanMetric
 from model.gpt import GPT, GPTConfig
 
 
-SCHEDULES = ("cosine", "constant")
+Schedule = Literal["cosine", "constant"]
+SCHEDULES = get_args(Schedule)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 6e-4  # peak learning rate, reached after warmup
-    min_lr_ratio: float = 0.1  # the cosine schedule ends at lr x this
-    weight_decay: float = 0.1  # AdamW decay for weight matrices; norms and biases get none
-    decay_embeddings: bool = False  # apply weight_decay to the embeddings too
-    beta1: float = 0.9  # AdamW first-moment decay
-    beta2: float = 0.95  # AdamW second-moment decay
-    eps: float = 1e-8  # AdamW epsilon
-    grad_clip: float = 1.0  # gradient-norm clip per update; 0: none
-    warmup_steps: int = 100  # optimizer steps of linear warmup
-    schedule: str = "cosine"  # or "constant"
-    decay_steps: int | None = None  # cosine horizon in optimizer steps; None: trainer.max_steps
-    fused: bool | None = None  # None: fused on CUDA
+    """The ``optim`` section of the config: AdamW and the learning-rate schedule."""
 
+    lr: float = 6e-4
+    """Peak learning rate, reached at the end of warmup"""
+    min_lr_ratio: float = 0.1
+    """Where the cosine schedule ends, as a fraction of lr"""
+    weight_decay: float = 0.1
+    """AdamW weight decay of the weight matrices; norms and biases get none"""
+    decay_embeddings: bool = False
+    """Apply weight_decay to the token and position embeddings too"""
+    beta1: float = 0.9
+    """AdamW's first-moment decay"""
+    beta2: float = 0.95
+    """AdamW's second-moment decay"""
+    eps: float = 1e-8
+    """AdamW's epsilon"""
+    warmup_steps: int = 100
+    """Optimizer updates of linear warmup from 0 to lr"""
+    schedule: Schedule = "cosine"
+    """Learning rate after warmup: cosine (down to lr x min_lr_ratio at decay_steps) or constant"""
+    decay_steps: int | None = None
+    """Update at which the cosine schedule reaches its floor, counted from the first update; null: trainer.max_steps"""
+    fused: bool | None = None
+    """AdamW's fused kernel; null: on CUDA"""
 
     def problems(self, max_steps: int) -> list[str]:
         """What makes the schedule impossible; ``max_steps`` (trainer.max_steps) is where decay_steps comes from by default."""
@@ -38,7 +51,6 @@ class OptimConfig:
             ("optim.lr", self.lr > 0, "> 0"), ("optim.min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
             ("optim.weight_decay", self.weight_decay >= 0, ">= 0"), ("optim.beta1", 0 <= self.beta1 < 1, "in [0, 1)"),
             ("optim.beta2", 0 <= self.beta2 < 1, "in [0, 1)"), ("optim.eps", self.eps > 0, "> 0"),
-            ("optim.grad_clip", self.grad_clip >= 0, ">= 0 (0: none)"),
             ("optim.warmup_steps", self.warmup_steps >= 0, ">= 0"),
             ("optim.decay_steps", self.decay_steps is None or self.decay_steps >= 1, ">= 1, or null (trainer.max_steps)"),
         ]
@@ -117,9 +129,9 @@ class GPTTrainingModule(L.LightningModule):
         self.val_loss.update(loss_sum / count.clamp(min=1), weight=count)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """Clip by total norm and keep the pre-clip norm on the device for the metrics (no host sync)."""
-        clip = self.optim_config.grad_clip
-        max_norm = clip if clip and clip > 0 else float("inf")
+        """Clip by total norm to the Trainer's ``gradient_clip_val`` (trainer.gradient_clip_val), and keep the
+        pre-clip norm on the device for the metrics (no host sync), also when nothing is clipped."""
+        max_norm = gradient_clip_val if gradient_clip_val else float("inf")
         self.last_grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, foreach=True)
 
     def parameter_groups(self) -> list[dict]:

@@ -15,25 +15,33 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 import lightning as L
 import torch
 
 log = logging.getLogger(__name__)
 
-LOGGERS = ("csv", "tensorboard", "wandb")
+LoggerName = Literal["csv", "tensorboard", "wandb"]
+LOGGERS = get_args(LoggerName)
 
 
 @dataclass
 class ObserveConfig:
     """The ``observe`` section of the config."""
 
-    warmup_updates: int = 10  # first updates (compilation, allocator growth) kept out of the run summary
-    profile_update: int = 0  # first update of the profiler window; 0: no trace
-    profile_updates: int = 2  # updates in the profiler window
-    memory_update: int = 0  # update whose CUDA allocator history is dumped; 0: no snapshot
-    memory_history_entries: int = 200_000  # allocator events kept for the snapshot
-    loggers: list[str] = field(default_factory=list)  # Lightning loggers: csv, tensorboard, wandb (when installed)
+    warmup_updates: int = 10
+    """First updates (compilation, allocator growth) left out of the run summary"""
+    profile_update: int = 0
+    """First update of the profiler window, traced to the output's run/ folder; 0: no trace"""
+    profile_updates: int = 2
+    """Updates in the profiler window"""
+    memory_update: int = 0
+    """Update whose CUDA allocator history is dumped as a snapshot; 0: no snapshot"""
+    memory_history_entries: int = 200_000
+    """Allocator events the snapshot keeps"""
+    loggers: list[LoggerName] = field(default_factory=list)
+    """Lightning loggers writing to the output's run/logs/ folder (tensorboard and wandb when installed)"""
 
     def profiled(self) -> range:
         start = self.profile_update

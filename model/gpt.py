@@ -13,6 +13,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -28,28 +29,40 @@ except ImportError:
     varlen_attn = None
 
 IGNORE_INDEX = -100
-ATTENTION_CHOICES = ("auto", "fa4", "varlen", "sdpa")
-COMPILE_SCOPES = ("trunk", "blocks")
+AttentionChoice = Literal["auto", "fa4", "varlen", "sdpa"]
+CompileScope = Literal["trunk", "blocks"]
+ATTENTION_CHOICES = get_args(AttentionChoice)
+COMPILE_SCOPES = get_args(CompileScope)
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 50257  # embedding rows; at least the tokenizer's vocabulary
-    n_layer: int = 12  # transformer blocks
-    n_head: int = 12  # attention heads per block; must divide n_embd
-    n_embd: int = 768  # width of the residual stream
-    max_seq_len: int = 4096  # row length of packed training sequences and number of learned positions
-    layer_norm_eps: float = 1e-5  # LayerNorm epsilon
-    init_std: float = 0.02  # std of the normal weight init (residual projections scaled down by depth)
-    activation_checkpointing: bool = False  # recompute each block in the backward pass to save memory
-    activation_memory_budget: float = 0.75  # compiled trunk: below 1, the partitioner recomputes cheap ops to save activations
-    # "auto": FlashAttention 4 where it is installed and the GPU supports it, else "varlen"; "fa4": FA4, and an
-    # error on a GPU where it cannot run; "varlen": PyTorch's CUDA kernels (varlen flash for packed rows, fused
-    # causal SDPA for one-document rows); "sdpa": SDPA with a document mask. CPU and fp32 always take SDPA
-    # (attention_kernels.choose).
-    attention: str = "auto"
+    """The ``model`` section of the config: the decoder's shape and how it runs."""
+
+    vocab_size: int = 50257
+    """Embedding rows; at least the tokenizer's vocabulary"""
+    n_layer: int = 12
+    """Transformer blocks"""
+    n_head: int = 12
+    """Attention heads per block; must divide n_embd"""
+    n_embd: int = 768
+    """Width of the residual stream"""
+    max_seq_len: int = 4096
+    """Tokens per packed training row, and the number of learned positions"""
+    layer_norm_eps: float = 1e-5
+    """LayerNorm epsilon"""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight init (residual projections are scaled down by depth)"""
+    activation_checkpointing: bool = False
+    """Recompute each block in the backward pass: less activation memory for more compute"""
+    activation_memory_budget: float = 0.75
+    """Compiled trunk only: below 1, the partitioner recomputes cheap ops to keep fewer activations"""
+    attention: AttentionChoice = "auto"
+    """Attention kernel: fa4 (FlashAttention 4; an error on a GPU where it cannot run), varlen (PyTorch's CUDA kernels:
+    varlen flash for packed rows, fused causal SDPA for one-document rows), sdpa (SDPA with a document mask); auto: fa4
+    where it is installed and the GPU supports it, else varlen. CPU and fp32 always take sdpa"""
     # "torch": the residual add and nn.LayerNorm, which inductor fuses when compiled; "quack": quack's fused
     # residual-add + LayerNorm (quack-kernels, installed with FA4), an error on a GPU where it cannot run. quack
     # measured 5 % slower inside the compiled step (docs/PERFORMANCE.md, 2026-12-01). CPU, fp32 and fp16 always
@@ -59,8 +72,12 @@ class GPTConfig:
     # with torchao's float8 tensorwise scaling (fp8.py). Needs CUDA with compute capability 8.9+ and torchao;
     # refused otherwise. The LM head and embeddings stay bf16.
     fp8: bool = False
-    loss_chunk_tokens: int = 16384  # LM head + cross-entropy in chunks of this many tokens; 0: all at once
-    compile_scope: str = "trunk"  # what torch.compile takes: "trunk" (one graph) or "blocks" (one graph all blocks share)
+    loss_chunk_tokens: int = 16384
+    """LM head and cross-entropy run over chunks of this many tokens, so the logits of a whole microbatch never
+    exist at once; 0: all at once"""
+    compile_scope: CompileScope = "trunk"
+    """What torch.compile takes: trunk (one graph) or blocks (one graph all blocks share: compiles sooner, needs
+    more GPU memory)"""
 
     def __post_init__(self) -> None:
         """A model built from a config it cannot run fails here; config.check_config reports all at once."""

@@ -21,7 +21,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, Literal, get_args
 
 import numpy as np
 import torch
@@ -433,28 +433,45 @@ def split_update(update: list[Row], world_size: int, microbatch: int, stats: Str
 # ----------------------------------------------------------------------------- settings, composition
 
 
-INPUT_SOURCES = ("auto", "stdin", "sample")  # data.source: see sources.open_input
+InputSource = Literal["auto", "stdin", "sample"]  # data.source: see sources.open_input
+INPUT_SOURCES = get_args(InputSource)
 
 
 @dataclass
 class DataConfig:
     """The ``data`` section of the config: where records come from and every buffer's bound."""
 
-    tokenizer: str = "conf/gpt2/tokenizer.json"  # GPT-2's, as model.vocab_size 50257; smoke.yaml: the small one
-    source: str = "auto"  # auto: stdin, or the sample when stdin is a terminal; stdin; sample
-    sample_path: str = "data/sample.jsonl"  # the bundled sample (data.source sample, or a terminal)
-    microbatch: int = 8  # for local runs only: RunFab chooses its own
-    max_record_bytes: int = RECORD_BYTES  # RunFab's limit per record
-    give_up_after: int = 256  # rejected records, with none usable, before the stream is refused
-    tokenize_batch_docs: int = 256  # documents per tokenizer call (its threads pay off on batches)
-    tokenize_batch_bytes: int = 8 << 20  # bound of a tokenizer call in bytes of text (the first bound reached flushes)
-    tokenizer_threads: int = 2  # tiktoken encoding threads (RunFab has 2 cores)
-    val_fraction: float = 0.005  # share of documents held out for validation, chosen by a hash of their content
-    val_max_tokens: int = 1 << 18  # bound of the held-out pool; later held-out documents are trained on
-    shuffle_buffer_docs: int = 10_000  # bound of the seeded shuffle buffer, in documents
-    shuffle_buffer_tokens: int = 1 << 23  # bound of the seeded shuffle buffer, in tokens
-    max_train_tokens: int | None = None  # token budget: stop after this many target tokens
-    prefetch_updates: int = 2  # complete updates read ahead of training, per rank (queue and wire)
+    tokenizer: str = "conf/gpt2/tokenizer.json"
+    """Tokenizer file, relative to the bundle; model.vocab_size must hold its vocabulary"""
+    source: InputSource = "auto"
+    """Where records come from: stdin, or sample (data.sample_path); auto: stdin, or the sample when stdin is a
+    terminal"""
+    sample_path: str = "data/sample.jsonl"
+    """The bundled sample of records, read when data.source is sample, or auto at a terminal"""
+    microbatch: int = 8
+    """Rows per microbatch of a local run; RunFab chooses its own"""
+    max_record_bytes: int = RECORD_BYTES
+    """Longest record accepted, in bytes (RunFab's limit); a longer one is rejected"""
+    give_up_after: int = 256
+    """Rejected records, with none usable yet, after which the input is refused"""
+    tokenize_batch_docs: int = 256
+    """Documents per tokenizer call (its threads pay off on batches)"""
+    tokenize_batch_bytes: int = 8 << 20
+    """Bytes of text per tokenizer call at most; whichever bound is reached first ends the call's batch"""
+    tokenizer_threads: int = 2
+    """tiktoken's encoding threads (RunFab gives the job 2 cores)"""
+    val_fraction: float = 0.005
+    """Share of documents held out for validation, chosen by a hash of their content"""
+    val_max_tokens: int = 1 << 18
+    """Tokens the held-out pool holds at most; held-out documents past it are trained on"""
+    shuffle_buffer_docs: int = 10_000
+    """Documents the seeded shuffle buffer holds at most"""
+    shuffle_buffer_tokens: int = 1 << 23
+    """Tokens the seeded shuffle buffer holds at most"""
+    max_train_tokens: int | None = None
+    """Token budget: training stops after this many target tokens; null: no budget"""
+    prefetch_updates: int = 2
+    """Complete updates read ahead of training, per rank"""
 
     def problems(self) -> list[str]:
         found = []

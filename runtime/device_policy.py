@@ -17,6 +17,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from model import attention_kernels
 from model import fp8
@@ -84,7 +85,8 @@ def setup_process(cfg: RunConfig) -> None:
 
 
 def lightning_trainer(cfg: RunConfig, accelerator: str, world: int, **overrides) -> L.Trainer:
-    """The Trainer arguments shared by training and the probe, so both run the same settings.
+    """The Trainer arguments shared by training and the probe, so both run the same settings,
+    the other Trainer arguments of the config (``trainer.lightning``) included.
 
     With several ranks the processes already exist (launcher.py started them), so Lightning's
     DDP strategy joins them instead of launching any.
@@ -100,10 +102,18 @@ def lightning_trainer(cfg: RunConfig, accelerator: str, world: int, **overrides)
         enable_checkpointing=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        gradient_clip_val=None,  # GPTTrainingModule.configure_gradient_clipping clips with optim.grad_clip
+        gradient_clip_val=cfg.trainer.gradient_clip_val,  # GPTTrainingModule.configure_gradient_clipping clips with it
     )
+    arguments.update(cfg.trainer.lightning)  # config.py refuses those that must stay as set here or by the caller
     arguments.update(overrides)
-    return L.Trainer(**arguments)
+    try:
+        return L.Trainer(**arguments)
+    except (TypeError, ValueError, MisconfigurationException) as error:
+        if not cfg.trainer.lightning:
+            raise
+        given = ", ".join(f"trainer.{name}={value!r}" for name, value in cfg.trainer.lightning.items())
+        reason = " ".join(str(error).split())
+        raise ConfigError(f"Lightning's Trainer refused its arguments ({given}): {reason}") from None
 
 
 class SameStreamDDP(L.pytorch.strategies.DDPStrategy):

@@ -277,13 +277,13 @@ def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
     if every > 0:
         checkpoint_dir = Path(cfg.output.root) / "checkpoints"
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=every, save_top_k=1))
-    progress = cfg.trainer.progress_bar if cfg.trainer.progress_bar is not None else sys.stderr.isatty()
+    progress = cfg.trainer.enable_progress_bar if cfg.trainer.enable_progress_bar is not None else sys.stderr.isatty()
     trainer = lightning_trainer(
         cfg, accelerator, world,
         max_steps=cfg.trainer.max_steps, max_time=training_time_limit(cfg),
         accumulate_grad_batches=accumulation,
         val_check_interval=cfg.trainer.val_every_steps * accumulation if validate else None,
-        limit_val_batches=(cfg.trainer.val_batches or 1.0) if validate else 0,
+        limit_val_batches=(cfg.trainer.limit_val_batches or 1.0) if validate else 0,
         enable_checkpointing=every > 0,
         enable_progress_bar=progress,
         default_root_dir=cfg.output.root,

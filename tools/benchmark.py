@@ -269,7 +269,7 @@ def run_plain(layout: str, args) -> dict:
             flops += training_flops(cfg.model, batch["input_ids"].numel(), batch["attention_pairs"])
         if microbatches % accumulation:
             continue
-        torch.nn.utils.clip_grad_norm_(lit.parameters(), cfg.optim.grad_clip, foreach=True)
+        torch.nn.utils.clip_grad_norm_(lit.parameters(), cfg.trainer.gradient_clip_val, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
@@ -322,7 +322,7 @@ def run_reference(args) -> dict:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = loss_of(model, inputs, targets)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=True)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.gradient_clip_val, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     torch.cuda.synchronize()

@@ -34,7 +34,7 @@ def uneven_rows(seed: int = 0) -> list[Row]:
 def module(seed: int = 0, **optim) -> GPTTrainingModule:
     torch.manual_seed(seed)
     config = GPTConfig(vocab_size=61, n_layer=2, n_head=2, n_embd=16, max_seq_len=SEQ_LEN, init_std=0.1)
-    return GPTTrainingModule(config, OptimConfig(grad_clip=0.0, warmup_steps=1, schedule="constant", **optim))
+    return GPTTrainingModule(config, OptimConfig(warmup_steps=1, schedule="constant", **optim))
 
 
 class CaptureGradients(L.Callback):
@@ -45,14 +45,15 @@ class CaptureGradients(L.Callback):
         self.grads.append({n: p.grad.clone() for n, p in pl_module.named_parameters()})
 
 
-def fit(lit: GPTTrainingModule, updates: list[list[Row]], microbatch: int, steps: int = 1) -> CaptureGradients:
+def fit(lit: GPTTrainingModule, updates: list[list[Row]], microbatch: int, steps: int = 1,
+        gradient_clip_val: float | None = None) -> CaptureGradients:
     accumulation = ROWS // microbatch
     batches = [mb for update in updates for mb in split_update(update, 1, microbatch, StreamStats())[0]]
     capture = CaptureGradients()
     trainer = L.Trainer(
         accelerator="cpu", devices=1, precision="32-true", max_steps=steps, max_epochs=1,
         accumulate_grad_batches=accumulation, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[capture],
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[capture], gradient_clip_val=gradient_clip_val,
     )
     trainer.fit(lit, train_dataloaders=DataLoader(batches, batch_size=None))
     return capture
@@ -128,11 +129,13 @@ def test_schedule_warms_up_linearly_then_follows_the_cosine_to_its_floor():
     assert lr_factor(50, OptimConfig(warmup_steps=10, schedule="constant")) == 1.0
 
 
-def test_gradient_clipping_reports_the_norm_before_clipping():
+def test_gradient_clipping_clips_to_the_trainers_value_and_reports_the_norm_before_clipping():
     rows = uneven_rows()
     lit = module()
-    lit.optim_config.grad_clip = 1e-3
     expected = reference_gradients(lit, rows)
-    fit(lit, [rows], microbatch=4)
+    fit(lit, [rows], microbatch=4, gradient_clip_val=1e-3)
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in expected.values()]))
     torch.testing.assert_close(lit.last_grad_norm, norm, rtol=1e-5, atol=0)
+    assert norm > 1e-3
+    clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in lit.parameters()]))
+    torch.testing.assert_close(clipped, torch.tensor(1e-3), rtol=1e-4, atol=0)  # the gradients the step used
