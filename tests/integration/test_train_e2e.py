@@ -1,6 +1,6 @@
 """End to end: train.py run the way RunFab runs it, each case in a fresh interpreter.
 
-Every test runs in the contract check's own sandbox (tools/check.py's ``Sandbox``): the bundle
+Every test runs in the contract check's own sandbox (tools/bundle/sandbox.py's ``Sandbox``): the bundle
 (what ``shipping.shipped_files`` says ships: train.py, the other modules, callbacks/, conf/, data/)
 unpacked into a temporary folder and made read-only, like /workspace. The child process gets
 ``CUDA_VISIBLE_DEVICES=""``, ``RUNFABRIC_OUTPUT`` pointing at a writable folder, a working
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.check import BundleSource, set_writable
-from tools.check import Sandbox as CheckerSandbox
+from tools.bundle.sandbox import BundleSource, set_writable
+from tools.bundle.sandbox import Sandbox as CheckerSandbox
 
 from tests.helpers import ROOT, as_yaml, tiny
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tools import emulate
+from tools.bundle import emulate
 
 from tests.helpers import ROOT, as_yaml, tiny
 
