@@ -14,6 +14,8 @@ whose every possible side effect lands somewhere it can be inspected afterwards:
 - ``CUDA_VISIBLE_DEVICES=""`` hides GPUs unless ``--cuda`` is given, and ``PYTHONDONTWRITEBYTECODE=1``
   keeps the interpreter's own byte-code cache from counting as a write into the bundle (running as
   root, a read-only folder still accepts writes, so writes are found by comparing snapshots).
+- ``MPLCONFIGDIR`` is a folder that is not inspected: matplotlib is the tools' own extra, and where
+  it is installed Lightning's import brings it in, which writes a font cache.
 
 Checks, in order: ``layout``, ``archive``, ``batch`` and ``hooks`` read the bundle
 (static_checks.py); ``import`` and ``probe`` run it (sandbox.py, child.py) and are judged on what

@@ -169,7 +169,7 @@ def write_report(output_root: Path, folder: Path) -> Path:
     lines = run_report.read_metrics(metrics)
     for plot in run_report.PLOTS:
         if plot.slug in PLOT_FILES:
-            (folder / f"{plot.slug}.svg").write_text(run_report.plot_svg(plot, lines, standalone=True))
+            run_report.write_plot_svg(plot, lines, folder / f"{plot.slug}.svg")
     record = output_root / "model" / "run_record.json"
     if record.is_file():  # the sandbox goes away; the record (summary, input counts) stays with the report
         shutil.copy(record, folder / "run_record.json")

@@ -36,7 +36,7 @@ DROPPED_ENV = (
     "PYTHONPATH", "PYTHONSTARTUP", "PYTHONPYCACHEPREFIX",
     "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME",
     "HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE", "TORCH_HOME",
-    "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH", "MPLCONFIGDIR",
+    "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH",
 )
 
 # The child is `python -c CHILD_BOOTSTRAP child.py <spec.json>`: with -c, sys.path[0] is the (empty)
@@ -146,10 +146,14 @@ class Sandbox:
         self.cwd, self.output = self.base / "cwd", self.base / "output"
         self.home, self.tmp = self.base / "home", self.base / "tmp"
         self.control = self.base / "control"  # spec, reports and captured streams: outside every inspected folder
+        # matplotlib is the tools' own extra, so it is installed wherever they run. Then torchmetrics
+        # (imported by Lightning) imports pyplot, which writes a font cache: into a folder of its own,
+        # outside the inspected ones, so that what the tools brought along is not blamed on the bundle.
+        self.matplotlib = self.base / "matplotlib"
         source.unpack_into(self.bundle)
         if prepare is not None:
             prepare(self.bundle)
-        for folder in (self.cwd, self.output, self.home, self.tmp, self.control):
+        for folder in (self.cwd, self.output, self.home, self.tmp, self.control, self.matplotlib):
             folder.mkdir()
         set_writable(self.bundle, False)
         self.roots = {"bundle": str(self.bundle), "cwd": str(self.cwd), "output": str(self.output),
@@ -158,7 +162,7 @@ class Sandbox:
     def env(self, cuda: bool) -> dict[str, str]:
         env = {key: value for key, value in os.environ.items() if key not in DROPPED_ENV}
         env.update(RUNFABRIC_OUTPUT=str(self.output), HOME=str(self.home), TMPDIR=str(self.tmp), TMP=str(self.tmp),
-                   TEMP=str(self.tmp), PYTHONDONTWRITEBYTECODE="1")
+                   TEMP=str(self.tmp), PYTHONDONTWRITEBYTECODE="1", MPLCONFIGDIR=str(self.matplotlib))
         if not cuda:
             env["CUDA_VISIBLE_DEVICES"] = ""
         return env
