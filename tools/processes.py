@@ -38,7 +38,7 @@ def kill_group(pgid: int) -> None:
         pass
 
 
-def described(processes) -> list[str]:
+def running(processes) -> list[str]:
     """The running ones among ``processes`` (zombies have finished) as "pid command line"."""
     found = []
     for process in processes:
@@ -59,7 +59,7 @@ def group_members(pgid: int) -> list[str]:
                 members.append(process)
         except (ProcessLookupError, PermissionError):
             continue
-    return described(sorted(members, key=lambda p: p.pid))
+    return running(sorted(members, key=lambda p: p.pid))
 
 
 def family(pid: int) -> list[int]:
