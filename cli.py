@@ -48,8 +48,9 @@ SUBCOMMANDS = {
     "fit": "train on NDJSON records from stdin (or the bundled sample), then export the model",
     "probe": "fit one worst-case microbatch with the real model and optimizer, as RunFab's memory probe does",
 }
-# Former train.py subcommands that now live in `python -m tools` (never imported here: tools/ does not ship).
-TOOLS = ("package", "check", "emulate", "report", "tokenizer")
+# The commands of `python -m tools`: named to train.py, they are pointed there (never imported here:
+# tools/ does not ship). tests/tools/test_entry_point.py keeps the two lists equal.
+TOOLS = ("package", "check", "emulate", "report", "bench", "tokenizer", "gpt2-tokenizer", "sample-data")
 HELP = ("-h", "--help")
 PRINT_CONFIG = "--print_config"
 PASSED_TO_LIGHTNING = "trainer.lightning"  # the config's field for them; on the command line each is --trainer.NAME

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import logging
 import signal
-import threading
 from collections.abc import Callable
 
 import lightning as L
 
-log = logging.getLogger(__name__)
+from runtime.lifetime import on_stop_signals
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+log = logging.getLogger(__name__)
 
 
 class GracefulStop(L.Callback):
@@ -32,26 +31,21 @@ class GracefulStop(L.Callback):
         self.end_input = end_input
         self.signal_name: str | None = None
         self._trainer: L.Trainer | None = None
-        self._original: dict = {}
+        self._restore: Callable[[], None] | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Installed now, not only at the start of training: Lightning fetches the first batch before
         ``on_train_start``, and a signal while that fetch waits on a slow or silent input must end it."""
-        if trainer.world_size == 1 and threading.current_thread() is threading.main_thread():
-            self._original = {sig: signal.getsignal(sig) for sig in SIGNALS}  # before Lightning adds its own
-            self._install(trainer)
+        if trainer.world_size == 1:
+            self._trainer = trainer
+            self._restore = on_stop_signals(self._handle)  # keeps the handlers from before Lightning adds its own
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Installed again after Lightning's SIGTERM handler, which wraps ours and would end fit by an
         exception and skip the export. (A SIGTERM before this point reaches both: nothing was trained
         yet, and Lightning's exception says so.)"""
-        if self._original:
-            self._install(trainer)
-
-    def _install(self, trainer: L.Trainer) -> None:
-        self._trainer = trainer
-        for sig in SIGNALS:
-            signal.signal(sig, self._handle)
+        if self._restore is not None:
+            on_stop_signals(self._handle)
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
@@ -65,10 +59,7 @@ class GracefulStop(L.Callback):
         self._trainer.should_stop = True
         self.end_input(name)
 
-    def _restore(self) -> None:
-        for sig, handler in self._original.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._restore()
-        self._original = {}
+        if self._restore is not None:
+            self._restore()
+            self._restore = None

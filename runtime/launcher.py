@@ -51,6 +51,7 @@ import torch
 from callbacks.runfab_metrics import deliver
 from config import WORKER_STARTS
 from pipeline.feeder import ValidationDocument
+from runtime.lifetime import on_stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,6 @@ def raise_on_signals(first=None):
     """SIGTERM/SIGINT: ``first(name)`` on the first one when given (a graceful stop: every rank ends
     at the same update and rank 0 exports), else and on any later one Interrupted, so ``finally``
     blocks stop the workers at once. Returns a restore function."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
     received: list[str] = []
 
     def interrupt(signum, frame):
@@ -89,20 +88,7 @@ def raise_on_signals(first=None):
             return
         raise Interrupted(f"received {name}; stopping the workers")
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
-    return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
-
-
-def exit_with_parent() -> None:
-    """A worker whose feeder vanished (even by SIGKILL) exits instead of waiting in a collective."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    return on_stop_signals(interrupt)
 
 
 # ----------------------------------------------------------------------------- wire format

@@ -1,7 +1,7 @@
 """What ships: the one definition of the files that make up the upload bundle.
 
-``tools/package.py`` zips exactly these files, ``tools/check.py`` checks exactly these when given a
-folder, and the run record hashes exactly these, so the three never disagree about the bundle.
+``python -m tools package`` zips exactly these files, ``python -m tools check`` checks exactly these
+when given a folder, and the run record hashes exactly these, so the three never disagree about the bundle.
 
 The list is an allow-list of what training needs, not a deny-list of what it does not, so a new
 kind of junk file stays out without anyone having to think of it:

@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from runtime import hostmem
 from runtime import launcher
 from runtime.batch_split import BatchSplit
+from runtime.lifetime import exit_with_parent
 from callbacks.export import ExportModel
 from callbacks.graceful_stop import GracefulStop
 from callbacks.observe import ObservationWindows
@@ -354,7 +355,7 @@ def run_worker() -> int:
         print("error: `train.py worker` is a data-parallel rank that train.py starts itself; run `python train.py` "
               "(--trainer.devices N for N ranks)", file=sys.stderr)
         return 2
-    launcher.exit_with_parent()
+    exit_with_parent()  # a worker whose feeder vanished (even by SIGKILL) must not wait in a collective
     hostmem.record_stage("worker started, modules imported")
     spec = launcher.worker_spec()
     cfg = load_config_dict(spec["config"])

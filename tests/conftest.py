@@ -2,7 +2,8 @@
 
 The tests are grouped by what they exercise: ``unit/`` (one module at a time, in process),
 ``integration/`` (whole training runs: end to end, faults, the launcher, observation), ``tools/``
-(packaging, the contract check, emulation, the report) and ``gpu/`` (skipped without CUDA).
+(``python -m tools``: packaging, the contract check, emulation, the report, the benchmarks, the data
+tools) and ``gpu/`` (skipped without CUDA).
 """
 
 from __future__ import annotations

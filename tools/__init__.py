@@ -1,5 +1,37 @@
-"""What proves a bundle before upload, beside the bundle and never shipped in it.
+"""Developer tools beside the bundle, never shipped in it (runtime/shipping.py leaves tools/ out).
 
-Tools may import the training modules (train, model, config, ...); training never imports a tool.
-Run them from the project root: ``python -m tools COMMAND ...`` or ``python -m tools.<module>``.
+    bundle/       what proves a bundle before upload: package, check, emulate
+    bench/        measurements: the trainer's experiments, kernels, all-reduce, traces, rank balance
+    data/         what builds the bundled data: the sample, GPT-2's tokenizer.json
+    report.py     one HTML page of a run's output
+    processes.py  the processes a tool starts: they die with it, and their memory is read as RunFab counts it
+
+The tools may import the training modules (train, config, model, pipeline, runtime, callbacks);
+training never imports a tool. One way to run one, from the project root: ``python -m tools NAME
+[ARGS]``; ``python -m tools --help`` lists them.
 """
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+
+def dispatch(prog: str, commands: dict[str, tuple[str, str]], argv: list[str]) -> int:
+    """Run ``argv[0]``'s entry of ``commands`` (name -> ("module:function", help line)) on the rest of ``argv``.
+
+    A module is imported only when its command runs, so ``--help`` is instant; the function defaults
+    to ``main``. A missing or unknown name is one line on stderr and exit status 2.
+    """
+    usage = f"usage: {prog} {{{','.join(commands)}}} [ARGS]"
+    if argv[:1] in (["-h"], ["--help"]):
+        width = max(map(len, commands))
+        rows = [f"  {name:<{width}}  {summary}" for name, (_, summary) in commands.items()]
+        print("\n".join([usage, "", "commands:", *rows, "", f"{prog} COMMAND --help describes one command."]))
+        return 0
+    if not argv or argv[0] not in commands:
+        found = f"got {argv[0]!r}" if argv else "got none"
+        print(f"{usage}: expected a command, {found} (--help lists them)", file=sys.stderr)
+        return 2
+    module, _, function = commands[argv[0]][0].partition(":")
+    return getattr(importlib.import_module(module), function or "main")(argv[1:])

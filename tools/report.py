@@ -4,8 +4,8 @@ A run leaves its story in pieces meant for machines: the metric lines RunFab gra
 (``run/metrics.jsonl``), the run record beside the model (``model/run_record.json``) and, when
 observation was on, profiler traces and memory snapshots. This page puts the curves, the headline
 figures, the configuration, the environment and the input summary into one file that opens
-anywhere, offline and years later, and can be attached to a ticket: inline SVG and CSS, no script,
-nothing fetched. What is missing is said, never guessed.
+anywhere, offline and years later, and can be attached to a ticket: matplotlib's figures as inline
+SVG, CSS, no script, nothing fetched. What is missing is said, never guessed.
 
 Intervals whose updates were warmup or were observed (profiler, memory snapshot) do not run at the
 run's normal pace: the plots shade them and draw their points hollow, and the headline throughput
@@ -16,13 +16,21 @@ from __future__ import annotations
 
 import argparse
 import html
+import io
 import json
 import math
+import re
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import matplotlib
+from matplotlib.figure import Figure as MplFigure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.ticker import EngFormatter
 
 METRICS_FILE = Path("run/metrics.jsonl")
 RUN_RECORD_FILE = Path("model/run_record.json")
@@ -164,54 +172,7 @@ def utc(unix_seconds: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(unix_seconds))
 
 
-# ----------------------------------------------------------------------------- plots: axes
-
-
-@dataclass(frozen=True)
-class Axis:
-    """A value range widened to round numbers, with the ticks that mark it."""
-
-    low: float
-    high: float
-    step: float
-    ticks: tuple[float, ...]
-
-
-def round_step(span: float, count: int) -> float:
-    """The smallest 1, 2 or 5 times a power of ten that cuts ``span`` into at most ``count`` parts."""
-    rough = span / count
-    power = 10 ** math.floor(math.log10(rough))
-    return next(m * power for m in (1, 2, 5, 10) if m * power >= rough * (1 - 1e-9))
-
-
-def round_axis(low: float, high: float, from_zero: bool = False, count: int = 5) -> Axis:
-    if from_zero:
-        low = min(low, 0.0)
-    if high <= low:  # a single value: give it room
-        pad = abs(high) * 0.1 or 1.0
-        high += pad
-        low = low if from_zero else low - pad
-    step = round_step(high - low, count)
-    first, last = math.floor(low / step + 1e-9), math.ceil(high / step - 1e-9)
-    ticks = tuple(round(i * step, 12) for i in range(first, last + 1))
-    return Axis(ticks[0], ticks[-1], step, ticks)
-
-
-def decimals_for(step: float) -> int:
-    return max(0, -math.floor(math.log10(step) + 1e-9))
-
-
-def tick_labels(axis: Axis) -> list[str]:
-    """Labels as short as the step allows: '250k', '1.5M', '0.0003', '2.5'."""
-    largest = max(abs(t) for t in axis.ticks)
-    for suffix, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if largest >= 10 * size:
-            places = decimals_for(axis.step / size)
-            return ["0" if t == 0 else f"{t / size:.{places}f}{suffix}" for t in axis.ticks]
-    places = decimals_for(axis.step)
-    if places > 5:
-        return ["0" if t == 0 else f"{t:.3g}" for t in axis.ticks]
-    return ["0" if t == 0 else f"{t:.{places}f}" for t in axis.ticks]
+# ----------------------------------------------------------------------------- plots: what is drawn
 
 
 def time_unit(seconds: float) -> tuple[float, str]:
@@ -221,9 +182,6 @@ def time_unit(seconds: float) -> tuple[float, str]:
     if seconds <= 5 * 3600:
         return 60.0, "min"
     return 3600.0, "h"
-
-
-# ----------------------------------------------------------------------------- plots: what is drawn
 
 
 @dataclass(frozen=True)
@@ -304,147 +262,106 @@ def flagged_spans(lines: list[dict], flag: Flag) -> list[tuple[float, float]]:
     return spans
 
 
-# ----------------------------------------------------------------------------- plots: SVG
+# ----------------------------------------------------------------------------- plots: matplotlib
 
-WIDTH, HEIGHT = 880, 300
-LEFT, RIGHT, TOP, BOTTOM = 78, 24, 60, 46
+FIGURE_INCHES = (8.8, 3.2)
+PLACEHOLDER_INCHES = (8.8, 1.1)
 MAX_MARKERS = 300  # beyond this many points a series is a line only; the bands still mark flagged intervals
-CHAR_WIDTH = 7.0  # average width of a 12 px sans-serif character, for laying out the legend
 INK, MUTED, GRID = "#1d232a", "#5b6570", "#e6e8eb"
+STYLE_RC = {"font.family": "DejaVu Sans", "font.size": 10, "text.color": INK, "axes.labelcolor": INK,
+            "axes.edgecolor": "#9aa3ad", "xtick.color": MUTED, "ytick.color": MUTED}
+# matplotlib numbers the groups of each figure from 1; several figures on one page would repeat those
+# ids. Nothing refers to them (references go to the hashed ids of markers and clip paths), so they go.
+NUMBERED_ID = re.compile(r' id="(?:figure|axes|patch|line2d|text|legend|xtick|ytick|matplotlib\.axis)_\d+"')
 
 
-@dataclass(frozen=True)
-class Canvas:
-    """Maps data (time in the plot's unit, drawn value) to SVG coordinates inside the margins."""
+def plot_figure(plot: Plot, lines: list[dict]) -> MplFigure:
+    """One plot over elapsed time: each series' line, hollow markers for flagged intervals, shaded bands
+    for those intervals. Artists carry ids (``line-KEY``, ``points-KEY``, ``flagged-KEY``,
+    ``band-SLUG-FLAG-N``) that the SVG keeps, so the page can be checked by what it holds."""
+    points = {series.key: points_of(lines, series) for series in plot.series}
+    if not any(points.values()):
+        return placeholder_figure(plot)
+    figure = MplFigure(figsize=FIGURE_INCHES, layout="constrained")
+    axes = figure.add_subplot()
+    longest = max(r["elapsed_seconds"] for r in lines if "elapsed_seconds" in r)
+    unit, unit_name = time_unit(longest)
+    handles = []
+    for flag in FLAGS:
+        spans = flagged_spans(lines, flag)
+        for number, (start, end) in enumerate(spans):
+            axes.axvspan(start / unit, end / unit, color=flag.color, linewidth=0, zorder=0,
+                         gid=f"band-{plot.slug}-{flag.key}-{number}")
+        if spans:
+            handles.append(Patch(facecolor=flag.color, edgecolor="#b8bfc7", label=flag.label))
+    for series in plot.series:
+        handles.append(draw_series(axes, series, points[series.key], unit))
+    axes.set_xlim(0, (longest / unit or 1) * 1.02)  # room for the last marker
+    values = [p.value for series_points in points.values() for p in series_points]
+    if plot.from_zero:
+        axes.set_ylim(min(0.0, min(values)), max(values) * 1.08 or 1.0)
+    if max(abs(v) for v in values) >= 10_000:
+        axes.yaxis.set_major_formatter(EngFormatter(sep=""))  # 250k, 1.5M
+    axes.set_xlabel(f"elapsed time ({unit_name})")
+    axes.set_ylabel(plot.y_label)
+    axes.grid(color=GRID)
+    axes.set_axisbelow(True)
+    axes.set_title(plot.title, loc="left", fontsize=13, fontweight="bold", pad=24)  # the legend's row goes under it
+    axes.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncols=len(handles), frameon=False,
+                fontsize=9, borderaxespad=0.2, borderpad=0.2, handlelength=1.6, columnspacing=1.4)
+    return figure
 
-    x: Axis
-    y: Axis
 
-    def px(self, x: float) -> float:
-        return LEFT + (WIDTH - LEFT - RIGHT) * (x - self.x.low) / (self.x.high - self.x.low)
-
-    def py(self, y: float) -> float:
-        return HEIGHT - BOTTOM - (HEIGHT - TOP - BOTTOM) * (y - self.y.low) / (self.y.high - self.y.low)
-
-
-def svg_open(plot: Plot, height: int, standalone: bool) -> str:
-    namespace = ' xmlns="http://www.w3.org/2000/svg"' if standalone else ""
-    return (f'<svg{namespace} id="plot-{plot.slug}" class="plot" viewBox="0 0 {WIDTH} {height}" width="{WIDTH}" '
-            f'height="{height}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif" font-size="12" '
-            f'role="img" aria-label="{esc(plot.title)}">')
-
-
-def title_svg(plot: Plot) -> str:
-    return f'<text x="{LEFT}" y="22" font-size="15" font-weight="bold" fill="{INK}">{esc(plot.title)}</text>'
+def draw_series(axes, series: Series, points: list[Point], unit: float) -> Line2D:
+    """The line, then a marker per point (hollow for flagged intervals); returns the legend's handle."""
+    if not points:
+        return Line2D([], [], linestyle="none", label=f"{series.key}: no data")
+    if len(points) > 1:
+        axes.plot([p.seconds / unit for p in points], [p.value for p in points], color=series.color, linewidth=2,
+                  gid=f"line-{series.key}")
+    if len(points) <= MAX_MARKERS:
+        for flagged, gid, face in ((False, "points", series.color), (True, "flagged", "#ffffff")):
+            chosen = [p for p in points if p.flagged is flagged]
+            if chosen:
+                axes.plot([p.seconds / unit for p in chosen], [p.value for p in chosen], linestyle="none", marker="o",
+                          markersize=5, markerfacecolor=face, markeredgecolor=series.color, markeredgewidth=1.4,
+                          gid=f"{gid}-{series.key}")
+    return Line2D([], [], color=series.color, linewidth=2, marker="o", markersize=5, label=series.key)
 
 
-def placeholder_svg(plot: Plot, standalone: bool = False) -> str:
+def placeholder_figure(plot: Plot) -> MplFigure:
     """What a plot shows when no metric line has any of its keys; the message names them."""
     keys = " or ".join(f'"{s.key}"' for s in plot.series)
     hint = f" ({plot.absent_hint})" if plot.absent_hint else ""
-    height = 110
-    return "\n".join([
-        svg_open(plot, height, standalone),
-        title_svg(plot),
-        f'<rect x="{LEFT}" y="36" width="{WIDTH - LEFT - RIGHT}" height="60" fill="#f6f7f9" stroke="#c4cad1" '
-        'stroke-dasharray="5 4"/>',
-        f'<text x="{(LEFT + WIDTH - RIGHT) / 2}" y="70" text-anchor="middle" fill="{MUTED}" font-size="13" '
-        f'class="no-data">no data: no metric line has {esc(keys)}{esc(hint)}</text>',
-        "</svg>",
-    ])
+    figure = MplFigure(figsize=PLACEHOLDER_INCHES, layout="constrained")
+    axes = figure.add_subplot()
+    axes.set_axis_off()
+    axes.set_title(plot.title, loc="left", fontsize=13, fontweight="bold")
+    axes.text(0.5, 0.5, f"no data: no metric line has {keys}{hint}", ha="center", va="center", color=MUTED,
+              fontsize=11, transform=axes.transAxes, gid=f"no-data-{plot.slug}")
+    return figure
 
 
-def canvas_for(plot: Plot, points: dict[str, list[Point]], unit: float, longest: float) -> Canvas:
-    values = [p.value for series_points in points.values() for p in series_points]
-    return Canvas(round_axis(0.0, longest / unit, from_zero=True), round_axis(min(values), max(values), plot.from_zero))
+def figure_svg(figure: MplFigure, salt: str) -> str:
+    """The figure as an SVG document; ``salt`` makes its marker and clip-path ids its own and repeatable."""
+    buffer = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": salt}):
+        figure.savefig(buffer, format="svg", metadata={"Creator": None, "Date": None, "Format": None, "Type": None})
+    return buffer.getvalue()
 
 
-def bands_svg(canvas: Canvas, spans: dict[Flag, list[tuple[float, float]]], unit: float) -> list[str]:
-    height = HEIGHT - TOP - BOTTOM
-    return [f'<rect class="band band-{flag.key}" x="{canvas.px(start / unit):.1f}" y="{TOP}" '
-            f'width="{max(canvas.px(end / unit) - canvas.px(start / unit), 1.0):.1f}" height="{height}" '
-            f'fill="{flag.color}"><title>{esc(flag.label)}</title></rect>'
-            for flag, flag_spans in spans.items() for start, end in flag_spans]
+def plot_svg(plot: Plot, lines: list[dict]) -> str:
+    """The plot as an ``<svg>`` element to place in a page (no XML prologue, no numbered group ids)."""
+    with matplotlib.rc_context(STYLE_RC):
+        document = figure_svg(plot_figure(plot, lines), plot.slug)
+    return NUMBERED_ID.sub("", document[document.index("<svg"):])
 
 
-def axes_svg(canvas: Canvas, plot: Plot, unit_name: str) -> list[str]:
-    parts = []
-    for tick, label in zip(canvas.y.ticks, tick_labels(canvas.y)):
-        y = canvas.py(tick)
-        parts.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y:.1f}" y2="{y:.1f}" stroke="{GRID}"/>')
-        parts.append(f'<text x="{LEFT - 7}" y="{y + 4:.1f}" text-anchor="end" fill="{MUTED}">{esc(label)}</text>')
-    for tick, label in zip(canvas.x.ticks, tick_labels(canvas.x)):
-        x = canvas.px(tick)
-        parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{HEIGHT - BOTTOM}" stroke="{GRID}"/>')
-        parts.append(f'<text x="{x:.1f}" y="{HEIGHT - BOTTOM + 17}" text-anchor="middle" fill="{MUTED}">'
-                     f'{esc(label)}</text>')
-    middle = (TOP + HEIGHT - BOTTOM) / 2
-    parts += [
-        f'<rect x="{LEFT}" y="{TOP}" width="{WIDTH - LEFT - RIGHT}" height="{HEIGHT - TOP - BOTTOM}" fill="none" '
-        'stroke="#9aa3ad"/>',
-        f'<text x="{(LEFT + WIDTH - RIGHT) / 2}" y="{HEIGHT - 8}" text-anchor="middle" fill="{INK}">'
-        f'elapsed time ({unit_name})</text>',
-        f'<text x="18" y="{middle}" transform="rotate(-90 18 {middle})" text-anchor="middle" fill="{INK}">'
-        f'{esc(plot.y_label)}</text>',
-    ]
-    return parts
-
-
-def series_svg(canvas: Canvas, series: Series, points: list[Point], unit: float) -> list[str]:
-    """The line, then a marker per point (hollow for flagged intervals) with its values on hover."""
-    xy = [(canvas.px(p.seconds / unit), canvas.py(p.value)) for p in points]
-    parts = []
-    if len(points) > 1:
-        coordinates = " ".join(f"{x:.1f},{y:.1f}" for x, y in xy)
-        parts.append(f'<polyline data-series="{series.key}" fill="none" stroke="{series.color}" stroke-width="2" '
-                     f'stroke-linejoin="round" points="{coordinates}"/>')
-    if len(points) <= MAX_MARKERS:
-        for point, (x, y) in zip(points, xy):
-            fill = "#ffffff" if point.flagged else series.color
-            step = f"step {point.step:g}, " if point.step is not None else ""
-            hover = f"{step}{point.seconds:g} s: {series.key} {point.value / series.scale:.6g}"
-            parts.append(f'<circle data-series="{series.key}" cx="{x:.1f}" cy="{y:.1f}" r="3.2" fill="{fill}" '
-                         f'stroke="{series.color}" stroke-width="1.6"><title>{esc(hover)}</title></circle>')
-    return parts
-
-
-def legend_svg(plot: Plot, points: dict[str, list[Point]], spans: dict[Flag, list]) -> list[str]:
-    """One row under the title: each series (or 'KEY: no data'), then the shaded flags that occur."""
-    parts, x, y = [], float(LEFT), 44
-    for series in plot.series:
-        if points[series.key]:
-            parts += [f'<line x1="{x:.0f}" x2="{x + 22:.0f}" y1="{y - 4}" y2="{y - 4}" stroke="{series.color}" '
-                      'stroke-width="2"/>',
-                      f'<circle cx="{x + 11:.0f}" cy="{y - 4}" r="3.2" fill="{series.color}"/>',
-                      f'<text x="{x + 28:.0f}" y="{y}" fill="{INK}">{esc(series.key)}</text>']
-            x += 28 + CHAR_WIDTH * len(series.key) + 18
-        else:
-            label = f"{series.key}: no data"
-            parts.append(f'<text x="{x:.0f}" y="{y}" fill="{MUTED}" class="no-data">{esc(label)}</text>')
-            x += CHAR_WIDTH * len(label) + 18
-    for flag, flag_spans in spans.items():
-        if flag_spans:
-            parts += [f'<rect x="{x:.0f}" y="{y - 10}" width="16" height="12" fill="{flag.color}" stroke="#b8bfc7"/>',
-                      f'<text x="{x + 22:.0f}" y="{y}" fill="{INK}">{esc(flag.label)}</text>']
-            x += 22 + CHAR_WIDTH * len(flag.label) + 18
-    return parts
-
-
-def plot_svg(plot: Plot, lines: list[dict], standalone: bool = False) -> str:
-    """One plot over elapsed time. ``standalone`` adds the SVG namespace, for a file of its own."""
-    points = {series.key: points_of(lines, series) for series in plot.series}
-    if not any(points.values()):
-        return placeholder_svg(plot, standalone)
-    longest = max(r["elapsed_seconds"] for r in lines if "elapsed_seconds" in r)
-    unit, unit_name = time_unit(longest)
-    canvas = canvas_for(plot, points, unit, longest)
-    spans = {flag: flagged_spans(lines, flag) for flag in FLAGS}
-    parts = [svg_open(plot, HEIGHT, standalone), title_svg(plot), *legend_svg(plot, points, spans),
-             *bands_svg(canvas, spans, unit), *axes_svg(canvas, plot, unit_name)]
-    for series in plot.series:
-        parts += series_svg(canvas, series, points[series.key], unit)
-    parts.append("</svg>")
-    return "\n".join(parts)
+def write_plot_svg(plot: Plot, lines: list[dict], path: Path) -> Path:
+    """The plot as an SVG file of its own."""
+    with matplotlib.rc_context(STYLE_RC):
+        path.write_text(figure_svg(plot_figure(plot, lines), plot.slug), encoding="utf-8")
+    return path
 
 
 # ----------------------------------------------------------------------------- page: building blocks
@@ -622,10 +539,11 @@ def summary_section(run: Run) -> str:
 def plots_section(lines: list[dict]) -> str:
     legend = ("Metric lines over elapsed training time. Shaded bands mark intervals whose updates were warmup or "
               "were observed by the profiler or a memory snapshot; their points are hollow: their throughput and "
-              "MFU are not the run's normal pace. Hover over a point for its step and value.")
+              "MFU are not the run's normal pace.")
     if not lines:
         legend = "The metrics file holds no complete metric line yet."
-    figures = "\n".join(f'<figure class="plot">{plot_svg(plot, lines)}</figure>' for plot in PLOTS)
+    figures = "\n".join(f'<figure class="plot" id="plot-{plot.slug}">{plot_svg(plot, lines)}</figure>'
+                        for plot in PLOTS)
     return section("plots", "Metrics", note(legend), figures)
 
 
@@ -713,7 +631,7 @@ h2 { font-size: 18px; margin: 34px 0 12px; padding-bottom: 4px; border-bottom: 1
 .figure .value { font-size: 19px; font-weight: bold; overflow-wrap: anywhere; }
 .figure .detail { color: #7b858f; font-size: 12px; min-height: 1em; }
 figure.plot { margin: 0 0 16px; }
-svg.plot { display: block; max-width: 100%; height: auto; }
+figure.plot svg { display: block; max-width: 100%; height: auto; }
 .tables { columns: 2 380px; column-gap: 28px; margin-bottom: 12px; }
 .tables table { break-inside: avoid; margin-bottom: 14px; }
 table { border-collapse: collapse; width: 100%; font-size: 13px; }

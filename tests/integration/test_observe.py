@@ -87,21 +87,3 @@ def test_unknown_or_missing_loggers_are_refused_before_training():
                 training_run.experiment_loggers(load_config("conf/smoke.yaml", [f"observe.loggers=[{name}]"]), Path("logs"))
     assert ObserveConfig(profile_update=5, profile_updates=3, memory_update=9).observed_updates() == {5, 6, 7, 9}
     assert ObserveConfig().observed_updates() == set()
-
-
-def test_trace_summary_counts_overlapping_kernels_once_and_groups_them_by_family():
-    from tools import trace_summary
-
-    events = [  # two streams overlap for 5 us; a CPU event is not GPU time
-        {"cat": "kernel", "name": "nvjet_sm90_tst_192x192", "ts": 0, "dur": 10},
-        {"cat": "kernel", "name": "pytorch_flash::flash_fwd_kernel", "ts": 5, "dur": 10},
-        {"cat": "kernel", "name": "triton_red_fused_logsumexp_0", "ts": 30, "dur": 20},
-        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100},
-    ]
-    text = trace_summary.summarize({"traceEvents": events}, top=2)
-    first = text.splitlines()[0]
-    assert "(70.0%), 3 kernels" in first  # busy 35 us of a 50 us window
-    assert trace_summary.busy_time([(0, 10), (5, 15), (30, 50)]) == 35
-    families = {line.split()[0] for line in text.splitlines()[1:4]}
-    assert families == {"matmul", "attention", "compiled"}
-    assert "no GPU kernels" in trace_summary.summarize({"traceEvents": events[3:]}, top=2)

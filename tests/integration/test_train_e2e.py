@@ -1,6 +1,6 @@
 """End to end: train.py run the way RunFab runs it, each case in a fresh interpreter.
 
-Every test runs in the contract check's own sandbox (tools/check.py's ``Sandbox``): the bundle
+Every test runs in the contract check's own sandbox (tools/bundle/sandbox.py's ``Sandbox``): the bundle
 (what ``shipping.shipped_files`` says ships: train.py, the other modules, callbacks/, conf/, data/)
 unpacked into a temporary folder and made read-only, like /workspace. The child process gets
 ``CUDA_VISIBLE_DEVICES=""``, ``RUNFABRIC_OUTPUT`` pointing at a writable folder, a working
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.check import BundleSource, set_writable
-from tools.check import Sandbox as CheckerSandbox
+from tools.bundle.sandbox import BundleSource, set_writable
+from tools.bundle.sandbox import Sandbox as CheckerSandbox
 
 from tests.helpers import ROOT, as_yaml, tiny
 
@@ -422,7 +422,7 @@ def test_train_streams_stdin_skips_bad_records_and_exports(sandbox):
     assert record["config"]["model"]["n_layer"] == 1 and record["config"]["model"]["max_seq_len"] == SEQ_LEN
     assert record["config"]["trainer"]["max_steps"] == -1 and record["seed"] == record["config"]["seed"] == 7
     sources = record["sources_sha256"]
-    for rel in ("train.py", "datamodule.py", "model.py", "callbacks/export.py", "conf/e2e_until_eof.yaml"):
+    for rel in ("train.py", "datamodule.py", "model/gpt.py", "callbacks/export.py", "conf/e2e_until_eof.yaml"):
         assert sources.get(rel) == sha256_of(sandbox.bundle / rel), f"sources_sha256 of {rel}"
     assert not any(rel.startswith("data/") for rel in sources), "the data sample is not source code"
     assert record["tokenizer"]["sha256"] == sha256_of(sandbox.bundle / "conf" / "tokenizer.json")

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from runtime import shipping
-from tools import package as bundle
+from tools.bundle import package as bundle
 
 from tests.helpers import ROOT
 
@@ -100,7 +100,7 @@ def test_real_project_packs_what_training_needs(tmp_path, capsys):
     assert {"conf/gpt2/tokenizer.json", "conf/gpt2/SOURCE.json"} <= set(names)  # the reference config's tokenizer
     assert names == sorted(names)
     assert not [n for n in names if n.startswith(("tests/", "tools/", "docs/", ".")) or "__pycache__" in n]
-    assert (ROOT / "tools/package.py").is_file() and (ROOT / "tools/check.py").is_file()  # beside it, not in it
+    assert (ROOT / "tools/bundle/package.py").is_file() and (ROOT / "tools/bundle/check.py").is_file()  # beside it
     assert not [n for n in names if n.endswith((".pyc", ".safetensors", ".pt", ".ckpt"))]
     for info in infos:
         assert info.date_time == (1980, 1, 1, 0, 0, 0)
@@ -162,26 +162,27 @@ def test_tools_entry_point_runs_package_and_keeps_stdout_to_the_listing(tmp_path
 
 
 def test_train_py_points_a_tool_command_to_the_tools(tmp_path):
-    """`train.py package` is no longer training's business: one line on stderr names the command to use."""
+    """`train.py package` is not training's business: one line on stderr names the command to use."""
     result = subprocess.run([sys.executable, "train.py", "package", "--dry-run"], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 2 and result.stdout == ""
     assert "python -m tools package" in result.stderr and result.stderr.count("\n") == 1, result.stderr
 
 
-def test_training_never_imports_a_tool():
-    """The tools import training; the shipped modules never import the tools, which are not in the upload."""
+def test_training_never_imports_a_tool_nor_what_only_the_tools_need():
+    """The tools import training; the shipped modules never import the tools, which are not in the upload,
+    nor the tools' own extra (matplotlib, psutil), which RunFab's image need not have."""
     for rel in shipping.shipped_files(ROOT):
         if rel.endswith(".py"):
             tree = ast.parse((ROOT / rel).read_text(encoding="utf-8"))
             names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
             names += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
-            assert not [name for name in names if name.split(".")[0] == "tools"], rel
+            assert not [name for name in names if name.split(".")[0] in ("tools", "matplotlib", "psutil")], rel
 
 
 def test_shipped_sources_do_not_flag_themselves():
     """The selection and the limits ship with training: their own patterns must not trip the scan."""
-    assert bundle.find_secrets(ROOT, ["shipping.py", "runfab_limits.py", "tools/package.py"]) == []
+    assert bundle.find_secrets(ROOT, ["runtime/shipping.py", "runtime/runfab_limits.py", "tools/bundle/package.py"]) == []
 
 
 # ----------------------------------------------------------------------------- selection
@@ -190,7 +191,7 @@ def test_shipped_sources_do_not_flag_themselves():
 def test_minimal_project_is_accepted_and_packs_exactly_the_allow_list(project, tmp_path, capsys):
     # Things that must stay out, several of them inside allowed areas where only a never-rule stops them.
     write(project, "tests/test_model.py")
-    write(project, "scripts/benchmark.py")
+    write(project, "notebooks/benchmark.py")
     write(project, "tools/check.py")
     write(project, "tools/__init__.py", "")
     write(project, "docs/NOTES.md", "notes\n")

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from tools import check as contract_check
-from tools.check import FAIL, PASS, SKIP, Options
+from tools.bundle import check as contract_check
+from tools.bundle.check import Options
+from tools.bundle.static_checks import FAIL, PASS, SKIP, Result
 
 from tests.helpers import ROOT
 
@@ -54,14 +55,14 @@ def write_bundle(folder: Path, *, header: str = "", batch_line: str = "EFFECTIVE
     return folder
 
 
-def check(bundle: Path, **options) -> dict[str, contract_check.Result]:
+def check(bundle: Path, **options) -> dict[str, Result]:
     options.setdefault("gpus", 1)  # so the parent never imports torch to count GPUs
     results = contract_check.check_bundle(bundle, Options(**options), out=io.StringIO())
     assert [r.key for r in results] == ["layout", "archive", "batch", "hooks", "import", "probe"]
     return {r.key: r for r in results}
 
 
-def assert_only_failure(results: dict[str, contract_check.Result], key: str, *phrases: str) -> None:
+def assert_only_failure(results: dict[str, Result], key: str, *phrases: str) -> None:
     """``key`` fails naming every phrase; the checks it does not depend on pass."""
     failed = results[key]
     assert failed.verdict == FAIL, f"{key} should fail: {failed}"
@@ -319,7 +320,8 @@ def test_cuda_without_a_visible_gpu_is_a_usage_error(good, monkeypatch, capsys):
 
 
 def test_a_killed_check_takes_its_probe_child_with_it(tmp_path):
-    """The children run in sessions of their own: without the parent-death signal a killed tool left them under PID 1."""
+    """The children run in sessions of their own, out of reach of whoever kills the tool: the parent-death
+    signal takes them down with it rather than leaving them under PID 1."""
     pid_file = tmp_path / "probe.pid"
     bundle = write_bundle(tmp_path / "slow", probe_body=f"""
         open({str(pid_file)!r}, "w").write(str(os.getpid()))

@@ -1,4 +1,5 @@
-"""`python -m tools`: the entry point names its commands and refuses anything else in one line."""
+"""`python -m tools`: the one way to run a tool. It names its commands, refuses anything else in one
+line, and a terminated tool unwinds."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import time
 
 import pytest
 
-from tools.__main__ import COMMANDS
+import cli
+from tools.__main__ import COMMANDS, main as tools
 
 from tests.helpers import ROOT
 
@@ -23,7 +25,26 @@ def test_help_lists_every_command_on_stdout(flag):
     assert listed == list(COMMANDS)
 
 
-@pytest.mark.parametrize("argv, found", [([], "got none"), (["bogus"], "got 'bogus'")])
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_command_describes_itself(name, capsys):
+    """Each tool is reached through the entry point, under the name the entry point gives it."""
+    try:
+        code = tools([name, "--help"])
+    except SystemExit as exit_status:
+        code = exit_status.code
+    assert code == 0
+    assert f"python -m tools {name}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_train_py_points_every_tool_to_the_entry_point(name):
+    """`train.py NAME` for a tool names `python -m tools NAME`, and every tool is known to train.py."""
+    with pytest.raises(cli.CommandLineError, match=f"python -m tools {name}`"):
+        cli.parse([name])
+    assert set(cli.TOOLS) == set(COMMANDS)
+
+
+@pytest.mark.parametrize("argv, found", [([], "got none"), (["bogus"], "got 'bogus'"), (["bench", "bogus"], "got 'bogus'")])
 def test_a_missing_or_unknown_command_is_one_line_and_exit_2(argv, found):
     result = subprocess.run([sys.executable, "-m", "tools", *argv], cwd=ROOT, capture_output=True, text=True,
                             timeout=60)
@@ -32,7 +53,7 @@ def test_a_missing_or_unknown_command_is_one_line_and_exit_2(argv, found):
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["package", "--output", "bundle.zip"], "--output names the folder the ZIP goes into"),  # was a folder bundle.zip
+    (["package", "--output", "bundle.zip"], "--output names the folder the ZIP goes into"),  # not a folder bundle.zip
     (["report", "{out}", "--out", "{out}"], "Is a directory"),  # an OSError about a path: one line, not a traceback
 ])
 def test_a_path_the_tool_cannot_use_is_one_line_and_exit_2(tmp_path, argv, says):
@@ -47,7 +68,7 @@ def test_a_path_the_tool_cannot_use_is_one_line_and_exit_2(tmp_path, argv, says)
 
 
 def test_a_terminated_tool_unwinds_and_removes_what_it_started(tmp_path, monkeypatch, capsys):
-    """SIGTERM (timeout, a scheduler) must clean up as Ctrl-C does: a killed check left its sandbox in /tmp."""
+    """SIGTERM (a timeout, a scheduler) cleans up as Ctrl-C does: a sandbox in /tmp is removed."""
     import signal
     import types
 
@@ -67,8 +88,6 @@ def test_a_terminated_tool_unwinds_and_removes_what_it_started(tmp_path, monkeyp
     monkeypatch.setitem(sys.modules, "fake_tool", types.SimpleNamespace(main=main))
     monkeypatch.setitem(entry.COMMANDS, "fake", ("fake_tool", "a command that is terminated"))
     previous = signal.getsignal(signal.SIGTERM)
-    try:
-        assert entry.main(["fake"]) == 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    assert entry.main(["fake"]) == 130
+    assert signal.getsignal(signal.SIGTERM) == previous  # the tool's handler is gone with it
     assert not sandbox.exists() and "interrupted" in capsys.readouterr().err

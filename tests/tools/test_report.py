@@ -2,8 +2,9 @@
 
 The page is built from a realistic fake output root (metric lines with warmup and observation
 flags, validation lines, GPU keys, a cut-short last line; a full run record; observation files)
-and checked as text, then rendered by a real headless Chromium: the DOM must hold every plot and
-the screenshot must show the series' colours.
+and checked as text (matplotlib's figures keep the ids the report gives their lines, markers and
+bands), then rendered by a real headless Chromium: the DOM must hold every plot and the screenshot
+must show the series' colours.
 """
 
 from __future__ import annotations
@@ -130,9 +131,15 @@ def table_rows(page: str, caption: str) -> dict[str, str]:
 
 
 def svg_of(page: str, slug: str) -> str:
-    match = re.search(rf'<svg id="plot-{slug}".*?</svg>', page, re.S)
-    assert match, f"no svg for plot {slug}"
-    return match.group(0)
+    match = re.search(rf'<figure class="plot" id="plot-{slug}">(.*?)</figure>', page, re.S)
+    assert match, f"no figure for plot {slug}"
+    return match.group(1)
+
+
+def markers(svg: str, group: str) -> int:
+    """How many markers the figure's group ``group`` (a series' points) draws."""
+    match = re.search(rf'<g id="{re.escape(group)}">(.*?)</g>', svg, re.S)
+    return match.group(1).count("<use ") if match else 0
 
 
 # ----------------------------------------------------------------------------- the page as text
@@ -143,18 +150,27 @@ def test_every_plot_has_its_series_and_the_flagged_intervals_are_marked(gpu_run)
     assert page.count("<svg") == len(report.PLOTS)
     for plot in report.PLOTS:
         svg = svg_of(page, plot.slug)
+        assert svg.count("<svg") == 1
         for series in plot.series:
-            assert f'<polyline data-series="{series.key}"' in svg, (plot.slug, series.key)
-            assert f'<circle data-series="{series.key}"' in svg
+            assert f'id="line-{series.key}"' in svg and markers(svg, f"points-{series.key}"), (plot.slug, series.key)
+            assert series.color in svg
         assert "no data" not in svg
-        assert svg.count('class="band band-warmup"') == 1  # five consecutive warmup lines: one band
-        assert svg.count('class="band band-observed"') == 1
+        assert len(re.findall(rf'id="band-{plot.slug}-warmup-\d+"', svg)) == 1  # five consecutive warmup lines
+        assert len(re.findall(rf'id="band-{plot.slug}-observed-\d+"', svg)) == 1
         assert "warmup updates" in svg and "observed (profiler / memory snapshot)" in svg
     loss = svg_of(page, "loss")
     validation_lines = sum("val_loss" in line for line in metric_lines())
-    assert loss.count('<circle data-series="val_loss"') == validation_lines
-    hollow = re.findall(r'<circle data-series="loss"[^>]*fill="#ffffff"', loss)
-    assert len(hollow) == WARMUP_LINES + len(OBSERVED_LINES)
+    assert markers(loss, "points-val_loss") == validation_lines and markers(loss, "flagged-val_loss") == 0
+    assert markers(loss, "flagged-loss") == WARMUP_LINES + len(OBSERVED_LINES)  # hollow: not the normal pace
+    assert markers(loss, "points-loss") == len(metric_lines()) - validation_lines - markers(loss, "flagged-loss")
+    assert ">200k<" in svg_of(page, "throughput")  # large values get short tick labels
+    assert "elapsed time (s)" in loss
+
+
+def test_a_long_run_is_plotted_in_minutes(tmp_path):
+    lines = [{"elapsed_seconds": 60.0 * minute, "loss": 5.0 - minute / 100} for minute in range(1, 90)]
+    page = render(write_output_root(tmp_path / "output", lines))
+    assert "elapsed time (min)" in svg_of(page, "loss")
 
 
 def test_the_page_holds_the_run_record_and_fetches_nothing(gpu_run):
@@ -181,14 +197,20 @@ def test_the_page_holds_the_run_record_and_fetches_nothing(gpu_run):
 
 
 def assert_fetches_nothing(page: str) -> None:
-    """No element or rule that makes a browser load anything: links for a person to click are fine."""
-    for fetching in ("<script", "<link", "<img", "<iframe", "<object", "<embed", "<image", "<use",
-                     "@import", "url(", "xmlns"):
+    """No element or rule that makes a browser load anything: references inside the page (a figure's
+    markers and clip paths) and links for a person to click are fine."""
+    for fetching in ("<script", "<link", "<img", "<iframe", "<object", "<embed", "<image", "@import"):
         assert fetching not in page.lower(), fetching
-    assert not re.search(r"\s(src|srcset|poster|data|action|xlink:href)\s*=", page, re.I)
-    for match in re.finditer(r"https?://", page):
+    assert not re.search(r"url\((?!#)", page), "a CSS url() that leaves the page"
+    assert not re.search(r"\s(src|srcset|poster|data|action)\s*=", page, re.I)
+    for match in re.finditer(r'<(\w+)[^>]*\s(?:xlink:)?href="([^"]*)"', page):
+        element, target = match.groups()
+        assert target.startswith("#") or element == "a", f"<{element}> loads {target}"
+    namespaces = ("http://www.w3.org/2000/svg", "http://www.w3.org/1999/xlink")  # names, never fetched
+    for match in re.finditer(r"https?://[^\s\"'<>]*", page):
         before = page[max(0, match.start() - 9):match.start()]
-        assert before == '<a href="', f"a network address outside a link: {page[match.start() - 40:match.end() + 40]}"
+        assert before == '<a href="' or match.group() in namespaces, \
+            f"a network address outside a link: {page[match.start() - 40:match.end() + 40]}"
 
 
 def test_missing_keys_and_record_get_placeholders_that_name_them(tmp_path):
@@ -197,12 +219,11 @@ def test_missing_keys_and_record_get_placeholders_that_name_them(tmp_path):
     root = write_output_root(tmp_path / "output", cpu_lines, record=None)
     page = render(root)
     assert page.count("<svg") == len(report.PLOTS)
-    assert 'no data: no metric line has &quot;mfu&quot; (GPU runs only)' in svg_of(page, "mfu")
-    assert ('no data: no metric line has &quot;peak_allocated_gib&quot; or &quot;peak_reserved_gib&quot;'
-            in svg_of(page, "memory"))
-    assert 'no data: no metric line has &quot;lr&quot;' in svg_of(page, "lr")
+    assert 'no data: no metric line has "mfu" (GPU runs only)' in svg_of(page, "mfu")
+    assert 'no data: no metric line has "peak_allocated_gib" or "peak_reserved_gib"' in svg_of(page, "memory")
+    assert 'no data: no metric line has "lr"' in svg_of(page, "lr")
     loss = svg_of(page, "loss")
-    assert '<polyline data-series="loss"' in loss and "val_loss: no data" in loss
+    assert 'id="line-loss"' in loss and "val_loss: no data" in loss
     assert "model/run_record.json not found" in page and "<title>Run report: no run record</title>" in page
     assert "210,000" in page and "median of 7 normal intervals" in page  # no run record summary: the metric lines
     assert "No run record: the configuration is unknown." in page
@@ -247,26 +268,15 @@ def test_metrics_from_another_file(tmp_path, capsys):
     saved.parent.mkdir()
     saved.write_text("".join(json.dumps(line) + "\n" for line in metric_lines(8)))
     page = render(root, "--metrics", str(saved))
-    assert '<polyline data-series="tokens_per_second"' in page and "8 metric lines" in page
+    assert 'id="line-tokens_per_second"' in page and "8 metric lines" in page
     assert "Listed in the run record but not found: profile/trace-updates-121-122.json, " in page
 
 
-def test_a_standalone_plot_is_well_formed_svg():
+def test_a_plot_of_its_own_is_a_well_formed_svg_file(tmp_path):
     for plot in report.PLOTS:
         for lines in (metric_lines(), []):
-            root = ElementTree.fromstring(report.plot_svg(plot, lines, standalone=True))
-            assert root.tag == "{http://www.w3.org/2000/svg}svg"
-
-
-def test_axes_get_round_ticks_and_short_labels():
-    axis = report.round_axis(3.04, 10.47)
-    assert (axis.low, axis.high, axis.step) == (2.0, 12.0, 2.0)
-    assert report.tick_labels(report.round_axis(0, 213_000, from_zero=True)) == ["0", "50k", "100k", "150k",
-                                                                                  "200k", "250k"]
-    assert report.tick_labels(report.round_axis(0, 6e-4, from_zero=True)) == ["0", "0.0002", "0.0004", "0.0006"]
-    single = report.round_axis(5.0, 5.0)
-    assert single.low < 5.0 < single.high
-    assert report.time_unit(200) == (1.0, "s") and report.time_unit(4000) == (60.0, "min")
+            path = report.write_plot_svg(plot, lines, tmp_path / f"{plot.slug}.svg")
+            assert ElementTree.parse(path).getroot().tag == "{http://www.w3.org/2000/svg}svg"
 
 
 # ----------------------------------------------------------------------------- in a real browser
@@ -348,7 +358,7 @@ def test_chromium_renders_every_plot_and_the_screenshot_shows_the_series(gpu_run
     for plot in report.PLOTS:
         assert f'id="plot-{plot.slug}"' in dom, plot.slug
         for series in plot.series:
-            assert re.search(rf'<polyline data-series="{series.key}"', dom), series.key
+            assert f'id="line-{series.key}"' in dom, series.key
     assert "Configuration" in dom and "NVIDIA H200" in dom
 
     screenshot = tmp_path / "report.png"

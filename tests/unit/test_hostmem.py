@@ -17,7 +17,6 @@ from runtime import probe
 from runtime import training_run
 from config import ConfigError, load_config
 from tests.helpers import ROOT
-from tools.check import process_family
 
 
 def test_pss_of_a_tree_counts_a_child_and_shares_what_parent_and_child_map():
@@ -25,7 +24,7 @@ def test_pss_of_a_tree_counts_a_child_and_shares_what_parent_and_child_map():
     try:
         time.sleep(1.5)
         alone = hostmem.read_rollup()
-        tree = hostmem.tree_memory(process_family(child.pid) | {__import__("os").getpid()})
+        tree = hostmem.tree_memory([child.pid, __import__("os").getpid()])
         child_alone = hostmem.read_rollup(child.pid)
         assert alone["Pss"] > 0 and alone["Pss"] <= alone["Rss"]
         assert child_alone["Anonymous"] >= 64 << 20  # the child's own heap

@@ -4,14 +4,13 @@ Reads a Chrome trace written by the observation window (run/profile/trace-update
 prints GPU busy time against the window's span, kernel time grouped into families (matrix
 products, attention, compiled fused kernels, optimizer, copies) and the heaviest kernels.
 
-Usage: python -m tools.trace_summary OUTPUT/run/profile/trace-updates-15-16.json [--top 25]
+Usage: python -m tools bench trace-summary OUTPUT/run/profile/trace-updates-15-16.json [--top 25]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -90,14 +89,10 @@ def summarize(trace: dict, top: int) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("trace", type=Path)
-    parser.add_argument("--top", type=int, default=25)
-    args = parser.parse_args()
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools bench trace-summary", description=__doc__.splitlines()[0])
+    parser.add_argument("trace", type=Path, help="a Chrome trace from the observation window (run/profile/...)")
+    parser.add_argument("--top", type=int, default=25, help="heaviest kernels listed (default: 25)")
+    args = parser.parse_args(argv)
     print(summarize(json.loads(args.trace.read_text()), args.top))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

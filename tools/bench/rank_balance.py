@@ -1,31 +1,28 @@
 """How evenly data-parallel ranks share an update's attention work, with and without balance_ranks.
 
 Packs records through the training pipeline into updates of ranks x microbatch rows, then splits
-each update two ways: in stream order (rank r takes the r-th block of rows, as before balancing)
-and by ``stages.balance_ranks``. Prints the busiest rank's attention work over the average, per
+each update two ways: in stream order (rank r takes the r-th block of rows) and by
+``stages.balance_ranks``. Prints the busiest rank's attention work over the average, per
 update (E[max] / E[mean]): every rank waits for the busiest at each gradient all-reduce.
 Needs no GPU.
 
-Usage: python -m tools.synthetic_records --docs 6000 | python -m tools.rank_balance [--ranks 2] [--microbatch 16]
+Usage: python -m tools bench synthetic-records --docs 6000 | python -m tools bench rank-balance [--ranks 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from runtime import training_run  # noqa: E402
-from runtime.batch_split import BatchSplit  # noqa: E402
-from config import load_config  # noqa: E402
-from pipeline.stages import (  # noqa: E402
+from config import load_config
+from pipeline.stages import (
     StreamStats, ValidationPool, assemble_updates, attention_pairs, balance_ranks, encode_documents, pack_rows,
     read_records, shuffle_documents, split_validation,
 )
+from runtime import training_run
+from runtime.batch_split import BatchSplit
 
 
 def busiest_over_mean(updates: list[list[list[int]]]) -> float:
@@ -34,10 +31,10 @@ def busiest_over_mean(updates: list[list[list[int]]]) -> float:
     return float(loads.max(axis=1).mean() / loads.mean())
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--microbatch", type=int, default=16)
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools bench rank-balance", description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2, help="data-parallel ranks (default: 2)")
+    parser.add_argument("--microbatch", type=int, default=16, help="rows per rank and update (default: 16)")
     args = parser.parse_args(argv)
     cfg = load_config(overrides=["data.val_fraction=0"])
     encoder = training_run.load_encoder(cfg)
@@ -58,7 +55,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(in_order)} updates of {args.ranks} x {args.microbatch} rows: busiest rank's attention work over "
           f"the mean, stream order {busiest_over_mean(in_order):.4f}, balanced {busiest_over_mean(balanced):.4f}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,7 @@ gradients of the 126,716,160-parameter model, in fp32 (what DDP sends) and in bf
 median time and the bus bandwidth (NCCL's convention: 2 (n-1)/n bytes per byte all-reduced).
 Run with NCCL_DEBUG=INFO to see the transport NCCL chose (P2P/CUMEM, SHM or NET).
 
-Usage: python -m tools.allreduce_bench [--parameters 126716160] [--repeats 20]
+Usage: python -m tools bench allreduce [--parameters 126716160] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -45,18 +45,15 @@ def worker(rank: int, world: int, port: int, parameters: int, repeats: int) -> N
     dist.destroy_process_group()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parameters", type=int, default=126_716_160)
-    parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args()
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools bench allreduce", description=__doc__.splitlines()[0])
+    parser.add_argument("--parameters", type=int, default=126_716_160,
+                        help="values all-reduced (default: the reference model's parameter count)")
+    parser.add_argument("--repeats", type=int, default=20, help="timed all-reduces per dtype (default: 20)")
+    args = parser.parse_args(argv)
     world = torch.cuda.device_count()
     if world < 2:
-        print(f"allreduce_bench needs 2 or more CUDA GPUs; this machine has {world}", file=sys.stderr)
-        return 2  # refused, as the other tools refuse
+        print(f"python -m tools bench allreduce: needs 2 or more CUDA GPUs; this machine has {world}", file=sys.stderr)
+        return 2
     mp.spawn(worker, args=(world, 29511, args.parameters, args.repeats), nprocs=world)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

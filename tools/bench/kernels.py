@@ -4,7 +4,7 @@ The trainer's step is mostly attention and matrix products; this says how fast e
 kernel runs at the trainer's shapes (microbatch 32 x 4096, 12 heads of 64, d 768), and whether the
 candidates agree, so a choice between them rests on figures. Prints one line per measurement.
 
-Usage (GPU): python -m tools.kernel_bench [--microbatch 32] [--docs-mean 1000] [--kernels 'varlen FA2' 'FA4 varlen']
+Usage (GPU): python -m tools bench kernels [--microbatch 32] [--docs-mean 1000] [--kernels 'varlen FA2' 'FA4 varlen']
 FlashAttention 4 (varlen, and dense for one-document rows) is a candidate when flash_attn.cute imports.
 """
 
@@ -14,7 +14,6 @@ import argparse
 import math
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,8 +26,7 @@ try:
 except ImportError:
     varlen_attn = None
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from model import attention_kernels  # noqa: E402
+from model import attention_kernels
 
 
 def timed(fn, repeats: int = 20) -> float:
@@ -47,7 +45,7 @@ def timed(fn, repeats: int = 20) -> float:
 
 
 def realistic_offsets(rows: int, t: int, mean: float, seed: int = 0) -> torch.Tensor:
-    """cu_seqlens of rows packed with lognormal documents (sigma 1, as the benchmark's records), cut at row ends."""
+    """cu_seqlens of rows packed with lognormal documents (sigma 1, as synthetic-records writes them), cut at row ends."""
     rng = np.random.default_rng(seed)
     mu = math.log(mean) - 0.5
     starts = []
@@ -227,8 +225,8 @@ def gemms(args) -> None:
 
 
 def fused(args) -> None:
-    """Issue 14 point 4's candidates at the trainer's shapes, each against what the trainer runs now
-    (inductor's kernels), with its error against an fp32 reference: quack's LayerNorm and its fused
+    """Fused-kernel candidates at the trainer's shapes, each against what the trainer runs (inductor's
+    kernels), with its error against an fp32 reference: quack's LayerNorm and its fused
     cross-entropy (loss and gradient in one pass), and FP8 (e4m3, per-tensor scales) for the
     forward GEMMs with the cost of the casts. Bytes are the fewest each must move."""
     dev = torch.device("cuda")
@@ -241,7 +239,7 @@ def fused(args) -> None:
     def relative(a, b):
         return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
 
-    print("\nfused kernels (point 4)")
+    print("\nfused kernels")
     x = torch.randn(n, d, device=dev, generator=gen).bfloat16().requires_grad_()
     w = (1 + 0.1 * torch.randn(d, device=dev, generator=gen)).requires_grad_()
     bias = (0.1 * torch.randn(d, device=dev, generator=gen)).requires_grad_()
@@ -314,17 +312,17 @@ def fused(args) -> None:
             print(f"gemm {name} fp8: {type(error).__name__}: {str(error)[:300]}")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools bench kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--microbatch", type=int, default=32)
     parser.add_argument("--docs-mean", type=float, default=1000.0)
     parser.add_argument("--gemms", action="store_true", help="also time the model's matrix-product shapes")
-    parser.add_argument("--fused", action="store_true", help="only point 4's candidates: quack LayerNorm and cross-entropy, FP8 GEMMs")
+    parser.add_argument("--fused", action="store_true", help="only the fused-kernel candidates: quack LayerNorm and cross-entropy, FP8 GEMMs")
     parser.add_argument("--kernels", nargs="*", default=None, help="only these candidates (e.g. 'varlen FA2' 'FA4 varlen')")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("kernel_bench needs a CUDA device", file=sys.stderr)
-        return 2  # refused, as the other tools refuse
+        print("python -m tools bench kernels: needs a CUDA device", file=sys.stderr)
+        return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     if args.fused:
         fused(args)
@@ -334,7 +332,3 @@ def main() -> int:
     if args.gemms:
         gemms(args)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

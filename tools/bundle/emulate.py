@@ -1,6 +1,6 @@
 """``python -m tools emulate [BUNDLE] < records.jsonl``: RunFab's procedure, run on this machine.
 
-1. Unpack the bundle read-only, as RunFab's /workspace (check.Sandbox).
+1. Unpack the bundle read-only, as RunFab's /workspace (sandbox.Sandbox).
 2. Probe each candidate microbatch (the divisors of EFFECTIVE_BATCH_SIZE / GPUs, smallest first)
    in a fresh process with RunFab's 120 s limit; stop at the first failure; take the largest fit.
 3. Call ``train(microbatch, accumulation)`` in a fresh process with this process's stdin,
@@ -21,23 +21,24 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from runtime import hostmem
 from runtime import runfab_limits
 from runtime.shipping import folder_bytes
-from tools import check
+from tools import processes
 from tools import report as run_report
+from tools.bundle import check
+from tools.bundle.sandbox import BundleSource, Sandbox, UsageError
+from tools.bundle.static_checks import batch_literal, parse_train
 
 RAM_BUDGET = runfab_limits.RAM_BYTES
 TMP_BUDGET = runfab_limits.TMP_BYTES
 OUTPUT_BUDGET = runfab_limits.OUTPUT_BYTES
 PROBE_LIMIT = runfab_limits.PROBE_SECONDS
-SAMPLE_SECONDS = 0.5
 
 
 @dataclass
@@ -69,16 +70,14 @@ def candidates(effective_batch_size: int, gpus: int) -> list[int]:
     return [k for k in range(1, per_gpu + 1) if per_gpu % k == 0]
 
 
-def probe(sandbox: check.Sandbox, microbatch: int, cuda: bool, limit: float) -> dict:
+def probe(sandbox: Sandbox, microbatch: int, cuda: bool, limit: float) -> dict:
     """One candidate in a fresh process, as RunFab runs it; host memory of its tree sampled meanwhile."""
     command = [sys.executable, "-c", f"import train; train.probe_batch({microbatch})"]
     start = time.monotonic()
     measured: dict = {}
-    usage = Usage()
-    process = subprocess.Popen(command, cwd=sandbox.bundle, env=sandbox.env(cuda), stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                               preexec_fn=check.dies_with_parent())
-    sampler = threading.Thread(target=sample_memory, args=(process, usage), daemon=True)
+    process = processes.start(command, cwd=sandbox.bundle, env=sandbox.env(cuda), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    sampler = processes.MemorySampler(process)  # no budget: a probe is short, and RunFab's own
     sampler.start()
     try:
         _, err = process.communicate(timeout=limit)
@@ -86,22 +85,14 @@ def probe(sandbox: check.Sandbox, microbatch: int, cuda: bool, limit: float) -> 
         ok, reason = process.returncode == 0, stderr[-1:]
         measured = probe_figures(stderr)
     except subprocess.TimeoutExpired:
-        check.kill_group(process.pid)
+        processes.kill_group(process.pid)
         process.communicate()
         ok, reason = False, [f"over the {limit:.0f} s limit"]
     sampler.join()
     return {"microbatch": microbatch, "fits": ok, "seconds": round(time.monotonic() - start, 1),
             "reason": None if ok else (reason[0] if reason else "failed"),
-            "peak_host_pss_gib": round(usage.peak_pss_bytes / 2**30, 2),
-            "peak_host_rss_gib": round(usage.peak_rss_bytes / 2**30, 2), **measured}
-
-
-def sample_memory(process: subprocess.Popen, usage: Usage) -> None:
-    """Peak tree PSS and RSS of a process until it ends (no budget: a probe is short and RunFab's own)."""
-    while process.poll() is None:
-        pss, rss = tree_memory(process.pid)
-        usage.peak_pss_bytes, usage.peak_rss_bytes = max(usage.peak_pss_bytes, pss), max(usage.peak_rss_bytes, rss)
-        time.sleep(SAMPLE_SECONDS)
+            "peak_host_pss_gib": round(sampler.peak_pss / 2**30, 2),
+            "peak_host_rss_gib": round(sampler.peak_rss / 2**30, 2), **measured}
 
 
 def probe_figures(stderr: list[str]) -> dict:
@@ -117,44 +108,37 @@ def probe_figures(stderr: list[str]) -> dict:
     return {}
 
 
-def tree_memory(pid: int) -> tuple[int, int]:
-    """(PSS, RSS) in bytes of a process and all its descendants, from /proc/PID/smaps_rollup."""
-    totals = hostmem.tree_memory(check.process_family(pid))
-    return totals["Pss"], totals["Rss"]
+def enforce_budgets(process: subprocess.Popen, sandbox: Sandbox, usage: Usage) -> Callable[[dict], None]:
+    """What the watchdog does after each sample of the tree's memory: keep the peaks of RAM (PSS),
+    TMPDIR and the output, and past a budget, record which and stop the run."""
+    def size(folder: Path) -> int:
+        try:
+            return folder_bytes(folder)
+        except OSError:  # a file removed while it was measured
+            return 0
 
-
-def watch(process: subprocess.Popen, sandbox: check.Sandbox, usage: Usage) -> None:
-    """Sample until the process ends; past a budget, record which and stop the run."""
-    def ram() -> int:
-        pss, rss = tree_memory(process.pid)
-        usage.peak_rss_bytes = max(usage.peak_rss_bytes, rss)
-        return pss
-
-    budgets = (("RAM", RAM_BUDGET, "peak_pss_bytes", ram),
-               ("/tmp", TMP_BUDGET, "peak_tmp_bytes", lambda: folder_bytes(sandbox.tmp)),
-               ("output", OUTPUT_BUDGET, "peak_output_bytes", lambda: folder_bytes(sandbox.output)))
-    while process.poll() is None:
-        for name, limit, attribute, measure in budgets:
-            try:
-                value = measure()
-            except OSError:
-                continue
+    def check_sample(totals: dict) -> None:
+        usage.peak_rss_bytes = max(usage.peak_rss_bytes, totals["Rss"])
+        for name, limit, attribute, value in (
+                ("RAM (PSS)", RAM_BUDGET, "peak_pss_bytes", totals["Pss"]),
+                ("/tmp", TMP_BUDGET, "peak_tmp_bytes", size(sandbox.tmp)),
+                ("output", OUTPUT_BUDGET, "peak_output_bytes", size(sandbox.output))):
             setattr(usage, attribute, max(getattr(usage, attribute), value))
             if value > limit and usage.exceeded is None:
-                measured = f"{name} (PSS)" if name == "RAM" else name
-                usage.exceeded = f"{measured}: {value / 2**20:.0f} MiB > {limit / 2**20:.0f} MiB"
-                check.kill_group(process.pid)
-        time.sleep(SAMPLE_SECONDS)
+                usage.exceeded = f"{name}: {value / 2**20:.0f} MiB > {limit / 2**20:.0f} MiB"
+                processes.kill_group(process.pid)
+
+    return check_sample
 
 
-def run_training(sandbox: check.Sandbox, microbatch: int, accumulation: int, cuda: bool,
+def run_training(sandbox: Sandbox, microbatch: int, accumulation: int, cuda: bool,
                  metrics_path: Path, out: TextIO, usage: Usage, stdin) -> tuple[int, float, int]:
     """train() with the records on ``stdin``; metric lines go to ``out`` and a file, as RunFab collects them."""
     command = [sys.executable, "-c", f"import train; train.train({microbatch}, {accumulation})"]
     start = time.monotonic()
-    process = subprocess.Popen(command, cwd=sandbox.bundle, env=sandbox.env(cuda), stdin=stdin,
-                               stdout=subprocess.PIPE, start_new_session=True, preexec_fn=check.dies_with_parent())
-    watchdog = threading.Thread(target=watch, args=(process, sandbox, usage), daemon=True)
+    process = processes.start(command, cwd=sandbox.bundle, env=sandbox.env(cuda), stdin=stdin,
+                              stdout=subprocess.PIPE, start_new_session=True)
+    watchdog = processes.MemorySampler(process, check=enforce_budgets(process, sandbox, usage))
     watchdog.start()
     lines = 0
     with metrics_path.open("w") as saved:
@@ -185,7 +169,7 @@ def write_report(output_root: Path, folder: Path) -> Path:
     lines = run_report.read_metrics(metrics)
     for plot in run_report.PLOTS:
         if plot.slug in PLOT_FILES:
-            (folder / f"{plot.slug}.svg").write_text(run_report.plot_svg(plot, lines, standalone=True))
+            run_report.write_plot_svg(plot, lines, folder / f"{plot.slug}.svg")
     record = output_root / "model" / "run_record.json"
     if record.is_file():  # the sandbox goes away; the record (summary, input counts) stays with the report
         shutil.copy(record, folder / "run_record.json")
@@ -199,18 +183,18 @@ def emulate(bundle: Path, report: Path, cuda: bool, gpus: int | None, microbatch
             out: TextIO, log: TextIO, stdin=None) -> Emulation:
     visible = check.cuda_gpus() if cuda else 1
     if gpus is not None and gpus > visible:  # the trainer would refuse the split only after every probe
-        raise check.UsageError(f"--gpus {gpus}, but the children see {visible} device(s)"
+        raise UsageError(f"--gpus {gpus}, but the children see {visible} device(s)"
                                + ("" if cuda else ": without --cuda they train on the CPU, as one process"))
-    source = check.BundleSource.open(bundle)
-    with check.Sandbox(source, keep=False) as sandbox:
-        tree, error = check.parse_train(sandbox.bundle)
-        effective, why = check.batch_literal(tree) if tree is not None else (None, error)
+    source = BundleSource.open(bundle)
+    with Sandbox(source, keep=False) as sandbox:
+        tree, error = parse_train(sandbox.bundle)
+        effective, why = batch_literal(tree) if tree is not None else (None, error)
         if effective is None:
-            raise check.UsageError(f"cannot read EFFECTIVE_BATCH_SIZE: {why}")
+            raise UsageError(f"cannot read EFFECTIVE_BATCH_SIZE: {why}")
         gpus = gpus or visible
         planned = candidates(effective, gpus)
         if unusable := [k for k in microbatches or [] if k not in planned]:
-            raise check.UsageError(f"--microbatches {' '.join(map(str, unusable))}: RunFab probes only microbatches that "
+            raise UsageError(f"--microbatches {' '.join(map(str, unusable))}: RunFab probes only microbatches that "
                                    f"divide EFFECTIVE_BATCH_SIZE ({effective}) / {gpus} GPU(s): "
                                    f"{', '.join(map(str, planned))}")
         report.mkdir(parents=True, exist_ok=True)
@@ -229,7 +213,7 @@ def emulate(bundle: Path, report: Path, cuda: bool, gpus: int | None, microbatch
                 break
         fitting = [p["microbatch"] for p in result.probes if p["fits"]]
         if not fitting:
-            raise check.UsageError("no candidate microbatch fits: RunFab would reject this bundle")
+            raise UsageError("no candidate microbatch fits: RunFab would reject this bundle")
         result.microbatch = max(fitting)
         result.accumulation = effective // (result.microbatch * gpus)
         print(f"emulate: train({result.microbatch}, {result.accumulation}) on {gpus} GPU(s)", file=log)
@@ -272,7 +256,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         result = emulate(Path(args.bundle), args.report, args.cuda, args.gpus, args.microbatches, sys.stdout, sys.stderr)
-    except check.UsageError as error:
+    except UsageError as error:
         print(f"emulate: {error}", file=sys.stderr)
         return 2
     return 0 if result.train_exit_code == 0 and result.usage.exceeded is None else 1

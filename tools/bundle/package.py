@@ -47,7 +47,7 @@ from runtime import runfab_limits
 from runtime.runfab_limits import MIB
 from runtime.shipping import git_files, shipped_files, untracked_matches
 
-DEFAULT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_ROOT = Path(__file__).resolve().parents[2]
 ZIP_PREFIX = "runfab-trainer-"
 ZIP_NAME_PATTERN = re.compile(re.escape(ZIP_PREFIX) + r"[0-9a-f]{12}\.zip")  # what zip_name() writes
 
@@ -312,7 +312,7 @@ def remove_older_bundles(dest: Path, kept: Path) -> list[Path]:
 # ----------------------------------------------------------------------------- command line
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     """`python -m tools package`: 0 when the ZIP was written (or would be, with --dry-run), 1 when refused."""
     parser = argparse.ArgumentParser(
         prog="python -m tools package",
@@ -365,7 +365,3 @@ def main(argv: list[str] | None = None) -> int:
         for older in remove_older_bundles(path.parent, path):
             print(f"package: removed the older bundle {older}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,7 +7,7 @@ imported, so nothing is executed and the output depends only on the stdlib
 files of the interpreter that runs this script (its version is printed to
 stderr as provenance; a different Python gives a slightly different sample).
 
-Usage: python -m tools.make_sample_data [--output data/sample.jsonl]
+Usage: python -m tools sample-data [--output data/sample.jsonl]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ EXCLUDED_DIRS = {
     "turtledemo",
 }
 # Shorter docstrings are mostly one-line summaries that add little prose;
-# 100 keeps short multi-sentence class/method docs and lands near 2 MB.
+# 100 keeps short multi-sentence class and method docs.
 MIN_CHARS = 100
 
 
@@ -119,10 +119,12 @@ def build(root: Path, min_chars: int) -> list[dict[str, str]]:
     return records
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", type=Path, default=Path("data/sample.jsonl"))
-    parser.add_argument("--min-chars", type=int, default=MIN_CHARS)
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools sample-data", description=__doc__.splitlines()[0])
+    parser.add_argument("--output", type=Path, default=Path("data/sample.jsonl"),
+                        help="the NDJSON file to write (default: data/sample.jsonl)")
+    parser.add_argument("--min-chars", type=int, default=MIN_CHARS,
+                        help=f"shortest docstring kept, in characters (default: {MIN_CHARS})")
     args = parser.parse_args(argv)
 
     root = stdlib_root()
@@ -139,7 +141,3 @@ def main(argv: list[str] | None = None) -> int:
     size = args.output.stat().st_size
     print(f"wrote {len(records)} documents, {size / 1e6:.2f} MB to {args.output}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,120 @@
+"""``python -m tools bench NAME``: one experiment a name, the configuration as train.py takes it,
+GPU experiments refused at once without a GPU, and the ones that run on a CPU."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from runtime import device_policy
+from tools.__main__ import main as tools
+from tools.bench import EXPERIMENTS, runs
+
+from tests.helpers import ROOT
+
+GPU_EXPERIMENTS = ["trainer", "observe", "reference", "workers", "scaling", "probe-timing", "memory-sweep"]
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """No CUDA device, and nothing past the refusal may run: the test never starts a GPU run, fixed or not."""
+    monkeypatch.setattr(device_policy, "cuda_present", lambda: False)
+
+    def started(*args, **kwargs):
+        raise AssertionError("a GPU experiment went on without a GPU")
+
+    monkeypatch.setattr(runs, "prepare", started)
+
+
+@pytest.mark.parametrize("name", GPU_EXPERIMENTS)
+def test_a_gpu_experiment_is_refused_in_one_line_without_a_gpu(no_gpu, capsys, tmp_path, name):
+    out = tmp_path / "bench-out"
+    assert tools(["bench", name, "--out", str(out), "--model.n_layer", "2"]) == 2
+    captured = capsys.readouterr()
+    assert f"bench {name}: needs a CUDA GPU" in captured.err and "host-pipeline" in captured.err
+    assert captured.err.count("\n") == 1 and captured.out == ""
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--set", "model.n_layer=2"], "unrecognized option --set; configuration keys are given as --section.key VALUE"),
+    (["--model.n_layer", "two"], "model.n_layer"),
+    (["--model.no_such_key", "1"], "--model.no_such_key"),
+    (["stray"], "unexpected 'stray'"),
+    (["--compare", "model.no_such_key=1"], "--compare model.no_such_key=1"),
+])
+def test_a_bad_override_is_refused_before_anything_runs(no_gpu, capsys, tmp_path, argv, says):
+    out = tmp_path / "bench-out"
+    with pytest.raises(SystemExit) as exit_status:
+        tools(["bench", "trainer", "--out", str(out), *argv])
+    assert exit_status.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "needs a CUDA GPU" not in err, err
+    assert not out.exists()
+
+
+def test_overrides_reach_the_runs_as_train_py_reads_them(tmp_path):
+    """The host pipeline (the experiment that runs on a CPU) with the small tokenizer, set the way train.py takes it."""
+    out = tmp_path / "bench-out"
+    result = subprocess.run(
+        [sys.executable, "-m", "tools", "bench", "host-pipeline", "--copies", "1", "--docs", "300", "--out", str(out),
+         "--data.tokenizer", "conf/tokenizer.json", "--model.vocab_size=8192"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads((out / "host-pipeline.json").read_text())
+    assert {figures[kind]["tokenizer_path"] for kind in ("text", "input_ids")} == {"conf/tokenizer.json"}
+    assert all(figures[kind]["target_tokens"] > 0 for kind in ("text", "input_ids"))
+
+
+@pytest.mark.parametrize("name", list(EXPERIMENTS))
+def test_every_experiment_describes_itself(name, capsys):
+    with pytest.raises(SystemExit) as exit_status:
+        tools(["bench", name, "--help"])
+    assert exit_status.value.code == 0
+    assert f"usage: python -m tools bench {name}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, says", [("kernels", "needs a CUDA device"),
+                                        ("allreduce", "needs 2 or more CUDA GPUs; this machine has 0")])
+def test_the_kernel_and_all_reduce_experiments_are_refused_without_their_gpus(monkeypatch, capsys, name, says):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert tools(["bench", name]) == 2  # refused, like every tool's usage error: not a crash (1)
+    captured = capsys.readouterr()
+    assert says in captured.err and captured.err.count("\n") == 1 and captured.out == ""
+
+
+def test_balancing_evens_out_the_ranks_attention_work_on_realistic_documents():
+    records = subprocess.run([sys.executable, "-m", "tools", "bench", "synthetic-records", "--docs", "2500"], cwd=ROOT,
+                             capture_output=True, check=True, timeout=120).stdout
+    result = subprocess.run([sys.executable, "-m", "tools", "bench", "rank-balance"], input=records, cwd=ROOT,
+                            capture_output=True, check=True, timeout=120)
+    found = re.search(rb"stream order ([0-9.]+), balanced ([0-9.]+)", result.stdout)
+    assert found, result.stdout + result.stderr
+    in_order, balanced = float(found[1]), float(found[2])
+    assert 1.0 <= balanced < 1.01 and balanced < in_order  # the busiest rank within 1 % of the mean
+
+
+def test_trace_summary_counts_overlapping_kernels_once_and_groups_them_by_family(tmp_path, capsys):
+    events = [  # two streams overlap for 5 us; a CPU event is not GPU time
+        {"cat": "kernel", "name": "nvjet_sm90_tst_192x192", "ts": 0, "dur": 10},
+        {"cat": "kernel", "name": "pytorch_flash::flash_fwd_kernel", "ts": 5, "dur": 10},
+        {"cat": "kernel", "name": "triton_red_fused_logsumexp_0", "ts": 30, "dur": 20},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100},
+    ]
+    for name, kept in (("gpu.json", events), ("cpu.json", events[3:])):
+        (tmp_path / name).write_text(json.dumps({"traceEvents": kept}))
+    assert tools(["bench", "trace-summary", str(tmp_path / "gpu.json"), "--top", "2"]) == 0
+    text = capsys.readouterr().out
+    first = text.splitlines()[0]
+    assert "(70.0%), 3 kernels" in first  # busy 35 us of a 50 us window
+    families = {line.split()[0] for line in text.splitlines()[1:4]}
+    assert families == {"matmul", "attention", "compiled"}
+    assert tools(["bench", "trace-summary", str(tmp_path / "cpu.json")]) == 0
+    assert "no GPU kernels" in capsys.readouterr().out
