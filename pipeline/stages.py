@@ -433,7 +433,7 @@ def split_update(update: list[Row], world_size: int, microbatch: int, stats: Str
 # ----------------------------------------------------------------------------- settings, composition
 
 
-INPUT_SOURCES = ("auto", "stdin", "sample")  # data.source: see sources.open_input
+INPUT_SOURCES = ("auto", "stdin", "sample", "litdata")  # data.source: see sources.open_input; litdata: pipeline/shards.py
 
 
 @dataclass
@@ -441,7 +441,9 @@ class DataConfig:
     """The ``data`` section of the config: where records come from and every buffer's bound."""
 
     tokenizer: str = "conf/gpt2/tokenizer.json"  # GPT-2's, as model.vocab_size 50257; smoke.yaml: the small one
-    source: str = "auto"  # auto: stdin, or the sample when stdin is a terminal; stdin; sample
+    source: str = "auto"  # auto: stdin, or the sample when stdin is a terminal; stdin; sample; litdata: rows prepared by `python -m tools prepare` (data.path)
+    path: str | None = None  # data.source litdata: the prepared folder or object-store URL (s3://, gs://)
+    loader_workers: int = 1  # data.source litdata: data loader processes per rank (0: read in the training process)
     sample_path: str = "data/sample.jsonl"  # the bundled sample (data.source sample, or a terminal)
     microbatch: int = 8  # for local runs only: RunFab chooses its own
     max_record_bytes: int = RECORD_BYTES  # RunFab's limit per record
@@ -460,6 +462,10 @@ class DataConfig:
         found = []
         if self.source not in INPUT_SOURCES:
             found.append(f"data.source must be one of {', '.join(INPUT_SOURCES)}, not {self.source!r}")
+        if self.source == "litdata" and not self.path:
+            found.append("data.source litdata reads rows prepared by `python -m tools prepare`: set data.path to its --output")
+        if self.loader_workers < 0:
+            found.append(f"data.loader_workers must be >= 0 (0: read in the training process), not {self.loader_workers}")
         if not 0 <= self.val_fraction < 1:
             found.append("data.val_fraction must lie in [0, 1)")
         found += [f"data.{name} must be at least 1, not {getattr(self, name)}" for name in (

@@ -13,6 +13,7 @@ COMMANDS = {
     "emulate": ("tools.emulate", "RunFab's probe-then-train procedure on this machine"),
     "report": ("tools.report", "one HTML page of a run's output"),
     "tokenizer": ("tokenizer", "train a byte-level BPE tokenizer.json from NDJSON"),
+    "prepare": ("tools.prepare", "tokenize NDJSON files into packed rows for data.source litdata (LitData chunks)"),
 }
 USAGE = f"usage: python -m tools {{{','.join(COMMANDS)}}} [ARGS]"
 
