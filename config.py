@@ -49,6 +49,7 @@ class TrainerConfig:
     cuda_alloc_conf: str | None = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF unless the platform set one
     host_memory_budget_gib: float = RAM_BYTES / GIB  # RunFab's RAM for the job; GPU counts projected over it are refused (0: off)
     ddp_bucket_cap_mb: float = 25.0  # all-reduce bucket size (DDP's default); dynamo splits the compiled trunk there
+    global_batch_size: int | None = None  # rows per optimizer update from prepared shards (data.source litdata); None: train.EFFECTIVE_BATCH_SIZE, which RunFab's hooks always use
     worker_start: str = "auto"  # fork: workers are copies of this process (imports shared, no start-up import); exec: fresh interpreters; auto: fork unless CUDA is initialized here
 
     def problems(self) -> list[str]:
@@ -66,7 +67,8 @@ class TrainerConfig:
             found.append(f"trainer.precision must be one of {', '.join(PRECISIONS)} (or null: bf16-mixed on a GPU, "
                          f"32-true on a CPU), not {self.precision!r}")
         found += [f"trainer.{name} must be at least 1, not {getattr(self, name)}"
-                  for name in ("devices", "val_batches") if getattr(self, name) is not None and getattr(self, name) < 1]
+                  for name in ("devices", "val_batches", "global_batch_size")
+                  if getattr(self, name) is not None and getattr(self, name) < 1]
         found += [f"trainer.{name} must be >= 0 (0: off), not {getattr(self, name)}"
                   for name in ("val_every_steps", "checkpoint_every_steps", "export_reserve_seconds", "stop_grace_seconds")
                   if getattr(self, name) < 0]
