@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 
 FORMAT = "runfab-packed-rows/1"  # what an item holds; a later change of layout gets a new name
 SHARDS_META = "runfab-shards.json"  # beside LitData's index.json: row length, tokenizer, what the preparation found
-CLUSTER_INSTALL = "pip install --no-deps litdata==0.2.76 boto3 (the pyproject extra `cluster`; see docs/several-nodes.md)"
+CLUSTER_INSTALL = ("`pip install --no-deps litdata==0.2.76` and `pip install boto3 requests` (the pyproject extra "
+                   "`cluster`; docs/several-nodes.md)")
 
 
 class ShardsError(ValueError):

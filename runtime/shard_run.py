@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import threading
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -141,6 +142,7 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
                                         microbatch, accumulation)
     cfg.data.val_fraction = 0.0  # the preparation held no documents out: no validation (and the record says so)
     setup_process(cfg)
+    warnings.filterwarnings("ignore", ".*but have no `val_dataloader`.*")  # no validation here, on purpose
     encoder = load_encoder(cfg)
     tokenizer = bundle_path(cfg.data.tokenizer)
     from callbacks.run_record import sha256_file

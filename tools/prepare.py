@@ -29,6 +29,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 import sys
 import tempfile
 from collections import Counter
@@ -37,6 +38,7 @@ from pathlib import Path
 
 DEFAULT_RANGE_MIB = 64
 CHUNK_BYTES = "64MB"  # LitData's chunk size: large reads from object stores, few files
+CHUNK_NAME = re.compile(r"chunk-\d+-\d+(\.zstd)?\.bin")  # what LitData writes (and removes when it writes again)
 
 
 @dataclass(frozen=True)
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         litdata = shards.import_litdata()
     except (ConfigError, shards.ShardsError) as error:
         return refuse(str(error))
-    paths = sorted({path for pattern in args.input for path in glob.glob(os.path.expanduser(pattern))
+    paths = sorted({os.path.abspath(path) for pattern in args.input for path in glob.glob(os.path.expanduser(pattern))
                     if os.path.isfile(path)})
     if not paths:
         return refuse(f"no file matches {', '.join(args.input)}; quote a glob pattern so the shell leaves it to "
@@ -225,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     if done and not args.overwrite:
         return refuse(f"{output} already holds prepared rows ({', '.join(done)}); give a new --output, or "
                       "--overwrite to replace them")
+    foreign = [] if shards.is_url(output) or not Path(output).is_dir() else sorted(
+        p.name for p in Path(output).glob("*.bin") if not CHUNK_NAME.fullmatch(p.name))
+    if foreign:  # LitData empties the folder of *.bin files before writing: never someone else's
+        return refuse(f"{output} holds .bin files that are not prepared rows ({', '.join(foreign[:3])}); LitData would "
+                      "delete them: give an empty or new --output")
     if done:
         (Path(output) / shards.SHARDS_META).unlink(missing_ok=True)  # no stale record beside new rows, if this fails
     ranges = byte_ranges(paths, max(1, int(args.range_mib * 2**20)))

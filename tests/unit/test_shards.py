@@ -289,3 +289,13 @@ def test_stdin_runs_refuse_what_only_a_run_from_shards_can_do(tmp_path, capsys, 
     monkeypatch.setenv("RUNFAB_CONFIG", config_file(tmp_path, **{"data.source": "litdata", "data.path": str(tmp_path)}))
     with pytest.raises(train.ConfigError, match="RunFab's train\\(\\) reads stdin"):
         train.train(4, 8)
+
+
+def test_prepare_never_writes_into_a_folder_whose_bin_files_litdata_would_delete(tmp_path, corpus, capsys):
+    output = tmp_path / "weights"
+    output.mkdir()
+    (output / "pytorch_model.bin").write_bytes(b"someone's weights")
+    status, message = run_prepare(capsys, "--input", corpus, "--output", output, "--config", config_file(tmp_path),
+                                  "--workers", 1)
+    assert status == 2 and "holds .bin files that are not prepared rows (pytorch_model.bin)" in message
+    assert (output / "pytorch_model.bin").read_bytes() == b"someone's weights"
