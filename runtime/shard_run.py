@@ -175,6 +175,7 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
         where = f"checkpoint {stop.saved}" if stop.saved else "no checkpoint"
         raise launcher.Interrupted(f"stopped by {agreement.stopped_by} after optimizer step {result['steps']}; "
                                    f"{where}; resume with the same command and --ckpt_path last")
-    if agreement.stop_signal is not None:  # before the first update: GracefulStop ended fit
+    if agreement.stop_signal is not None and not result["steps"]:  # before the first update: GracefulStop ended fit
         raise launcher.Interrupted(f"received {agreement.stop_signal} before the first update; nothing was trained")
+    # A signal after the last update was settled came when training had nothing left to do: the run is complete.
     return result
