@@ -94,19 +94,15 @@ def metric_lines(stdout: str) -> list[dict]:
 
 
 def rank_rows(rows: Path, world: int, rows_per_rank: int, seed: int) -> list[list]:
-    """Each rank's rows in the order it reads them: LitData's share of rank r of ``world``, read
-    with the training run's settings (its seed, shuffle, drop_last, batch of the rank's share)."""
-    import litdata
-
+    """Each rank's rows in the order it reads them: LitData's share of rank r of ``world``, opened as
+    the training run opens it (its seed, shuffle, drop_last, batch of the rank's share, no workers)."""
     shares = []
     saved = {name: os.environ.get(name) for name in ("WORLD_SIZE", "GLOBAL_RANK")}
     try:
         for rank in range(world):
             os.environ.update(WORLD_SIZE=str(world), GLOBAL_RANK=str(rank))
-            dataset = litdata.StreamingDataset(str(rows), shuffle=True, drop_last=True, seed=seed)
-            dataset.set_batch_size(rows_per_rank)
-            dataset.set_num_workers(0)
-            shares.append([shards.item_row(item, SEQ_LEN) for item in dataset])
+            loader = shards.open_rows(str(rows), seed, rows_per_rank, workers=0)
+            shares.append([shards.item_row(item, SEQ_LEN) for item in loader.dataset])
     finally:
         for name, value in saved.items():
             os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
