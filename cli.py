@@ -40,6 +40,7 @@ from config import (CONFIG_ENV, DEFAULT_CONFIG, LIGHTNING_REFUSED, ConfigError, 
                     lightning_argument_problems, lightning_trainer_arguments, load_config)
 from runtime.device_policy import world_size
 from runtime.probe import run_probe
+from pipeline.shards import ShardsError
 from pipeline.stages import UnusableInputError
 
 PROG = "train.py"
@@ -50,7 +51,7 @@ SUBCOMMANDS = {
 }
 # The commands of `python -m tools`: named to train.py, they are pointed there (never imported here:
 # tools/ does not ship). tests/tools/test_entry_point.py keeps the two lists equal.
-TOOLS = ("package", "check", "emulate", "report", "bench", "tokenizer", "gpt2-tokenizer", "sample-data")
+TOOLS = ("package", "check", "emulate", "report", "bench", "tokenizer", "gpt2-tokenizer", "sample-data", "prepare")
 HELP = ("-h", "--help")
 PRINT_CONFIG = "--print_config"
 PASSED_TO_LIGHTNING = "trainer.lightning"  # the config's field for them; on the command line each is --trainer.NAME
@@ -66,6 +67,7 @@ class Command:
     microbatch: int | None
     accumulation: int | None
     print_config: bool
+    ckpt_path: str | None = None  # resume a run from prepared shards: a checkpoint file, or "last"
 
 
 class CommandLineError(Exception):
@@ -75,7 +77,7 @@ class CommandLineError(Exception):
 # What a command line run reports as one line on stderr, with exit code 2, instead of a traceback.
 USER_ERRORS = (
     ConfigError, UnusableInputError, NonFiniteLossError, FileNotFoundError, launcher.WorkerFailed, launcher.Interrupted,
-    launcher.InputFailed,
+    launcher.InputFailed, ShardsError,
 )
 
 
@@ -96,6 +98,18 @@ def main(argv: list[str], effective: int) -> int:
                                                  command.accumulation)
             run_probe(cfg, microbatch, effective)
             return 0
+        if cfg.data.source == "litdata":  # Lightning's DDP over files: one process, one node or several
+            from runtime import shard_run
+
+            shard_run.train_from_shards(cfg, effective, command.microbatch, command.accumulation, command.ckpt_path)
+            return 0
+        if command.ckpt_path is not None:
+            raise CommandLineError("--ckpt_path resumes a run from prepared shards (--data.source litdata); a run on "
+                                   "stdin cannot resume, its input is a stream")
+        if cfg.trainer.global_batch_size is not None:
+            raise ConfigError(f"trainer.global_batch_size ({cfg.trainer.global_batch_size}) sets the batch of a run "
+                              f"from prepared shards (--data.source litdata); on stdin the batch is "
+                              f"EFFECTIVE_BATCH_SIZE ({effective}): leave it null")
         split = BatchSplit.for_command_line(effective, world, cfg.data.microbatch, command.microbatch,
                                            command.accumulation)
         training_run.run_training(cfg, split)
@@ -141,7 +155,7 @@ def parse(argv: list[str]) -> Command:
         raise CommandLineError(readable(error)) from None
     name = namespace.subcommand
     given = flatten(namespace[name].as_dict() if namespace[name] is not None else {})
-    options = {key: given.pop(key, None) for key in ("config", "microbatch", "accumulation")}
+    options = {key: given.pop(key, None) for key in ("config", "microbatch", "accumulation", "ckpt_path")}
     return Command(
         name=name,
         config_path=config_from_here(options["config"]),
@@ -149,6 +163,7 @@ def parse(argv: list[str]) -> Command:
         microbatch=options["microbatch"],
         accumulation=options["accumulation"],
         print_config=print_config,
+        ckpt_path=options["ckpt_path"],
     )
 
 
@@ -212,6 +227,10 @@ def subcommand_parser(name: str, summary: str) -> ArgumentParser:
                         help="rows per microbatch (default: data.microbatch)")
     parser.add_argument("--accumulation", type=typing.Optional[int], default=None,
                         help="microbatches per update (default: what the batch size implies)")
+    if name == "fit":
+        parser.add_argument("--ckpt_path", type=typing.Optional[str], default=None,
+                            help="resume a run from prepared shards (data.source litdata): a checkpoint file, or last "
+                                 "(the newest in the output's checkpoints/; none yet: start from the beginning)")
     parser.add_argument(PRINT_CONFIG, action="store_true",
                         help="print the merged configuration as YAML on stdout and exit without training")
     sections = attribute_docstrings(RunConfig)

@@ -82,6 +82,9 @@ class TrainerConfig:
     before training. 0: no check"""
     ddp_bucket_cap_mb: float = 25.0
     """Size of DDP's all-reduce buckets in MB; the compiled trunk is split into graphs at bucket boundaries"""
+    global_batch_size: int | None = None
+    """Rows per optimizer update when training from prepared shards (data.source litdata); null:
+    train.EFFECTIVE_BATCH_SIZE, which RunFab's hooks always use"""
     worker_start: WorkerStart = "auto"
     """How workers start: fork (copies of this process, sharing its imports) or exec (fresh interpreters);
     auto: fork unless CUDA is already initialized in this process"""
@@ -104,7 +107,7 @@ class TrainerConfig:
             found.append(f"trainer.precision must be one of {', '.join(PRECISIONS)} (or null: bf16-mixed on a GPU, "
                          f"32-true on a CPU), not {self.precision!r}")
         found += [f"trainer.{name} must be at least 1, not {getattr(self, name)}"
-                  for name in ("devices", "limit_val_batches")
+                  for name in ("devices", "limit_val_batches", "global_batch_size")
                   if getattr(self, name) is not None and getattr(self, name) < 1]
         found += [f"trainer.{name} must be >= 0 (0: off), not {getattr(self, name)}"
                   for name in ("val_every_steps", "checkpoint_every_steps", "export_reserve_seconds", "stop_grace_seconds")

@@ -33,12 +33,16 @@ def probe_batch(microbatch: int) -> None:
 def train(microbatch: int, accumulation: int) -> dict:
     """Train on stdin with RunFab's choice of batch split, then export."""
     private_library_caches()
-    from config import load_config
+    from config import ConfigError, load_config
     from runtime import training_run
     from runtime.batch_split import BatchSplit
     from runtime.device_policy import world_size
 
     cfg = load_config()
+    if cfg.data.source == "litdata" or cfg.trainer.global_batch_size is not None:  # for `python train.py` on a cluster
+        raise ConfigError("RunFab's train() reads stdin with EFFECTIVE_BATCH_SIZE rows per update: set data.source "
+                          "auto and trainer.global_batch_size null in the bundle's config (prepared shards train "
+                          "with `python train.py --data.source litdata`)")
     return training_run.run_training(cfg, BatchSplit(microbatch, accumulation, world_size(cfg), EFFECTIVE_BATCH_SIZE))
 
 

@@ -71,6 +71,11 @@ def open_input(sample_path: Path | None, stdin: BinaryIO | None = None, source: 
     sample. Under RunFab stdin is the dataset, so an empty or closed stdin is an error, never a
     silent run on the sample; ``sample`` asks for the sample explicitly.
     """
+    if source == "litdata":  # only `python train.py` trains from prepared rows (runtime/shard_run.py)
+        raise UnusableInputError(
+            "data.source is litdata, but this run reads stdin (RunFab's hooks train from stdin only). Train from "
+            "prepared rows with `python train.py --data.source litdata --data.path DIR`, or set data.source auto."
+        )
     if source == "sample":
         return _open_sample(sample_path, "data.source is sample")
     if stdin is None:

@@ -433,7 +433,7 @@ def split_update(update: list[Row], world_size: int, microbatch: int, stats: Str
 # ----------------------------------------------------------------------------- settings, composition
 
 
-InputSource = Literal["auto", "stdin", "sample"]  # data.source: see sources.open_input
+InputSource = Literal["auto", "stdin", "sample", "litdata"]  # data.source: see sources.open_input; litdata: pipeline/shards.py
 INPUT_SOURCES = get_args(InputSource)
 
 
@@ -446,6 +446,10 @@ class DataConfig:
     source: InputSource = "auto"
     """Where records come from: stdin, or sample (data.sample_path); auto: stdin, or the sample when stdin is a
     terminal"""
+    path: str | None = None
+    """data.source litdata: the folder or object-store URL (s3://, gs://) that `python -m tools prepare` wrote"""
+    loader_workers: int = 1
+    """data.source litdata: data loader processes per rank; 0: read in the training process"""
     sample_path: str = "data/sample.jsonl"
     """The bundled sample of records, read when data.source is sample, or auto at a terminal"""
     microbatch: int = 8
@@ -477,6 +481,10 @@ class DataConfig:
         found = []
         if self.source not in INPUT_SOURCES:
             found.append(f"data.source must be one of {', '.join(INPUT_SOURCES)}, not {self.source!r}")
+        if self.source == "litdata" and not self.path:
+            found.append("data.source litdata reads rows prepared by `python -m tools prepare`: set data.path to its --output")
+        if self.loader_workers < 0:
+            found.append(f"data.loader_workers must be >= 0 (0: read in the training process), not {self.loader_workers}")
         if not 0 <= self.val_fraction < 1:
             found.append("data.val_fraction must lie in [0, 1)")
         found += [f"data.{name} must be at least 1, not {getattr(self, name)}" for name in (

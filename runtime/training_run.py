@@ -74,11 +74,12 @@ RUN_FOLDERS = ("model", "run", "checkpoints")  # what one run writes; an earlier
 
 
 @contextlib.contextmanager
-def claimed_output(root: Path):
+def claimed_output(root: Path, keep: tuple[str, ...] = ()):
     """Hold the output folder for one run: a second run on it is refused (its model and metrics
     would mix with this one's), and what an earlier run left in ``model/``, ``run/`` and
     ``checkpoints/`` is moved to ``previous-model/``, ``previous-run/`` and ``previous-checkpoints/``,
-    so that those folders only ever hold this run's results, or nothing if this run fails early."""
+    so that those folders only ever hold this run's results, or nothing if this run fails early.
+    The folders named in ``keep`` stay where they are (a resumed run reads ``checkpoints/``)."""
     try:
         root.mkdir(parents=True, exist_ok=True)
         lock = (root / LOCK_NAME).open("a+")
@@ -101,7 +102,7 @@ def claimed_output(root: Path):
         lock.truncate(0)
         lock.write(f"{os.getpid()}\n")
         lock.flush()
-        moves = [move for name in RUN_FOLDERS for move in _set_aside(root, name)]
+        moves = [move for name in RUN_FOLDERS if name not in keep for move in _set_aside(root, name)]
         if moves:
             log.warning("an earlier run's results were moved aside, never deleted: %s",
                         ", ".join(f"{source} -> {target}" for source, target in moves))
@@ -232,12 +233,15 @@ def raise_if_ended_early(feeder: UpdateFeeder, result: dict) -> None:
 
 def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
         encoder: TextEncoder, input_summary=None, platform_fraction: float | None = None,
-        end_input=lambda reason: None, early_end=lambda: None, report_due=None) -> dict:
+        end_input=lambda reason: None, early_end=lambda: None, report_due=None,
+        ckpt_path: str | None = None, extra_callbacks: tuple = (), trainer_overrides: dict | None = None) -> dict:
     """Build module, callbacks and Trainer, and fit: the same in a single process and in each worker.
 
     Export and the run record happen in callbacks, on global rank 0. ``end_input(reason)`` ends the
     input at the next update boundary (a signal); ``early_end()`` says why it ended early, if it did,
-    which the run record reports as ``partial``.
+    which the run record reports as ``partial``. The run from prepared shards (shard_run.py) resumes
+    from ``ckpt_path``, adds ``extra_callbacks`` and sets the Trainer's ``trainer_overrides``
+    (devices per node, nodes).
     """
     microbatch, accumulation, world = split.microbatch, split.accumulation, split.ranks
     accelerator = resolve_accelerator(cfg)
@@ -278,6 +282,7 @@ def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
     if every > 0:
         checkpoint_dir = Path(cfg.output.root) / "checkpoints"
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=every, save_top_k=1))
+    callbacks.extend(extra_callbacks)
     progress = cfg.trainer.enable_progress_bar if cfg.trainer.enable_progress_bar is not None else sys.stderr.isatty()
     trainer = lightning_trainer(
         cfg, accelerator, world,
@@ -290,6 +295,7 @@ def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
         default_root_dir=cfg.output.root,
         callbacks=callbacks,
         logger=experiment_loggers(cfg, run_dir / "logs") or False,
+        **(trainer_overrides or {}),
     )
     module = build_module(cfg, torch.device("cuda", local_device()) if on_gpu else None)
     host_memory.stage("model built")
@@ -301,7 +307,7 @@ def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
              microbatch, accumulation, world)
     try:
         with contextlib.redirect_stdout(sys.stderr):  # Lightning's bar and tables default to stdout
-            trainer.fit(module, datamodule=datamodule)
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except SIGTERMException:  # Lightning's own handler: the signal came before training started
         raise launcher.Interrupted("received SIGTERM before training started; nothing was trained") from None
     except torch.OutOfMemoryError as error:

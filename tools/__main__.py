@@ -17,6 +17,7 @@ COMMANDS = {
     "tokenizer": ("pipeline.tokenizer", "train a byte-level BPE tokenizer.json from NDJSON"),
     "gpt2-tokenizer": ("tools.data.build_gpt2_tokenizer", "rebuild conf/gpt2/tokenizer.json from OpenAI's GPT-2 files"),
     "sample-data": ("tools.data.make_sample_data", "rebuild data/sample.jsonl from the standard library's docstrings"),
+    "prepare": ("tools.data.prepare", "tokenize NDJSON files into packed rows for data.source litdata (LitData chunks)"),
 }
 PROG = "python -m tools"
 

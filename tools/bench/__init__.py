@@ -6,6 +6,7 @@
     allreduce.py          all-reduce bandwidth between this machine's GPUs
     trace_summary.py      where the GPU time of a profiled window went
     rank_balance.py       how evenly data-parallel ranks share attention work
+    shards.py             one rank reading prepared shards (data.source litdata) on one core
     synthetic_records.py  NDJSON records of random tokens with heavy-tailed lengths, the experiments' input
 
 May import the training modules and tools.processes. The trainer experiments and host-pipeline take
@@ -30,6 +31,7 @@ EXPERIMENTS = {
     "allreduce": ("tools.bench.allreduce", "all-reduce of the gradients' size between this machine's GPUs (2+ GPUs)"),
     "trace-summary": ("tools.bench.trace_summary", "where the GPU time of a profiled window went (a trace file)"),
     "rank-balance": ("tools.bench.rank_balance", "how evenly data-parallel ranks share attention work (CPU)"),
+    "shards": ("tools.bench.shards", "one rank reading prepared shards on one core, against a GPU's consumption (CPU)"),
     "synthetic-records": ("tools.bench.synthetic_records", "NDJSON records of random tokens, heavy-tailed lengths"),
 }
 

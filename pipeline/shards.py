@@ -1,0 +1,300 @@
+"""Training from prepared shards: rows packed once by ``python -m tools prepare``, stored as LitData
+chunks, and streamed by LitData on every rank of Lightning's DDP (one process, the GPUs of one node,
+or several nodes).
+
+What is stored: one LitData item per packed row, built by the stdin path's own stages
+(``read_records -> encode_documents -> shuffle_documents -> pack_rows``): the row's ``tokens``
+(int32, ``model.max_seq_len`` of them) and ``starts``, the offsets where a document or its
+continuation begins. Positions, targets and document offsets follow from these (``item_row``,
+then ``collate_rows``), so training sees exactly the rows the stdin path would pack. A small file
+beside LitData's index (``SHARDS_META``) records the row length and the tokenizer; training
+refuses rows of another length or tokenizer (``check_meta``), and checks every row's length again.
+
+Why rows are packed when preparing rather than when training: a row is then LitData's unit, and
+LitData already gives every rank the same number of rows (``drop_last``) and resumes a rank's stream
+exactly from the count of rows it yielded (the StreamingDataLoader state that Lightning keeps in its
+checkpoint). Packing while training would put the packer's partial row and shuffle buffer into that
+state, and ranks whose documents pack into fewer rows would need a collective every update to learn
+whether all of them still have one. The price is that ``model.max_seq_len`` is fixed by the preparation.
+
+One update on each rank: the loader yields the rank's whole share of the update as one batch
+(microbatch x accumulation rows, ``GroupCollate``), which ``ShardUpdates`` hands to Lightning as
+its microbatches. The exact loss normalisation needs the update's target-token count over all
+ranks; ``UpdateAgreement`` gets it with one all-reduce of three integers per update, which also
+carries a stop request (a signal on any rank) and rank 0's "a metric line is due", so every rank
+stops, checkpoints and reports at the same update.
+
+LitData is optional (pyproject extra ``cluster``): it is imported inside the functions that use
+it, so the RunFab bundle imports this module without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+
+from pipeline.stages import Row, collate_rows
+
+log = logging.getLogger(__name__)
+
+FORMAT = "runfab-packed-rows/1"  # what an item holds; a later change of layout gets a new name
+SHARDS_META = "runfab-shards.json"  # beside LitData's index.json: row length, tokenizer, what the preparation found
+CLUSTER_INSTALL = ("`pip install --no-deps litdata==0.2.76` and `pip install boto3 requests` (the pyproject extra "
+                   "`cluster`; docs/several-nodes.md)")
+
+
+class ShardsError(ValueError):
+    """Prepared rows that this run cannot train from; the message says what to change."""
+
+
+def import_litdata():
+    """LitData, or a one-line error that says how to install it without touching torch."""
+    try:
+        import litdata
+    except ImportError as error:
+        raise ShardsError(f"data.source litdata and `python -m tools prepare` need LitData, which is not importable "
+                          f"({error}); install it with {CLUSTER_INSTALL}") from None
+    return litdata
+
+
+def is_url(path: str) -> bool:
+    return "://" in path
+
+
+# ----------------------------------------------------------------------------- one row, one item
+
+
+def row_item(row: Row) -> dict[str, np.ndarray]:
+    """What LitData stores for a row: its tokens and where its documents start."""
+    return {"tokens": np.ascontiguousarray(row.tokens, dtype=np.int32),
+            "starts": np.flatnonzero(row.positions == 0).astype(np.int32)}
+
+
+def item_row(item: dict, seq_len: int) -> Row:
+    """The row back: positions restart at 0 at every stored start."""
+    tokens = np.asarray(item["tokens"], dtype=np.int32)
+    if len(tokens) != seq_len:
+        raise ShardsError(f"a prepared row has {len(tokens)} tokens but model.max_seq_len is {seq_len}; prepare the "
+                          f"corpus again with --model.max_seq_len {seq_len}, or train with the row length it was "
+                          f"prepared for")
+    starts = np.asarray(item["starts"], dtype=np.int64)
+    segment_start = np.zeros(seq_len, dtype=np.int32)
+    segment_start[starts] = starts
+    np.maximum.accumulate(segment_start, out=segment_start)
+    return Row(tokens, np.arange(seq_len, dtype=np.int32) - segment_start)
+
+
+# ----------------------------------------------------------------------------- what the preparation records
+
+
+def write_meta(output: str, meta: dict) -> None:
+    """``SHARDS_META`` into the prepared folder, or uploaded beside the index at an object-store URL."""
+    text = json.dumps(meta, indent=2, sort_keys=True) + "\n"
+    if not is_url(output):
+        (Path(output) / SHARDS_META).write_text(text)
+        return
+    from litdata.streaming.fs_provider import _get_fs_provider
+
+    with tempfile.TemporaryDirectory() as folder:
+        local = Path(folder) / SHARDS_META
+        local.write_text(text)
+        _get_fs_provider(output).upload_file(str(local), f"{output.rstrip('/')}/{SHARDS_META}")
+
+
+def read_meta(path: str) -> dict:
+    """``SHARDS_META`` of a prepared folder or URL; a ShardsError when it is not one."""
+    not_prepared = (f"data.path {path} holds no {SHARDS_META}: it was not written by `python -m tools prepare` "
+                    f"(or that run did not finish); prepare the corpus with `python -m tools prepare --input "
+                    f"'FILES.jsonl' --output {path}`")
+    try:
+        if not is_url(path):
+            return json.loads((Path(path) / SHARDS_META).read_text())
+        import_litdata()
+        from litdata.streaming.fs_provider import _get_fs_provider
+
+        with tempfile.TemporaryDirectory() as folder:
+            local = Path(folder) / SHARDS_META
+            _get_fs_provider(path).download_file(f"{path.rstrip('/')}/{SHARDS_META}", str(local))
+            return json.loads(local.read_text())
+    except FileNotFoundError:
+        raise ShardsError(not_prepared) from None
+    except (OSError, ValueError) as error:
+        if isinstance(error, ShardsError):
+            raise
+        raise ShardsError(f"{not_prepared} ({type(error).__name__}: {error})") from None
+
+
+def check_meta(meta: dict, path: str, seq_len: int, tokenizer_sha256: str, tokenizer_name: str,
+               vocab_size: int) -> None:
+    """Refuse rows this model cannot train from: another format, row length or tokenizer."""
+    if meta.get("format") != FORMAT:
+        raise ShardsError(f"{path} holds rows in format {meta.get('format')!r}, this trainer reads {FORMAT!r}; "
+                          "prepare the corpus again with this version's `python -m tools prepare`")
+    if meta["seq_len"] != seq_len:
+        raise ShardsError(f"{path} holds rows of {meta['seq_len']} tokens but model.max_seq_len is {seq_len}; set "
+                          f"--model.max_seq_len {meta['seq_len']}, or prepare the corpus again with "
+                          f"--model.max_seq_len {seq_len}")
+    if meta["tokenizer_sha256"] != tokenizer_sha256:
+        raise ShardsError(f"{path} was tokenized with {meta['tokenizer']} (sha256 {meta['tokenizer_sha256'][:12]}), "
+                          f"but data.tokenizer is {tokenizer_name} (sha256 {tokenizer_sha256[:12]}); train with the "
+                          "tokenizer the corpus was prepared with, or prepare it again")
+    if meta["vocab_size"] > vocab_size:
+        raise ShardsError(f"{path} holds token ids up to {meta['vocab_size'] - 1} but model.vocab_size is "
+                          f"{vocab_size}; the model's vocabulary must be at least the tokenizer's")
+
+
+# ----------------------------------------------------------------------------- training
+
+
+class GroupCollate:
+    """The loader's collate: a rank's rows of one update -> its microbatches and their target tokens.
+
+    Runs in the loader's worker processes when there are any (``data.loader_workers``)."""
+
+    def __init__(self, seq_len: int, microbatch: int) -> None:
+        self.seq_len, self.microbatch = seq_len, microbatch
+
+    def __call__(self, items: list[dict]) -> dict:
+        rows = [item_row(item, self.seq_len) for item in items]
+        batches = [collate_rows(rows[i : i + self.microbatch]) for i in range(0, len(rows), self.microbatch)]
+        return {"microbatches": batches, "target_tokens": sum(b["target_tokens"] for b in batches)}
+
+
+class UpdateAgreement:
+    """What the ranks settle once per update, in one all-reduce of three integers when the update's
+    first microbatch is fetched: the update's target tokens over all ranks (the exact loss
+    normalisation), whether any rank was asked to stop, and whether rank 0's metric interval has
+    passed. Every rank then stops and reports after the same update, with no other collective."""
+
+    def __init__(self, report_every_seconds: float) -> None:
+        self.report_every = report_every_seconds
+        self.stop_signal: str | None = None  # the signal this rank received, if any
+        self.stop_after: int | None = None  # the update after which every rank stops
+        self._report_updates: set[int] = set()
+        self._last_report = time.monotonic()
+        self._trainer: L.Trainer | None = None
+
+    def attach(self, trainer: L.Trainer) -> None:
+        self._trainer = trainer
+
+    def request_stop(self, reason: str) -> None:
+        """A signal on this rank: every rank stops after the next update the ranks settle."""
+        if self.stop_signal is None:
+            self.stop_signal = reason
+
+    @property
+    def stopped_by(self) -> str | None:
+        """Why training stopped early, for the run record; None if it did not."""
+        if self.stop_after is None:
+            return None
+        return self.stop_signal or "a stop signal on another rank"
+
+    def settle(self, rank_tokens: int) -> int:
+        """The update's target-token count over all ranks, given this rank's share."""
+        trainer = self._trainer
+        update = trainer.global_step + 1  # Lightning fetches an update's first microbatch after the previous step
+        due = trainer.global_rank == 0 and time.monotonic() - self._last_report >= self.report_every
+        if due:
+            self._last_report = time.monotonic()
+        tokens, stop, report = rank_tokens, int(self.stop_signal is not None), int(due)
+        if trainer.world_size > 1:  # alone, a rank needs no collective (and no device round trip)
+            values = torch.tensor([tokens, stop, report], dtype=torch.int64, device=trainer.strategy.root_device)
+            torch.distributed.all_reduce(values)
+            tokens, stop, report = values.tolist()
+        if report:
+            self._report_updates.add(update)
+        if stop and self.stop_after is None:
+            self.stop_after = update
+        return tokens
+
+    def report_due(self, update: int) -> bool:
+        """Whether rank 0 asked for a metric line after ``update``: the same answer on every rank."""
+        if update in self._report_updates:
+            self._report_updates.discard(update)
+            return True
+        return False
+
+
+class ShardUpdates:
+    """What Lightning trains from: each rank-share of an update from the LitData loader, as
+    ``accumulation`` microbatches that carry the update's target-token count over all ranks.
+
+    Sized (every rank has the same number of complete updates: LitData's ``drop_last``) and stateful:
+    Lightning saves and restores the loader's position with its checkpoint. Checkpoints are written
+    between updates, when the loader has yielded exactly the updates trained."""
+
+    def __init__(self, loader, accumulation: int, settle: Callable[[int], int]) -> None:
+        self.loader, self.accumulation, self.settle = loader, accumulation, settle
+
+    def __len__(self) -> int:
+        return len(self.loader) * self.accumulation
+
+    def __iter__(self) -> Iterator[dict]:
+        for group in self.loader:
+            total = self.settle(group["target_tokens"])
+            for batch in group["microbatches"]:
+                batch["update_target_tokens"] = total
+                yield batch
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+
+
+def open_rows(path: str, seed: int, rows_per_batch: int = 1, workers: int = 0, collate_fn=None,
+              pin_memory: bool = False):
+    """LitData's StreamingDataLoader over the prepared rows: this rank's share (LitData reads the rank
+    and world size from torch.distributed or the environment), shuffled with ``seed`` a chunk at a
+    time, every rank the same number of batches."""
+    litdata = import_litdata()
+    dataset = litdata.StreamingDataset(path, shuffle=True, drop_last=True, seed=seed)
+    same_split_everywhere(dataset)
+    return litdata.StreamingDataLoader(dataset, batch_size=rows_per_batch, num_workers=workers,
+                                       collate_fn=collate_fn, pin_memory=pin_memory)
+
+
+def same_split_everywhere(dataset) -> None:
+    """The same shuffle and split of rows on every filesystem. On a parallel filesystem (Lustre, GPFS,
+    NFS...) LitData would give each reader whole chunks and cut every reader to the shortest one's
+    rows, dropping up to a chunk per rank, and none at all to a rank when chunks are fewer than
+    ranks; its local-disk layout splits chunks between readers at row granularity and permutes the
+    chunks globally. Reading in place (memory-mapped, never copied or deleted) is kept."""
+    profile = getattr(dataset, "posix_fast", None)
+    if profile is not None and profile.window_shuffle:
+        dataset.posix_fast = dataclasses.replace(profile, kind="posix")
+
+
+class ShardDataModule(L.LightningDataModule):
+    """Training batches from prepared rows; no validation (the preparation holds no documents out)."""
+
+    def __init__(self, path: str, seq_len: int, microbatch: int, accumulation: int, seed: int, workers: int,
+                 agreement: UpdateAgreement, pin_memory: bool = False) -> None:
+        super().__init__()
+        self.path, self.seq_len, self.seed, self.workers = path, seq_len, seed, workers
+        self.microbatch, self.accumulation = microbatch, accumulation
+        self.agreement, self.pin_memory = agreement, pin_memory
+
+    def train_dataloader(self) -> ShardUpdates:
+        # Called after the process group exists, so LitData sees this rank's place in it.
+        rows = self.microbatch * self.accumulation
+        loader = open_rows(self.path, self.seed, rows, self.workers, GroupCollate(self.seq_len, self.microbatch),
+                           self.pin_memory)
+        if len(loader) == 0:
+            raise ShardsError(
+                f"{self.path} gives this rank no complete update: an update takes {rows} rows on each of "
+                f"{self.trainer.world_size} rank(s); prepare more text, or lower the batch (trainer.global_batch_size)"
+            )
+        self.agreement.attach(self.trainer)
+        return ShardUpdates(loader, self.accumulation, self.agreement.settle)
+

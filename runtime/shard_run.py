@@ -1,0 +1,181 @@
+"""A run from prepared shards: ``python train.py --data.source litdata --data.path DIR``.
+
+Lightning's own DDP strategy is the engine here, with files instead of stdin: one process, the GPUs
+of one node, or several nodes, with no change of code. ``torchrun`` and SLURM start the processes
+(Lightning recognises both and joins them); without either, Lightning starts one process per device
+of this node itself, by running the same command again. RunFab's stdin path (training_run.run_training
+and its launcher) is not involved: under RunFab stdin is the only input.
+
+Every rank streams its own share of the prepared rows (pipeline/shards.py). The run's batch is
+``trainer.global_batch_size`` rows per update, or train.EFFECTIVE_BATCH_SIZE, split as microbatch x
+accumulation x ranks (batch_split.py).
+
+What survives a preemption: Lightning's checkpoint in ``output/checkpoints/`` (weights, optimizer,
+schedule, loop counters and every rank's position in the rows), written every
+``trainer.checkpoint_every_steps`` updates and when SIGTERM or SIGINT reaches any rank: the ranks
+agree on one update to finish, write the checkpoint and stop. ``--ckpt_path last`` resumes from the
+newest one and ends with the weights an uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import warnings
+from pathlib import Path
+
+import lightning as L
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+from config import ConfigError, RunConfig, bundle_path
+from pipeline import shards
+from runtime import launcher
+from runtime.batch_split import BatchSplit
+from runtime.device_policy import resolve_accelerator, setup_process, use_allocator_settings, world_size
+from runtime.training_run import claimed_output, fit, load_encoder
+
+log = logging.getLogger("train")
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_CHECKPOINT = "stopped.ckpt"  # written when a signal stops the run; the periodic ones are Lightning's
+
+
+def topology(cfg: RunConfig) -> tuple[int, int]:
+    """(processes per node, nodes): from torchrun or SLURM when they started this process, else the
+    devices of this node (``trainer.devices``, or every visible GPU) on one node."""
+    if TorchElasticEnvironment.detect():
+        local, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
+        per_node, nodes = local, world // local
+    elif SLURMEnvironment.detect():
+        tasks, nodes = int(os.environ["SLURM_NTASKS"]), int(os.environ["SLURM_NNODES"])
+        per_node = tasks // nodes
+    else:
+        return world_size(cfg), 1
+    if cfg.trainer.devices is not None and cfg.trainer.devices != per_node:
+        raise ConfigError(f"trainer.devices is {cfg.trainer.devices} but {per_node} processes run on each node; "
+                          "leave trainer.devices unset (null) under torchrun or SLURM")
+    return per_node, nodes
+
+
+def environment_rank(per_node: int) -> int:
+    """This process's global rank before any process group exists: torchrun's RANK, SLURM's
+    SLURM_PROCID, or NODE_RANK and LOCAL_RANK from Lightning's own launcher (0 in the first process)."""
+    for name in ("RANK", "SLURM_PROCID"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return int(os.environ.get("NODE_RANK", 0)) * per_node + int(os.environ.get("LOCAL_RANK", 0))
+
+
+def resolve_checkpoint(ckpt_path: str | None, folder: Path) -> str | None:
+    """``last``: the newest checkpoint in ``folder`` (None when there is none yet: the run starts
+    from the beginning, so the same command serves the first start and every restart); else the path."""
+    if ckpt_path is None:
+        return None
+    if ckpt_path != "last":
+        if not Path(ckpt_path).is_file():
+            raise ConfigError(f"--ckpt_path {ckpt_path} is not a file; give a checkpoint file, or last (the newest "
+                              f"in {folder})")
+        return ckpt_path
+    found = sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
+    if not found:
+        log.info("--ckpt_path last: no checkpoint in %s yet; training starts from the beginning", folder)
+        return None
+    log.info("resuming from %s", found[-1])
+    return str(found[-1])
+
+
+class StopAtAgreedUpdate(L.Callback):
+    """SIGTERM or SIGINT on any rank: every rank finishes the same update (UpdateAgreement), the
+    checkpoint is written, and training ends; a second signal ends the process at once.
+
+    Installed when training starts, over Lightning's handler (which would end fit between
+    microbatches, without a checkpoint) and over GracefulStop's (which ends a single process's
+    stream without one)."""
+
+    def __init__(self, agreement: shards.UpdateAgreement, checkpoint: Path) -> None:
+        self.agreement, self.checkpoint = agreement, checkpoint
+        self.saved: str | None = None
+        self._replaced: dict = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._replaced = {sig: signal.getsignal(sig) for sig in SIGNALS}
+            for sig in SIGNALS:
+                signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.agreement.stop_signal is not None:  # asked twice: stop now
+            for sig in SIGNALS:
+                signal.signal(sig, signal.SIG_DFL)
+            signal.raise_signal(signum)
+            return
+        log.warning("%s received: every rank finishes the update in hand, then the checkpoint is written and "
+                    "training stops (resume with --ckpt_path last); send it again to stop at once", name)
+        self.agreement.request_stop(name)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx) -> None:
+        stop_after = self.agreement.stop_after
+        if stop_after is None or trainer.global_step != stop_after or self.saved:
+            return
+        self.saved = str(self.checkpoint)
+        trainer.save_checkpoint(self.checkpoint)  # every rank takes part; rank 0 writes
+        trainer.should_stop = True
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        for sig, handler in self._replaced.items():
+            if signal.getsignal(sig) == self._handle:
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._replaced = {}
+
+
+def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = None,
+                      accumulation: int | None = None, ckpt_path: str | None = None) -> dict:
+    """Train on the prepared rows at ``data.path``; ``effective`` is train.EFFECTIVE_BATCH_SIZE, used
+    unless ``trainer.global_batch_size`` sets the batch."""
+    per_node, nodes = topology(cfg)
+    world = per_node * nodes
+    split = BatchSplit.for_command_line(cfg.trainer.global_batch_size or effective, world, cfg.data.microbatch,
+                                        microbatch, accumulation)
+    cfg.data.val_fraction = 0.0  # the preparation held no documents out: no validation (and the record says so)
+    setup_process(cfg)
+    warnings.filterwarnings("ignore", ".*but have no `val_dataloader`.*")  # no validation here, on purpose
+    encoder = load_encoder(cfg)
+    tokenizer = bundle_path(cfg.data.tokenizer)
+    from callbacks.run_record import sha256_file
+
+    shards.import_litdata()
+    meta = shards.read_meta(cfg.data.path)
+    shards.check_meta(meta, cfg.data.path, cfg.model.max_seq_len, sha256_file(tokenizer), cfg.data.tokenizer,
+                      cfg.model.vocab_size)
+    root = Path(cfg.output.root)
+    first = environment_rank(per_node) == 0  # only rank 0 writes the output (export, record, checkpoints)
+    claim = claimed_output(root, keep=("checkpoints",) if ckpt_path else ()) if first else contextlib.nullcontext()
+    with claim:
+        use_allocator_settings(cfg)
+        resume = resolve_checkpoint(ckpt_path, root / "checkpoints")
+        agreement = shards.UpdateAgreement(cfg.metrics.interval_seconds)
+        datamodule = shards.ShardDataModule(
+            cfg.data.path, cfg.model.max_seq_len, split.microbatch, split.accumulation, cfg.seed,
+            cfg.data.loader_workers, agreement, pin_memory=resolve_accelerator(cfg) == "gpu")
+        stop = StopAtAgreedUpdate(agreement, root / "checkpoints" / STOP_CHECKPOINT)
+        overrides: dict = {"devices": per_node, "num_nodes": nodes}
+        if SLURMEnvironment.detect():  # its requeue handler checkpoints between microbatches: not exact
+            overrides["plugins"] = [SLURMEnvironment(auto_requeue=False)]
+        log.info("training from %s: %d row(s) of %d tokens prepared; %d node(s) x %d process(es)", cfg.data.path,
+                 meta["summary"]["rows"], meta["seq_len"], nodes, per_node)
+        summary = {"source": "litdata", "path": cfg.data.path, "resumed_from": resume, **meta["summary"]}
+        result = fit(cfg, split, datamodule, encoder, lambda: summary, end_input=agreement.request_stop,
+                     early_end=lambda: agreement.stopped_by, report_due=agreement.report_due if world > 1 else None,
+                     ckpt_path=resume, extra_callbacks=(stop,), trainer_overrides=overrides)
+    if agreement.stopped_by is not None:
+        where = f"checkpoint {stop.saved}" if stop.saved else "no checkpoint"
+        raise launcher.Interrupted(f"stopped by {agreement.stopped_by} after optimizer step {result['steps']}; "
+                                   f"{where}; resume with the same command and --ckpt_path last")
+    if agreement.stop_signal is not None and not result["steps"]:  # before the first update: GracefulStop ended fit
+        raise launcher.Interrupted(f"received {agreement.stop_signal} before the first update; nothing was trained")
+    # A signal after the last update was settled came when training had nothing left to do: the run is complete.
+    return result

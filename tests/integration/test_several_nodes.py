@@ -1,0 +1,199 @@
+"""Several nodes on one CPU machine: ``torchrun`` starts two "nodes" of two processes each (gloo), and
+the trainer runs Lightning's own DDP over rows prepared with ``python -m tools prepare``.
+
+Each run is checked against one process that accumulates the same rows: LitData's share for each
+rank is read here as that rank reads it (LitData takes the rank and world size from WORLD_SIZE and
+GLOBAL_RANK), update k is then every rank's k-th share, and a plain loop trains on it with the same
+initial weights, optimizer, schedule, clipping and exact loss normalisation (summed target-token
+loss over the update's target-token count). Losses and final weights must agree to fp32 precision:
+an update normalised by each rank's own token count, a rank that trained other rows, or a resumed
+run that skipped or repeated rows would not.
+
+The model is tiny (one layer, 32 wide, rows of 32 tokens), so the processes' start-up is most of
+the time. LitData is required (CI installs it, .ci/run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from callbacks.export import gpt2_state_dict
+from config import load_config
+from lit_module import GPTTrainingModule
+from pipeline import shards
+from pipeline.stages import collate_rows
+from tools.data import prepare as prepare_tool
+
+from tests.helpers import ROOT, as_yaml, records, tiny
+
+SEQ_LEN = 32
+GLOBAL_BATCH = 8  # rows per update, over all ranks
+CHILD_TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("shards")
+    corpus = folder / "corpus.jsonl"
+    corpus.write_bytes(records(300))
+    config = folder / "prepare.yaml"
+    config.write_text(as_yaml(run_values(folder / "unused", max_steps=1)))
+    with contextlib.redirect_stdout(open(os.devnull, "w")):
+        assert prepare_tool.main(["--input", str(corpus), "--output", str(folder / "rows"), "--config", str(config),
+                                  "--workers", "1"]) == 0
+    return folder / "rows"
+
+
+def run_values(output: Path, max_steps: int) -> dict:
+    return tiny({
+        "seed": 5, "model.vocab_size": 8192, "model.max_seq_len": SEQ_LEN, "data.tokenizer": "conf/tokenizer.json",
+        "data.loader_workers": 0, "optim.lr": 3.0e-3, "optim.warmup_steps": 1, "optim.schedule": "cosine",
+        "optim.decay_steps": 60, "trainer.max_steps": max_steps, "trainer.accelerator": "cpu",
+        "trainer.global_batch_size": GLOBAL_BATCH, "metrics.interval_seconds": 0, "output.root": str(output),
+    })
+
+
+def write_config(folder: Path, max_steps: int) -> Path:
+    path = folder / f"run-{max_steps}.yaml"
+    path.write_text(as_yaml(run_values(folder / "output", max_steps)))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(launch: list[str], config: Path, rows: Path, microbatch: int, log: Path, *extra: str) -> subprocess.Popen:
+    """train.py under torchrun; stdout (the metric lines) is piped, stderr goes to ``log``."""
+    command = [sys.executable, "-m", "torch.distributed.run", *launch, "train.py", "fit", "--config", str(config),
+               "--data.source", "litdata", "--data.path", str(rows), "--microbatch", str(microbatch), *extra]
+    with log.open("w") as stderr:
+        return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def metric_lines(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------- the process that accumulates
+
+
+def rank_rows(rows: Path, world: int, rows_per_rank: int, seed: int) -> list[list]:
+    """Each rank's rows in the order it reads them: LitData's share of rank r of ``world``, opened as
+    the training run opens it (its seed, shuffle, drop_last, batch of the rank's share, no workers)."""
+    shares = []
+    saved = {name: os.environ.get(name) for name in ("WORLD_SIZE", "GLOBAL_RANK")}
+    try:
+        for rank in range(world):
+            os.environ.update(WORLD_SIZE=str(world), GLOBAL_RANK=str(rank))
+            loader = shards.open_rows(str(rows), seed, rows_per_rank, workers=0)
+            shares.append([shards.item_row(item, SEQ_LEN) for item in loader.dataset])
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+    return shares
+
+
+def accumulate_same_rows(config: Path, shares: list[list], updates: int) -> tuple[list[float], GPTTrainingModule]:
+    """One process, update k = every rank's k-th share: loss sum over the update's target tokens,
+    clipping, AdamW and the schedule as the LightningModule configures them."""
+    cfg = load_config(config)
+    L.seed_everything(cfg.seed, verbose=False)
+    module = GPTTrainingModule(cfg.model, cfg.optim)
+    optimizers = module.configure_optimizers()
+    optimizer, schedule = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
+    per_rank = GLOBAL_BATCH // len(shares)
+    losses = []
+    for k in range(updates):
+        batch = collate_rows([row for share in shares for row in share[k * per_rank : (k + 1) * per_rank]])
+        optimizer.zero_grad()
+        loss_sum = module.model.loss_sum(batch)
+        (loss_sum / batch["target_tokens"]).backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.optim.grad_clip, foreach=True)
+        optimizer.step()
+        schedule.step()
+        losses.append(loss_sum.item() / batch["target_tokens"])
+    return losses, module
+
+
+def assert_same_weights(model_dir: Path, module: GPTTrainingModule) -> None:
+    trained = load_file(model_dir / "model.safetensors")
+    expected = gpt2_state_dict(module.model)
+    assert trained.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(trained[name], tensor, rtol=1e-4, atol=2e-6, msg=name)
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_two_nodes_of_two_processes_train_like_one_process_accumulating_the_same_rows(prepared, tmp_path):
+    steps = 4
+    config = write_config(tmp_path, steps)
+    port = str(free_port())
+    logs = [tmp_path / f"node{node}.log" for node in (0, 1)]
+    nodes = [torchrun(["--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node), "--master-addr",
+                       "127.0.0.1", "--master-port", port], config, prepared, 1, logs[node]) for node in (0, 1)]
+    outputs = [node.communicate(timeout=CHILD_TIMEOUT)[0] for node in nodes]
+    for node, log in zip(nodes, logs):
+        assert node.returncode == 0, log.read_text()[-3000:]
+    lines = metric_lines(outputs[0])
+    assert outputs[1] == ""  # metric lines come from global rank 0 only
+    assert [line["step"] for line in lines] == list(range(1, steps + 1))
+
+    shares = rank_rows(prepared, world=4, rows_per_rank=GLOBAL_BATCH // 4, seed=5)
+    losses, module = accumulate_same_rows(config, shares, steps)
+    assert [line["loss"] for line in lines] == pytest.approx(losses, rel=1e-5)
+    assert_same_weights(tmp_path / "output" / "model", module)
+    record = json.loads((tmp_path / "output" / "model" / "run_record.json").read_text())
+    assert (record["world_size"], record["batch"]["effective"], record["input"]["source"]) == (4, GLOBAL_BATCH, "litdata")
+
+
+def test_a_run_stopped_by_sigterm_resumes_from_its_checkpoint_to_the_same_weights(prepared, tmp_path):
+    """SIGTERM reaches both ranks (torchrun forwards it); they agree on one update to finish, write the
+    checkpoint and stop. The same command with --ckpt_path last ends where an uninterrupted run ends."""
+    steps = 60
+    config = write_config(tmp_path, steps)
+    launch = ["--standalone", "--nproc-per-node", "2"]
+    log = tmp_path / "stopped.log"
+    first = torchrun(launch, config, prepared, 2, log)
+    seen = []
+    for line in first.stdout:
+        seen.append(json.loads(line))
+        if len(seen) == 2:
+            first.send_signal(signal.SIGTERM)
+    first.wait(timeout=CHILD_TIMEOUT)
+    stopped_at = seen[-1]["step"]
+    err = log.read_text()
+    assert first.returncode != 0
+    assert f"error: stopped by SIGTERM after optimizer step {stopped_at}; checkpoint " in err, err[-3000:]
+    assert 2 <= stopped_at < steps
+    assert (tmp_path / "output" / "checkpoints" / "stopped.ckpt").is_file()
+    record = json.loads((tmp_path / "output" / "model" / "run_record.json").read_text())
+    assert record["status"] == "partial: SIGTERM" and record["optimizer_steps"] == stopped_at
+
+    log = tmp_path / "resumed.log"
+    second = torchrun(launch, config, prepared, 2, log, "--ckpt_path", "last")
+    out = second.communicate(timeout=CHILD_TIMEOUT)[0]
+    assert second.returncode == 0, log.read_text()[-3000:]
+    lines = metric_lines(out)
+    assert [line["step"] for line in lines] == list(range(stopped_at + 1, steps + 1))
+
+    losses, module = accumulate_same_rows(config, rank_rows(prepared, 2, GLOBAL_BATCH // 2, seed=5), steps)
+    assert [line["loss"] for line in seen + lines] == pytest.approx(losses, rel=1e-5)
+    assert_same_weights(tmp_path / "output" / "model", module)
