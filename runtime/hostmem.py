@@ -26,7 +26,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from model.gpt import padded_vocab_size
+from model.loss import padded_vocab_size
 
 log = logging.getLogger(__name__)
 

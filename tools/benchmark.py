@@ -55,7 +55,7 @@ from config import load_config  # noqa: E402
 from pipeline.feeder import UpdateFeeder  # noqa: E402
 from pipeline.stages import ValidationPool  # noqa: E402
 from lit_module import GPTTrainingModule  # noqa: E402
-from model.gpt import training_flops  # noqa: E402
+from model.flops import training_flops  # noqa: E402
 from tools.check import dies_with_parent, process_family  # noqa: E402
 
 LAYOUTS = {
