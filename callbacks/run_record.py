@@ -112,6 +112,7 @@ class RunRecord(L.Callback):
             "observations": observer.files if observer else [],
             "compile_cache": self.compile_cache_usage(),
             "attention": {"requested": pl_module.model.config.attention, "kernels": dict(pl_module.model.attention_kernels)},
+            "loss": {"requested": pl_module.model.config.loss_kernel, "kernel": pl_module.model.loss_kernel},
             "fp8": pl_module.model.config.fp8,
             "input": self.input_summary() if self.input_summary else None,
             "dataset": dataset_descriptor(self.bundle_root),

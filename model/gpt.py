@@ -44,6 +44,10 @@ class GPTConfig:
     # head and embeddings stay bf16.
     fp8: bool = False
     loss_chunk_tokens: int = 16384  # LM head + cross-entropy in chunks of this many tokens; 0: all at once
+    # The kernel of the LM head + cross-entropy in training (model/loss.py): "auto" (the fastest installed),
+    # "chunked" (PyTorch, runs everywhere), "liger" (liger-kernel) or "cce" (cut-cross-entropy); the packages
+    # run on CUDA in bf16, and CPU or fp32 runs always take "chunked".
+    loss_kernel: str = "auto"
     compile_scope: str = "trunk"  # what torch.compile takes: "trunk" (one graph) or "blocks" (one graph all blocks share)
 
     def __post_init__(self) -> None:
@@ -60,6 +64,8 @@ class GPTConfig:
             found.append(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
         if self.attention not in attention.CHOICES:
             found.append(f"model.attention must be one of {', '.join(attention.CHOICES)}, not {self.attention!r}")
+        if self.loss_kernel not in loss.CHOICES:
+            found.append(f"model.loss_kernel must be one of {', '.join(loss.CHOICES)}, not {self.loss_kernel!r}")
         if self.compile_scope not in COMPILE_SCOPES:
             found.append(f"model.compile_scope must be one of {', '.join(COMPILE_SCOPES)}, not {self.compile_scope!r}")
         return found
@@ -113,6 +119,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
         self._compiled_trunk: Callable | None = None  # what training calls instead of _trunk
         self.attention_kernels: dict[str, str] = {}  # batch kind -> the kernel that ran it (run record, log)
+        self.loss_kernel: str | None = None  # the loss kernel of the last training batch (run record)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -183,8 +190,8 @@ class GPT(nn.Module):
         inductor fuse across block boundaries. "blocks" compiles each block; all blocks share the
         code and shapes, so one graph serves them all and compilation takes a fraction of the time.
         """
-        if self.config.activation_memory_budget < 1.0:  # process-wide, read when the graph is partitioned
-            torch._functorch.config.activation_memory_budget = self.config.activation_memory_budget
+        # Process-wide, read when the graph is partitioned on first use.
+        torch._functorch.config.activation_memory_budget = self.config.activation_memory_budget
         if self.config.compile_scope == "blocks":  # a plain list in a partial: no second copy in state_dict
             self._compiled_trunk = functools.partial(self._trunk, blocks=[torch.compile(b) for b in self.blocks])
         else:
@@ -197,5 +204,8 @@ class GPT(nn.Module):
     def loss_sum(self, batch: dict) -> torch.Tensor:
         """Summed next-token loss of a packed batch (input_ids, positions, targets, optional cu_seqlens)."""
         hidden = self.hidden_states(batch["input_ids"], batch.get("positions"), batch.get("cu_seqlens"))
+        kernel = loss.choose(self.config.loss_kernel, hidden.device, self.compute_dtype(hidden.device))
+        if torch.is_grad_enabled():
+            self.loss_kernel = kernel
         return loss.token_loss_sum(hidden, self.lm_head_weight, batch["targets"], self.config.loss_chunk_tokens,
-                                   compiled=self._compiled_trunk is not None)
+                                   kernel, compiled=self._compiled_trunk is not None)

@@ -1,18 +1,73 @@
 """The LM head and the next-token cross-entropy, summed over the target tokens.
 
 The head is the tied token embedding. Its logits are the largest tensor of a step (tokens x
-vocabulary), so in training they exist one chunk of tokens at a time (``ChunkedLinearCrossEntropy``).
+vocabulary), so in training they never exist all at once. Which kernel computes the head and the
+loss (``choose``, ``model.loss_kernel``):
+
+- ``"chunked"``: ``ChunkedLinearCrossEntropy``, pure PyTorch: one chunk of logits at a time, the
+  loss and its gradients computed in the forward pass; runs everywhere.
+- ``"liger"``: Liger-Kernel's fused linear cross-entropy (the optional ``liger-kernel`` package,
+  Triton): the same scheme with its own chunking and loss kernel.
+- ``"cce"``: Cut Cross-Entropy (the optional ``cut-cross-entropy`` package, Triton): the logits are
+  computed tile by tile in on-chip memory and never written; the backward pass recomputes them.
+  Exact here (no gradient filtering).
+
+Validation (no gradients) always takes the chunked path.
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+log = logging.getLogger(__name__)
+
 IGNORE_INDEX = -100  # a target that takes no loss: the last token of a document, padding
 VOCAB_ALIGNMENT = 128  # padded vocabulary keeps the head's matmuls on the aligned (fast) GEMM kernels
+CHOICES = ("auto", "chunked", "liger", "cce")  # model.loss_kernel
+AUTO_ORDER: tuple[str, ...] = ()  # what "auto" tries, fastest first, before "chunked"
+PACKAGES = {"liger": ("liger-kernel", "liger_kernel.ops.fused_linear_cross_entropy"),
+            "cce": ("cut-cross-entropy", "cut_cross_entropy")}
+_modules: dict[str, object] = {}  # kernel -> its imported module
+_errors: dict[str, str] = {}  # kernel -> why it could not be imported
+
+
+def kernel_module(kernel: str):
+    """The optional package behind ``kernel``, imported on first use; None if it does not import."""
+    if kernel not in _modules and kernel not in _errors:
+        package, module = PACKAGES[kernel]
+        try:
+            _modules[kernel] = importlib.import_module(module)
+        except Exception as error:  # noqa: BLE001 - missing package, one built for another torch or Triton
+            _errors[kernel] = f"{package} does not import ({type(error).__name__}: {str(error)[:200]})"
+    return _modules.get(kernel)
+
+
+_reported: set = set()
+
+
+def choose(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel for ``model.loss_kernel`` = ``requested``. CPU runs and fp32 or fp16 runs take
+    "chunked"; an explicit request for a package that cannot run on a CUDA bf16 run is an error."""
+    if requested == "chunked" or device.type != "cuda" or dtype != torch.bfloat16:
+        return "chunked"
+    for kernel in AUTO_ORDER if requested == "auto" else (requested,):
+        if kernel_module(kernel) is not None:
+            chosen = kernel
+            break
+        if requested != "auto":
+            raise RuntimeError(f"model.loss_kernel is {requested!r} but {_errors[kernel]}. "
+                               f"Install {PACKAGES[kernel][0]}, or use 'auto' or 'chunked'.")
+    else:
+        chosen = "chunked"
+    if (requested, chosen) not in _reported:
+        _reported.add((requested, chosen))
+        log.info("LM head and loss: %s (model.loss_kernel %s)", chosen, requested)
+    return chosen
 
 
 def padded_vocab_size(vocab_size: int) -> int:
@@ -22,15 +77,18 @@ def padded_vocab_size(vocab_size: int) -> int:
 
 def token_loss_sum(
     hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 0,
-    compiled: bool = False,
+    kernel: str = "chunked", compiled: bool = False,
 ) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over targets != IGNORE_INDEX, in fp32.
 
     Returning the sum lets the caller divide by the whole optimizer update's target count.
-    With ``chunk_tokens`` the full-vocabulary logits never exist at once (0: all at once, the plain
-    path); ``compiled`` runs each chunk's softmax arithmetic as one compiled kernel.
+    ``kernel`` is what ``choose`` returned. With "chunked" and ``chunk_tokens`` the
+    full-vocabulary logits never exist at once (0: all at once, the plain path); ``compiled``
+    runs each chunk's softmax arithmetic as one compiled kernel.
     """
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    if kernel != "chunked" and torch.is_grad_enabled():
+        return fused_loss_sum(hidden, head_weight, targets, kernel)
     if not chunk_tokens:
         return cross_entropy_sum(hidden, head_weight, targets)
     if torch.is_grad_enabled():  # a batch of at most chunk_tokens is one chunk: still no saved logits
@@ -38,6 +96,23 @@ def token_loss_sum(
         return ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, chunk_tokens, chunk_fn)
     chunks = zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
     return sum(cross_entropy_sum(h, head_weight, t) for h, t in chunks)
+
+
+def fused_loss_sum(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, kernel: str):
+    """The summed loss through Liger's or Cut Cross-Entropy's kernel, on bf16 operands (``choose``
+    takes them only for bf16 runs): the fp32 weight is cast once per call and autograd carries its
+    gradient back to fp32, as the chunked path does. Liger accumulates the head's gradient in fp32.
+    """
+    with torch.autocast("cuda", enabled=False):
+        h, w = hidden.to(torch.bfloat16), head_weight.to(torch.bfloat16)
+        if kernel == "liger":
+            function = kernel_module("liger").LigerFusedLinearCrossEntropyFunction
+            # input, weight, target, bias, class weights, ignore_index, z-loss scale, label smoothing,
+            # reduction, softcap, return_z_loss, accumulation dtype
+            loss = function.apply(h, w, targets, None, None, IGNORE_INDEX, 0.0, 0.0, "sum", None, False, torch.float32)
+            return loss[0] if isinstance(loss, tuple) else loss
+        return kernel_module("cce").linear_cross_entropy(h, w, targets, ignore_index=IGNORE_INDEX, reduction="sum",
+                                                         filter_eps=None, impl="cce")
 
 
 def cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -147,6 +147,39 @@ def test_the_compiled_trunk_and_loss_match_eager_forward_and_backward(scope):
         assert fast.attention_kernels["packed rows"].startswith("FlashAttention 4 varlen")
 
 
+LOSS_PACKAGES = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
+
+
+@pytest.mark.parametrize("kernel", ["liger", "cce"])
+def test_each_fused_loss_kernel_matches_the_plain_loss_and_gradients_at_the_trainers_vocabulary(kernel):
+    """8,192 tokens of width 768 against GPT-2's 50,257-word head, under bf16 autocast, with ignored
+    targets: the summed loss and both gradients against the plain path (full fp32 logits)."""
+    pytest.importorskip(LOSS_PACKAGES[kernel])
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    hidden = torch.randn(8192, 768, device="cuda", generator=gen).requires_grad_()
+    weight = (0.05 * torch.randn(50257, 768, device="cuda", generator=gen)).requires_grad_()
+    targets = torch.randint(0, 50257, (8192,), device="cuda", generator=gen)
+    targets[::9] = IGNORE_INDEX
+    results = []
+    for path in (kernel, "plain"):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = token_loss_sum(hidden, weight, targets, chunk_tokens=0, kernel=path if path != "plain" else "chunked")
+        results.append((loss.detach(), *torch.autograd.grad(3.0 * loss, (hidden, weight))))
+    assert relative_error(results[0][0], results[1][0]) < 1e-3
+    for got, expected in zip(results[0][1:], results[1][1:]):
+        assert got.dtype == torch.float32 and relative_error(got, expected) < 1e-2
+
+
+@pytest.mark.parametrize("kernel", ["liger", "cce"])
+def test_the_compiled_model_with_a_fused_loss_kernel_matches_the_plain_path(kernel):
+    pytest.importorskip(LOSS_PACKAGES[kernel])
+    fast, plain = twin_models(n_layer=3)
+    fast.config.loss_kernel, plain.config.loss_kernel = kernel, "chunked"
+    fast.compile_trunk()
+    assert_same_loss_and_gradients(fast, plain, packed_batch(rows=4, seq_len=256, vocab=512, seed=8))
+    assert fast.loss_kernel == kernel and plain.loss_kernel == "chunked"
+
+
 # ----------------------------------------------------------------------------- FlashAttention 4
 
 
