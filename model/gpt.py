@@ -44,10 +44,10 @@ class GPTConfig:
     # head and embeddings stay bf16.
     fp8: bool = False
     loss_chunk_tokens: int = 16384  # LM head + cross-entropy in chunks of this many tokens; 0: all at once
-    # The kernel of the LM head + cross-entropy in training (model/loss.py): "auto" (the fastest installed),
-    # "chunked" (PyTorch, runs everywhere), "liger" (liger-kernel) or "cce" (cut-cross-entropy); the packages
-    # run on CUDA in bf16, and CPU or fp32 runs always take "chunked".
-    loss_kernel: str = "auto"
+    # The kernel of the LM head + cross-entropy in training (model/loss.py): "chunked" (PyTorch, the fastest),
+    # "liger" (liger-kernel) or "cce" (cut-cross-entropy); the packages run on CUDA in bf16 and are an error
+    # where they do not import; CPU, fp32 and fp16 runs always take "chunked".
+    loss_kernel: str = "chunked"
     compile_scope: str = "trunk"  # what torch.compile takes: "trunk" (one graph) or "blocks" (one graph all blocks share)
 
     def __post_init__(self) -> None:

@@ -4,13 +4,14 @@ The head is the tied token embedding. Its logits are the largest tensor of a ste
 vocabulary), so in training they never exist all at once. Which kernel computes the head and the
 loss (``choose``, ``model.loss_kernel``):
 
-- ``"chunked"``: ``ChunkedLinearCrossEntropy``, pure PyTorch: one chunk of logits at a time, the
-  loss and its gradients computed in the forward pass; runs everywhere.
+- ``"chunked"``, the default: ``ChunkedLinearCrossEntropy``, pure PyTorch: one chunk of logits at a
+  time, the loss and its gradients computed in the forward pass; the fastest measured, and it
+  runs everywhere.
 - ``"liger"``: Liger-Kernel's fused linear cross-entropy (the optional ``liger-kernel`` package,
-  Triton): the same scheme with its own chunking and loss kernel.
+  Triton): the same scheme with its own chunking and loss kernel, on the unpadded vocabulary.
 - ``"cce"``: Cut Cross-Entropy (the optional ``cut-cross-entropy`` package, Triton): the logits are
   computed tile by tile in on-chip memory and never written; the backward pass recomputes them.
-  Exact here (no gradient filtering).
+  No gradient filtering here; it adds its gradient tiles into bf16 buffers.
 
 Validation (no gradients) always takes the chunked path.
 """
@@ -28,8 +29,7 @@ log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # a target that takes no loss: the last token of a document, padding
 VOCAB_ALIGNMENT = 128  # padded vocabulary keeps the head's matmuls on the aligned (fast) GEMM kernels
-CHOICES = ("auto", "chunked", "liger", "cce")  # model.loss_kernel
-AUTO_ORDER: tuple[str, ...] = ()  # what "auto" tries, fastest first, before "chunked"
+CHOICES = ("chunked", "liger", "cce")  # model.loss_kernel
 PACKAGES = {"liger": ("liger-kernel", "liger_kernel.ops.fused_linear_cross_entropy"),
             "cce": ("cut-cross-entropy", "cut_cross_entropy")}
 _modules: dict[str, object] = {}  # kernel -> its imported module
@@ -52,22 +52,16 @@ _reported: set = set()
 
 def choose(requested: str, device: torch.device, dtype: torch.dtype) -> str:
     """The kernel for ``model.loss_kernel`` = ``requested``. CPU runs and fp32 or fp16 runs take
-    "chunked"; an explicit request for a package that cannot run on a CUDA bf16 run is an error."""
+    "chunked"; a package that does not import on a CUDA bf16 run is an error."""
     if requested == "chunked" or device.type != "cuda" or dtype != torch.bfloat16:
         return "chunked"
-    for kernel in AUTO_ORDER if requested == "auto" else (requested,):
-        if kernel_module(kernel) is not None:
-            chosen = kernel
-            break
-        if requested != "auto":
-            raise RuntimeError(f"model.loss_kernel is {requested!r} but {_errors[kernel]}. "
-                               f"Install {PACKAGES[kernel][0]}, or use 'auto' or 'chunked'.")
-    else:
-        chosen = "chunked"
-    if (requested, chosen) not in _reported:
-        _reported.add((requested, chosen))
-        log.info("LM head and loss: %s (model.loss_kernel %s)", chosen, requested)
-    return chosen
+    if kernel_module(requested) is None:
+        raise RuntimeError(f"model.loss_kernel is {requested!r} but {_errors[requested]}. "
+                           f"Install {PACKAGES[requested][0]}, or use 'chunked'.")
+    if requested not in _reported:
+        _reported.add(requested)
+        log.info("LM head and loss: %s (%s)", requested, PACKAGES[requested][0])
+    return requested
 
 
 def padded_vocab_size(vocab_size: int) -> int:

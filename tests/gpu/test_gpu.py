@@ -148,6 +148,7 @@ def test_the_compiled_trunk_and_loss_match_eager_forward_and_backward(scope):
 
 
 LOSS_PACKAGES = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
+GRADIENT_TOLERANCE = {"liger": 1e-2, "cce": 3e-2}  # cce adds its gradient tiles into bf16 buffers
 
 
 @pytest.mark.parametrize("kernel", ["liger", "cce"])
@@ -167,7 +168,7 @@ def test_each_fused_loss_kernel_matches_the_plain_loss_and_gradients_at_the_trai
         results.append((loss.detach(), *torch.autograd.grad(3.0 * loss, (hidden, weight))))
     assert relative_error(results[0][0], results[1][0]) < 1e-3
     for got, expected in zip(results[0][1:], results[1][1:]):
-        assert got.dtype == torch.float32 and relative_error(got, expected) < 1e-2
+        assert got.dtype == torch.float32 and relative_error(got, expected) < GRADIENT_TOLERANCE[kernel]
 
 
 @pytest.mark.parametrize("kernel", ["liger", "cce"])

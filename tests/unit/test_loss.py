@@ -68,21 +68,13 @@ def test_an_explicit_kernel_runs_where_its_package_imports_and_is_an_error_where
     assert loss.choose("cce", CUDA, torch.bfloat16) == "cce"
     with pytest.raises(RuntimeError, match="model.loss_kernel is 'liger' but liger-kernel does not import.*Install liger-kernel"):
         loss.choose("liger", CUDA, torch.bfloat16)
+    assert loss.choose("chunked", CUDA, torch.bfloat16) == "chunked"
+    assert packages["imported"] == ["cce", "liger"]  # the default never imports a package
 
 
-def test_auto_takes_the_first_kernel_of_its_order_that_imports_else_the_chunked_one(packages, monkeypatch):
-    monkeypatch.setattr(loss, "AUTO_ORDER", ("liger", "cce"))
-    assert loss.choose("auto", CUDA, torch.bfloat16) == "chunked"  # neither imports: no error
-    packages["cce"] = True
-    monkeypatch.setattr(loss, "_errors", {})
-    assert loss.choose("auto", CUDA, torch.bfloat16) == "cce"
-    packages["liger"] = True
-    monkeypatch.setattr(loss, "_errors", {})
-    assert loss.choose("auto", CUDA, torch.bfloat16) == "liger"
-
-
-def test_the_config_names_the_loss_kernel_choices():
-    with pytest.raises(ConfigError, match="model.loss_kernel must be one of auto, chunked, liger, cce, not 'quack'"):
+def test_the_config_names_the_loss_kernel_choices_and_defaults_to_the_chunked_loss():
+    assert load_config("conf/smoke.yaml").model.loss_kernel == "chunked"
+    with pytest.raises(ConfigError, match="model.loss_kernel must be one of chunked, liger, cce, not 'quack'"):
         load_config("conf/smoke.yaml", ["model.loss_kernel=quack"])
 
 
