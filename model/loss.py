@@ -5,8 +5,8 @@ vocabulary), so in training they never exist all at once. Which kernel computes 
 loss (``choose``, ``model.loss_kernel``):
 
 - ``"chunked"``, the default: ``ChunkedLinearCrossEntropy``, pure PyTorch: one chunk of logits at a
-  time, the loss and its gradients computed in the forward pass; the fastest measured, and it
-  runs everywhere.
+  time, the loss and its gradients computed in the forward pass; it runs everywhere, and neither
+  package is faster at this model's shapes (docs/PERFORMANCE.md).
 - ``"liger"``: Liger-Kernel's fused linear cross-entropy (the optional ``liger-kernel`` package,
   Triton): the same scheme with its own chunking and loss kernel, on the unpadded vocabulary.
 - ``"cce"``: Cut Cross-Entropy (the optional ``cut-cross-entropy`` package, Triton): the logits are

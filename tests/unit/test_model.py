@@ -152,13 +152,16 @@ def test_the_layer_norm_is_pytorchs_and_no_config_key_chooses_another():
         load_config("conf/smoke.yaml", ["model.norm_kernel=quack"])
 
 
-def test_each_compiled_model_sets_its_own_activation_memory_budget(monkeypatch):
+def test_each_compiled_model_sets_its_own_activation_memory_budget():
     """The budget is a process-wide setting read when a graph is partitioned: a model compiled after
     another one gets its own, also the default of 1 (no recomputation to save memory)."""
-    monkeypatch.setattr(torch._functorch.config, "activation_memory_budget", 1.0)  # restored afterwards
-    first = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, max_seq_len=32, activation_memory_budget=0.5))
-    first.compile_trunk()
-    assert torch._functorch.config.activation_memory_budget == 0.5
-    second = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, max_seq_len=32, activation_memory_budget=1.0))
-    second.compile_trunk()
-    assert torch._functorch.config.activation_memory_budget == 1.0
+    saved = torch._functorch.config.activation_memory_budget
+    try:
+        first = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, max_seq_len=32, activation_memory_budget=0.5))
+        first.compile_trunk()
+        assert torch._functorch.config.activation_memory_budget == 0.5
+        second = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, max_seq_len=32, activation_memory_budget=1.0))
+        second.compile_trunk()
+        assert torch._functorch.config.activation_memory_budget == 1.0
+    finally:
+        torch._functorch.config.activation_memory_budget = saved
