@@ -19,10 +19,10 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from model import attention_kernels
+from model import flash4
 from callbacks.observe import ObservationWindows
 from callbacks.runfab_metrics import RunFabMetrics
-from model.gpt import count_parameters
+from model.flops import count_parameters
 from runtime.shipping import folder_bytes, shipped_files, source_commit
 
 log = logging.getLogger(__name__)
@@ -112,8 +112,8 @@ class RunRecord(L.Callback):
             "observations": observer.files if observer else [],
             "compile_cache": self.compile_cache_usage(),
             "attention": {"requested": pl_module.model.config.attention, "kernels": dict(pl_module.model.attention_kernels)},
-            "norm": {"requested": pl_module.model.config.norm_kernel, "kernel": pl_module.model.norm_kernel_used,
-                     "fp8": pl_module.model.config.fp8},
+            "loss": {"requested": pl_module.model.config.loss_kernel, "kernel": pl_module.model.loss_kernel},
+            "fp8": pl_module.model.config.fp8,
             "input": self.input_summary() if self.input_summary else None,
             "dataset": dataset_descriptor(self.bundle_root),
             "environment": {
@@ -134,7 +134,7 @@ class RunRecord(L.Callback):
         usage = {}
         folders = {name: Path(os.environ[variable]) if variable in os.environ else None
                    for name, variable in (("inductor", "TORCHINDUCTOR_CACHE_DIR"), ("triton", "TRITON_CACHE_DIR"))}
-        folders |= attention_kernels.cache_usage_folders()  # FlashAttention 4's and the CuTe DSL's, when training wrote them
+        folders |= flash4.cache_usage_folders()  # FlashAttention 4's and the CuTe DSL's, when training wrote them
         for name, folder in folders.items():
             if folder is not None and folder.is_dir():
                 usage[name] = {"path": str(folder), "bytes": folder_bytes(folder)}

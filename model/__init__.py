@@ -1,5 +1,8 @@
 """The decoder and what it computes with.
 
-``gpt`` is the GPT-2-shaped decoder; the kernels it can use sit behind the modules they speed up.
-Imports torch and, optionally, kernel packages; never the pipeline, the runtime or Lightning.
+``gpt`` is the GPT-2-shaped decoder; ``attention`` computes causal attention within documents and
+picks its kernel (``flash4``: FlashAttention 4 as custom ops); ``loss`` is the LM head and the
+cross-entropy; ``flops`` counts parameters and training FLOPs; ``fp8`` converts the blocks' Linear
+layers for float8 training. Imports torch and, optionally, kernel packages; never the pipeline,
+the runtime or Lightning.
 """

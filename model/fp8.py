@@ -1,12 +1,10 @@
-"""FP8 training of the blocks' matrix products through torchao (``model.fp8``, an experiment).
+"""FP8 training of the blocks' matrix products through torchao (``model.fp8``).
 
-Measured alone, FP8 GEMMs at the trainer's shapes are 1.4-1.6x faster than bf16, but separate
-per-tensor casts cost more than that saves (docs/PERFORMANCE.md). torchao's ``Float8Linear`` with
-tensorwise scaling leaves the casts to inductor, which can fuse them into the producers (LayerNorm,
-GELU) inside the compiled trunk; whether that pays is what this option measures. Only the blocks'
-``nn.Linear`` layers are converted (qkv, attention projection, MLP fc and projection): the LM head is
-the tied embedding, computed in bf16 by the chunked loss. The parameters stay the same fp32 tensors
-under the same names, so the optimizer, checkpoints and the export do not change.
+torchao's ``Float8Linear`` with tensorwise scaling leaves the casts to inductor, which can fuse them
+into the producers (LayerNorm, GELU) inside the compiled trunk. Only the blocks' ``nn.Linear`` layers
+are converted (qkv, attention projection, MLP fc and projection): the LM head is the tied embedding,
+computed by the loss. The parameters stay the same fp32 tensors under the same names, so the
+optimizer, checkpoints and the export do not change.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ from typing import BinaryIO, Literal, get_args
 import numpy as np
 import torch
 
-from model.gpt import IGNORE_INDEX, document_offsets
+from model.attention import document_offsets
+from model.loss import IGNORE_INDEX
 from runtime.runfab_limits import RECORD_BYTES
 
 log = logging.getLogger(__name__)

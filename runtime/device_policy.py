@@ -19,7 +19,7 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from model import attention_kernels
+from model import flash4
 from model import fp8
 from runtime import hostmem
 from config import ConfigError, RunConfig
@@ -174,7 +174,7 @@ def prepare_compile(folder: Path, world: int) -> None:
         named = os.environ.get(variable)
         if named is None or Path(named).absolute() == default.absolute():
             os.environ[variable] = str(ours)
-    attention_kernels.use_cache_folder(folder)  # FA4's kernels, compiled at first use
+    flash4.use_cache_folder(folder)  # FA4's kernels, compiled at first use
     _move_precompiled_headers(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]))
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
         import torch._inductor.config as inductor_config

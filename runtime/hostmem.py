@@ -27,7 +27,9 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from model.gpt import GPT, count_parameters, padded_vocab_size
+from model.flops import count_parameters
+from model.gpt import GPT
+from model.loss import padded_vocab_size
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,8 @@ from runtime.device_policy import (
     platform_memory_fraction, preload_worker_modules, prepare_compile, resolve_accelerator, setup_process,
     use_allocator_settings,
 )
-from model.gpt import GPT, count_parameters, training_flops
+from model.flops import count_parameters, training_flops
+from model.gpt import GPT
 from runtime.probe import run_probe_local
 from pipeline.tokenizer import TextEncoder
 

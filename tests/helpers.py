@@ -79,10 +79,10 @@ def records(n: int = 400) -> bytes:
 
 
 def fake_kernel_gpu(monkeypatch, module, importer: str, error_attribute: str, error: str) -> dict:
-    """A GPU of compute capability ``state["capability"]`` and an optional kernel package (FA4,
-    quack) that imports unless ``state["imports"]`` is False: ``module.importer`` is replaced by a
+    """A GPU of compute capability ``state["capability"]`` and an optional kernel package (FA4)
+    that imports unless ``state["imports"]`` is False: ``module.importer`` is replaced by a
     loader that counts its calls in ``state["imported"]`` and, failing, sets ``module.error_attribute``."""
-    from model import attention_kernels
+    from model import flash4
 
     state = {"capability": (9, 0), "imports": True, "imported": 0}
 
@@ -93,7 +93,7 @@ def fake_kernel_gpu(monkeypatch, module, importer: str, error_attribute: str, er
             return None
         return object()
 
-    monkeypatch.setattr(attention_kernels, "compute_capability", lambda device: state["capability"])
+    monkeypatch.setattr(flash4, "compute_capability", lambda device: state["capability"])
     monkeypatch.setattr(module, importer, load)
     return state
 

@@ -8,15 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import attention_kernels
-from model import norm_kernels
-from model.gpt import GPT, IGNORE_INDEX, DocumentLayout, GPTConfig, attend, document_offsets, token_loss_sum, varlen_attn
+from model import flash4
+from model.attention import DocumentLayout, attend, document_offsets, varlen_attn
+from model.gpt import GPT, GPTConfig
+from model.loss import IGNORE_INDEX, token_loss_sum
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-FA4_MISSING = attention_kernels.fa4_unavailable_reason(torch.device("cuda"), 64) if torch.cuda.is_available() else "no GPU"
+FA4_MISSING = flash4.fa4_unavailable_reason(torch.device("cuda"), 64) if torch.cuda.is_available() else "no GPU"
 needs_fa4 = pytest.mark.skipif(FA4_MISSING is not None, reason=f"FlashAttention 4: {FA4_MISSING}")
-QUACK_MISSING = norm_kernels.quack_unavailable_reason(torch.device("cuda")) if torch.cuda.is_available() else "no GPU"
-needs_quack = pytest.mark.skipif(QUACK_MISSING is not None, reason=f"quack: {QUACK_MISSING}")
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -118,7 +117,7 @@ def test_one_document_rows_use_fused_causal_sdpa_and_match_the_varlen_kernel(mon
                 hidden = fast._trunk(tokens, positions, cu_seqlens, "flash")  # several-document path, forced
             else:
                 calls = []
-                monkeypatch.setattr("model.gpt.varlen_attn", lambda *a, **k: calls.append(1))
+                monkeypatch.setattr("model.attention.varlen_attn", lambda *a, **k: calls.append(1))
                 hidden = fast.hidden_states(tokens, positions, cu_seqlens)
                 assert not calls  # one document per row never reaches the varlen kernel
         hidden.float().square().mean().backward()
@@ -146,6 +145,40 @@ def test_the_compiled_trunk_and_loss_match_eager_forward_and_backward(scope):
     assert not counters["graph_break"]  # FA4's custom ops (when installed) trace into the graph
     if FA4_MISSING is None:
         assert fast.attention_kernels["packed rows"].startswith("FlashAttention 4 varlen")
+
+
+LOSS_PACKAGES = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
+GRADIENT_TOLERANCE = {"liger": 1e-2, "cce": 3e-2}  # cce adds its gradient tiles into bf16 buffers
+
+
+@pytest.mark.parametrize("kernel", ["liger", "cce"])
+def test_each_fused_loss_kernel_matches_the_plain_loss_and_gradients_at_the_trainers_vocabulary(kernel):
+    """8,192 tokens of width 768 against GPT-2's 50,257-word head, under bf16 autocast, with ignored
+    targets: the summed loss and both gradients against the plain path (full fp32 logits)."""
+    pytest.importorskip(LOSS_PACKAGES[kernel])
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    hidden = torch.randn(8192, 768, device="cuda", generator=gen).requires_grad_()
+    weight = (0.05 * torch.randn(50257, 768, device="cuda", generator=gen)).requires_grad_()
+    targets = torch.randint(0, 50257, (8192,), device="cuda", generator=gen)
+    targets[::9] = IGNORE_INDEX
+    results = []
+    for path in (kernel, "plain"):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = token_loss_sum(hidden, weight, targets, chunk_tokens=0, kernel=path if path != "plain" else "chunked")
+        results.append((loss.detach(), *torch.autograd.grad(3.0 * loss, (hidden, weight))))
+    assert relative_error(results[0][0], results[1][0]) < 1e-3
+    for got, expected in zip(results[0][1:], results[1][1:]):
+        assert got.dtype == torch.float32 and relative_error(got, expected) < GRADIENT_TOLERANCE[kernel]
+
+
+@pytest.mark.parametrize("kernel", ["liger", "cce"])
+def test_the_compiled_model_with_a_fused_loss_kernel_matches_the_plain_path(kernel):
+    pytest.importorskip(LOSS_PACKAGES[kernel])
+    fast, plain = twin_models(n_layer=3)
+    fast.config.loss_kernel, plain.config.loss_kernel = kernel, "chunked"
+    fast.compile_trunk()
+    assert_same_loss_and_gradients(fast, plain, packed_batch(rows=4, seq_len=256, vocab=512, seed=8))
+    assert fast.loss_kernel == kernel and plain.loss_kernel == "chunked"
 
 
 # ----------------------------------------------------------------------------- FlashAttention 4
@@ -233,64 +266,7 @@ def test_the_compiled_trunk_runs_fa4_without_a_graph_break_and_matches_eager():
 
 
 
-# ----------------------------------------------------------------------------- quack LayerNorm, FP8
-
-
-def torch_add_layer_norm(delta, residual, weight, bias, eps):
-    summed = residual + delta
-    return F.layer_norm(summed, weight.shape, weight, bias, eps), summed
-
-
-@needs_quack
-@pytest.mark.parametrize("rows, delta_dtype", [(131072, torch.bfloat16), (4096, torch.float32)])
-def test_quack_add_layer_norm_matches_torch_forward_and_gradients_at_the_trainers_shapes(rows, delta_dtype):
-    """131,072 tokens x 768 as in a block (bf16 branch output onto the fp32 stream under bf16 autocast),
-    and 4,096 rows of the first block's case (two fp32 embeddings). Gradients arrive through both
-    outputs, as inside the trunk; the reference is torch in fp32 on the same inputs."""
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    delta = torch.randn(rows, 768, device="cuda", generator=gen).to(delta_dtype).requires_grad_()
-    residual = (4 * torch.randn(rows, 768, device="cuda", generator=gen)).requires_grad_()
-    weight = (1 + 0.1 * torch.randn(768, device="cuda", generator=gen)).requires_grad_()
-    bias = (0.1 * torch.randn(768, device="cuda", generator=gen)).requires_grad_()
-    g_out = torch.randn(rows, 768, device="cuda", generator=gen).bfloat16()
-    g_sum = torch.randn(rows, 768, device="cuda", generator=gen)
-    inputs = (delta, residual, weight, bias)
-    results = {}
-    for path in ("quack", "torch"):
-        for t in inputs:
-            t.grad = None
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            if path == "quack":
-                out, summed = norm_kernels.add_layer_norm(delta, residual, weight, bias, 1e-5)
-            else:
-                out, summed = torch_add_layer_norm(delta.float(), residual, weight, bias, 1e-5)
-        torch.autograd.backward((out, summed), (g_out.to(out.dtype), g_sum))
-        results[path] = [out.detach(), summed.detach(), *(t.grad for t in inputs)]
-    assert results["quack"][0].dtype == torch.bfloat16 and results["quack"][1].dtype == torch.float32
-    assert delta.grad.dtype == delta_dtype
-    limits = {"out": 4e-3, "sum": 1e-6, "delta": 4e-3, "residual": 1e-5, "weight": 1e-4, "bias": 1e-4}
-    for (name, limit), got, expected in zip(limits.items(), results["quack"], results["torch"]):
-        if name == "delta" and delta_dtype == torch.float32:
-            limit = 1e-5
-        assert relative_error(got, expected) < limit, (name, relative_error(got, expected))
-
-
-@needs_quack
-def test_the_compiled_trunk_runs_quack_layer_norm_without_a_graph_break_and_matches_torch():
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    fused, plain = twin_models(n_layer=3)
-    plain.config.loss_chunk_tokens = fused.config.loss_chunk_tokens
-    plain.config.attention = fused.config.attention = "auto"
-    fused.config.norm_kernel, plain.config.norm_kernel = "quack", "torch"
-    fused.compile_trunk()
-    plain.compile_trunk()
-    for seed in (5, 6):
-        assert_same_loss_and_gradients(fused, plain, packed_batch(rows=4, seq_len=256, vocab=512, seed=seed))
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert fused.norm_kernel_used.startswith("quack") and plain.norm_kernel_used.startswith("torch")
+# ----------------------------------------------------------------------------- FP8
 
 
 def fp8_missing() -> str | None:

@@ -16,7 +16,6 @@ from config import ConfigError, RunConfig, bundle_path, load_config
 from tests.helpers import ROOT, TINY, as_args, as_yaml
 
 # GPTConfig's fields that the model package's rework documents; strict: the test fails once they have a docstring.
-DOCUMENTED_WITH_THE_MODEL_PACKAGE = {"model.norm_kernel", "model.fp8"}
 KEYS = [key for key, *_ in cli.config_keys(RunConfig)]
 
 
@@ -53,10 +52,7 @@ def test_fit_help_lists_every_key_with_type_default_and_help(tmp_path):
     assert "--trainer.accumulate_grad_batches " not in text  # refused: RunFab's batch split owns it
 
 
-@pytest.mark.parametrize("key", [
-    pytest.param(key, marks=pytest.mark.xfail(strict=True, reason="documented with the model package"))
-    if key in DOCUMENTED_WITH_THE_MODEL_PACKAGE else key for key in KEYS
-])
+@pytest.mark.parametrize("key", KEYS)
 def test_every_config_key_has_a_docstring_that_is_its_help(key):
     helps = {name: text for name, _, _, text in cli.config_keys(RunConfig)}
     assert helps[key].strip(), f"{key}: write a docstring line under its field saying what it means"

@@ -37,7 +37,8 @@ from pipeline.stages import (
     UnusableInputError,
     ValidationPool,
 )
-from model.gpt import IGNORE_INDEX, document_offsets
+from model.attention import document_offsets
+from model.loss import IGNORE_INDEX
 
 VOCAB = 1000
 

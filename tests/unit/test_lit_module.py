@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader
 
 from pipeline.stages import Row, StreamStats, split_update
 from lit_module import GPTTrainingModule, OptimConfig, lr_factor
-from model.gpt import IGNORE_INDEX, GPTConfig, token_loss_sum
+from model.gpt import GPTConfig
+from model.loss import IGNORE_INDEX, token_loss_sum
 
 SEQ_LEN = 16
 ROWS = 8

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from config import load_config
-from model.gpt import IGNORE_INDEX, GPT, GPTConfig, count_parameters, document_causal_mask, document_offsets, token_loss_sum, training_flops
+from model.attention import document_causal_mask, document_offsets
+from model.flops import count_parameters, training_flops
+from model.gpt import GPT, GPTConfig
 
 
 def tiny_model(seed: int = 0) -> GPT:
@@ -75,23 +77,6 @@ def test_activation_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
 
 
-def test_chunked_loss_matches_the_plain_loss_and_its_gradients():
-    torch.manual_seed(4)
-    hidden = torch.randn(2, 37, 16, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(53, 16, dtype=torch.float64, requires_grad=True)
-    targets = torch.randint(0, 53, (2, 37))
-    targets[0, 5:9] = IGNORE_INDEX
-    plain = token_loss_sum(hidden, weight, targets)
-    plain_grads = torch.autograd.grad(3.0 * plain, (hidden, weight))
-    for chunk in (1, 8, 36, 100):  # 100: the whole batch is one chunk
-        chunked = token_loss_sum(hidden, weight, targets, chunk_tokens=chunk)
-        torch.testing.assert_close(chunked, plain)
-        for got, expected in zip(torch.autograd.grad(3.0 * chunked, (hidden, weight)), plain_grads):
-            torch.testing.assert_close(got, expected)
-    with torch.no_grad():
-        torch.testing.assert_close(token_loss_sum(hidden, weight, targets, chunk_tokens=8), plain)
-
-
 def test_document_offsets_are_the_starts_of_each_document_in_the_flattened_rows():
     positions = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]])
     assert document_offsets(positions).tolist() == [0, 3, 5, 9, 10]
@@ -115,7 +100,7 @@ def test_rows_of_one_document_each_take_plain_causal_attention_with_the_same_res
     positions = torch.arange(32).expand(3, 32)
     with torch.no_grad():
         masked = model._trunk(ids, positions, None)  # the document-mask path
-        monkeypatch.setattr("model.gpt.document_causal_mask", lambda *a: (_ for _ in ()).throw(AssertionError("mask built")))
+        monkeypatch.setattr("model.attention.document_causal_mask", lambda *a: (_ for _ in ()).throw(AssertionError("mask built")))
         plain = model.hidden_states(ids, positions, document_offsets(positions))
     torch.testing.assert_close(plain, masked, rtol=1e-5, atol=1e-5)
     two_docs = torch.cat([torch.arange(16), torch.arange(16)]).expand(3, 32)
@@ -149,3 +134,34 @@ def test_compiling_by_blocks_makes_one_graph_the_blocks_share_and_matches_eager(
     # effect dynamo replays), the other three reuse the second graph. Without sharing it would be four.
     assert counters["stats"]["unique_graphs"] <= 2
     assert set(fast.state_dict()) == set(eager.state_dict())  # the compiled wrappers add no second copy
+
+
+def test_fp8_is_refused_without_a_cuda_gpu():
+    from config import ConfigError
+    from runtime import device_policy
+
+    cfg = load_config("conf/smoke.yaml", ["model.fp8=true"])
+    with pytest.raises(ConfigError, match="model.fp8 is true but it needs a CUDA GPU"):
+        device_policy.build_module(cfg, None)
+
+
+def test_the_layer_norm_is_pytorchs_and_no_config_key_chooses_another():
+    from config import ConfigError
+
+    with pytest.raises(ConfigError, match="norm_kernel"):
+        load_config("conf/smoke.yaml", ["model.norm_kernel=quack"])
+
+
+def test_each_compiled_model_sets_its_own_activation_memory_budget():
+    """The budget is a process-wide setting read when a graph is partitioned: a model compiled after
+    another one gets its own, also the default of 1 (no recomputation to save memory)."""
+    saved = torch._functorch.config.activation_memory_budget
+    try:
+        first = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, max_seq_len=32, activation_memory_budget=0.5))
+        first.compile_trunk()
+        assert torch._functorch.config.activation_memory_budget == 0.5
+        second = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, max_seq_len=32, activation_memory_budget=1.0))
+        second.compile_trunk()
+        assert torch._functorch.config.activation_memory_budget == 1.0
+    finally:
+        torch._functorch.config.activation_memory_budget = saved

@@ -1,6 +1,7 @@
 """Measurements: ``python -m tools bench NAME [ARGS]``, one experiment a name (``--help`` lists them).
 
     training.py           the trainer's experiments on a GPU, one function each; runs.py, what they share
+    step_variants.py      the compiled step under each loss kernel and inductor setting, in one process
     host_pipeline.py      the data pipeline alone, on the CPU
     kernels.py            attention kernels and the model's GEMMs at the trainer's shapes
     allreduce.py          all-reduce bandwidth between this machine's GPUs
@@ -26,6 +27,7 @@ EXPERIMENTS = {
     "scaling": ("tools.bench.training:scaling", "train.py on 1 GPU against 2, the same microbatch per GPU (GPUs)"),
     "probe-timing": ("tools.bench.training:probe_timing", "RunFab's probe of one microbatch: seconds, host memory (GPU)"),
     "memory-sweep": ("tools.bench.training:memory_sweep", "the probe's peak GPU memory, eager against compiled (GPU)"),
+    "step-variants": ("tools.bench.step_variants", "the compiled step under each loss kernel and inductor setting, one process (GPU)"),
     "host-pipeline": ("tools.bench.host_pipeline", "the data pipeline alone, stdin to updates: tokens/s (CPU)"),
     "kernels": ("tools.bench.kernels", "attention kernels and the model's GEMMs at the trainer's shapes (GPU)"),
     "allreduce": ("tools.bench.allreduce", "all-reduce of the gradients' size between this machine's GPUs (2+ GPUs)"),

@@ -28,7 +28,7 @@ import train
 from callbacks.runfab_metrics import peak_memory
 from config import ConfigError, RunConfig, load_config
 from lit_module import GPTTrainingModule
-from model.gpt import training_flops
+from model.flops import training_flops
 from pipeline.feeder import UpdateFeeder
 from pipeline.stages import ValidationPool
 from runtime import device_policy, hostmem, training_run

@@ -1,21 +1,14 @@
-"""Which attention kernel runs, and FlashAttention 4 as PyTorch custom ops.
+"""FlashAttention 4 (the optional ``flash-attn-4`` package) as PyTorch custom ops.
 
-``model.attend()`` stays the single entry; this module answers two questions for it:
-
-- **Which kernel family** (``choose``): ``"fa4"`` (FlashAttention 4, the optional ``flash-attn-4``
-  package: varlen for packed rows, dense causal for one-document rows), ``"flash"`` (PyTorch's own
-  CUDA kernels: ``varlen_attn`` for packed rows, fused causal SDPA for one-document rows) or
-  ``"sdpa"`` (SDPA with a document mask; every device and dtype). ``model.attention: auto`` takes
-  FA4 where it imports and the GPU is one it supports, else today's kernels.
-- **How FA4 runs inside a compiled graph**: ``runfab::fa4_forward`` and ``runfab::fa4_backward``
-  are ``torch.library`` custom ops with fake (shape-only) implementations, so ``torch.compile``
-  traces the trunk as one graph instead of breaking at every layer's CuTe-DSL launch; the
-  forward's autograd formula calls the backward op.
+``runfab::fa4_forward`` and ``runfab::fa4_backward`` are ``torch.library`` custom ops with fake
+(shape-only) implementations, so ``torch.compile`` traces the trunk as one graph instead of breaking
+at every layer's CuTe-DSL launch; the forward's autograd formula calls the backward op. Which kernel
+runs is decided in ``model.attention``; this module says whether FA4 can run at all.
 
 FA4 compiles its kernels at first use (a few seconds each). ``use_cache_folder`` (called by
-``train.prepare_compile``) makes those compilations persist under the output's disposable
-``data/compile-cache/`` folder; without it (the probe, tests, evaluation) they stay in memory and
-nothing is written, not even the CuTe DSL's default ``/tmp`` cache.
+``runtime.device_policy.prepare_compile``) makes those compilations persist under the output's
+disposable ``data/compile-cache/`` folder; without it (the probe, tests, evaluation) they stay in
+memory and nothing is written, not even the CuTe DSL's default ``/tmp`` cache.
 """
 
 from __future__ import annotations
@@ -31,9 +24,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-FAMILIES = ("fa4", "flash", "sdpa")
 FA4_PACKAGE = "flash-attn-4"
-FA4_COMPUTE_CAPABILITIES = (9, 10)  # Hopper (measured) and Blackwell data-centre parts (sm_100, not measured here)
+FA4_COMPUTE_CAPABILITIES = (9, 10)  # Hopper and Blackwell data-centre parts
 FA4_HEAD_DIMS = range(8, 129, 8)  # what FA4 compiles on both: multiples of 8 up to 128
 
 # The caches' environment variables, read once when flash_attn.cute and the CuTe DSL are imported.
@@ -56,8 +48,8 @@ def use_cache_folder(folder: Path) -> None:
 
 
 def prepare_environment() -> None:
-    """Point the CuTe DSL (FA4's compiler, and quack's: norm_kernels) at this process's caches, or at
-    none. Read when the DSL is imported, so both importers call it first."""
+    """Point the CuTe DSL (FA4's compiler) at this process's caches, or at none. Read when the DSL
+    is imported, so it is called first."""
     if _cache_folder is not None:  # training: compiled kernels persist under the output
         for name, variable in CACHE_VARIABLES.items():
             os.environ.setdefault(variable, str(_cache_folder / name))
@@ -87,7 +79,7 @@ def fa4_interface():
 
 @lru_cache(maxsize=None)
 def installed_version(package: str) -> str | None:
-    """An optional package's version for the log and the run record (FA4's, quack's), or None."""
+    """An optional package's version for the log and the run record, or None."""
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
@@ -95,7 +87,7 @@ def installed_version(package: str) -> str | None:
 
 
 def compute_capability(device: torch.device) -> tuple[int, int]:
-    """The GPU's compute capability: which CuTe-DSL kernels (FA4's, quack's) it can run."""
+    """The GPU's compute capability: whether FA4's CuTe-DSL kernels run on it."""
     return torch.cuda.get_device_capability(device)
 
 
@@ -113,36 +105,6 @@ def fa4_unavailable_reason(device: torch.device, head_dim: int) -> str | None:
     return None
 
 
-_reported: set = set()
-
-
-def choose(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    """The kernel family for ``model.attention`` = ``requested`` ("auto", "fa4", "varlen", "sdpa")."""
-    if requested == "sdpa" or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-        return "sdpa"
-    if requested in ("auto", "fa4"):
-        reason = fa4_unavailable_reason(device, head_dim)
-        if reason is None:
-            return "fa4"
-        if requested == "fa4":
-            raise RuntimeError(f"model.attention is 'fa4' but FlashAttention 4 cannot run: {reason}. "
-                               f"Install it (README: Optional: FlashAttention 4) or use 'auto'.")
-        if (requested, reason) not in _reported:
-            _reported.add((requested, reason))
-            log.info("attention: FlashAttention 4 not used (%s); PyTorch's kernels instead", reason)
-    return "flash"
-
-
-def describe(family: str, packed: bool) -> str:
-    """What runs for a batch: packed rows (several documents) or one document per row."""
-    if family == "fa4":
-        version = installed_version(FA4_PACKAGE) or "?"
-        return f"FlashAttention 4 {'varlen' if packed else 'dense causal'} (flash-attn-4 {version})"
-    if family == "flash":
-        return "varlen_attn (FlashAttention 2)" if packed else "SDPA is_causal (cuDNN/flash)"
-    return "SDPA with a document mask" if packed else "SDPA is_causal"
-
-
 def cache_usage_folders() -> dict[str, Path]:
     """FA4's and the CuTe DSL's cache folders when this process persists them (training)."""
     if os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") != "1":
@@ -153,7 +115,7 @@ def cache_usage_folders() -> dict[str, Path]:
 # ----------------------------------------------------------------------------- the custom ops
 #
 # The implementation behind the ops is a pair of functions, FA4's by default; tests on machines
-# without FA4 swap in a reference (see tests/unit/test_attention_kernels.py), which is why the ops are
+# without FA4 swap in a reference (see tests/unit/test_attention.py), which is why the ops are
 # registered for every device rather than CUDA alone.
 
 

@@ -14,9 +14,9 @@ import os
 import pytest
 import torch
 
-from model import attention_kernels
-import model as model_module
-from model.gpt import GPT, GPTConfig, document_offsets
+from model import attention, flash4
+from model.attention import document_offsets
+from model.gpt import GPT, GPTConfig
 
 from tests.helpers import fake_kernel_gpu
 
@@ -29,30 +29,30 @@ CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a G
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """A GPU of the given compute capability and an FA4 that imports (or not)."""
-    return fake_kernel_gpu(monkeypatch, attention_kernels, "fa4_interface", "_fa4_error",
+    return fake_kernel_gpu(monkeypatch, flash4, "fa4_interface", "_fa4_error",
                            "flash_attn.cute does not import (ModuleNotFoundError)")
 
 
 def test_auto_takes_fa4_on_hopper_when_it_imports(fake_gpu):
-    assert attention_kernels.choose("auto", CUDA, torch.bfloat16, 64) == "fa4"
-    assert attention_kernels.choose("fa4", CUDA, torch.float16, 64) == "fa4"
+    assert attention.choose("auto", CUDA, torch.bfloat16, 64) == "fa4"
+    assert attention.choose("fa4", CUDA, torch.float16, 64) == "fa4"
     fake_gpu["capability"] = (10, 0)
-    assert attention_kernels.choose("auto", CUDA, torch.bfloat16, 64) == "fa4"
+    assert attention.choose("auto", CUDA, torch.bfloat16, 64) == "fa4"
 
 
 @pytest.mark.parametrize("capability, imports, head_dim", [((8, 0), True, 64), ((9, 0), False, 64), ((9, 0), True, 160)])
 def test_auto_keeps_pytorchs_kernels_where_fa4_cannot_run_and_fa4_says_why(fake_gpu, capability, imports, head_dim):
     fake_gpu.update(capability=capability, imports=imports)
-    assert attention_kernels.choose("auto", CUDA, torch.bfloat16, head_dim) == "flash"
+    assert attention.choose("auto", CUDA, torch.bfloat16, head_dim) == "flash"
     with pytest.raises(RuntimeError, match="FlashAttention 4 cannot run"):
-        attention_kernels.choose("fa4", CUDA, torch.bfloat16, head_dim)
+        attention.choose("fa4", CUDA, torch.bfloat16, head_dim)
 
 
 def test_cpu_fp32_and_explicit_choices_never_import_fa4(fake_gpu):
-    assert attention_kernels.choose("auto", torch.device("cpu"), torch.float32, 64) == "sdpa"
-    assert attention_kernels.choose("auto", CUDA, torch.float32, 64) == "sdpa"  # FA4 and FA2 want half precision
-    assert attention_kernels.choose("varlen", CUDA, torch.bfloat16, 64) == "flash"
-    assert attention_kernels.choose("sdpa", CUDA, torch.bfloat16, 64) == "sdpa"
+    assert attention.choose("auto", torch.device("cpu"), torch.float32, 64) == "sdpa"
+    assert attention.choose("auto", CUDA, torch.float32, 64) == "sdpa"  # FA4 and FA2 want half precision
+    assert attention.choose("varlen", CUDA, torch.bfloat16, 64) == "flash"
+    assert attention.choose("sdpa", CUDA, torch.bfloat16, 64) == "sdpa"
     assert fake_gpu["imported"] == 0
 
 
@@ -64,39 +64,39 @@ def test_the_model_records_and_describes_the_kernel_each_batch_kind_used():
         model.hidden_states(ids)
         model.hidden_states(ids, two_docs, document_offsets(two_docs))
     assert model.attention_kernels == {"one-document rows": "SDPA is_causal", "packed rows": "SDPA with a document mask"}
-    assert attention_kernels.describe("fa4", packed=True).startswith("FlashAttention 4 varlen")
-    assert attention_kernels.describe("fa4", packed=False).startswith("FlashAttention 4 dense causal")
-    assert attention_kernels.describe("flash", packed=True) == "varlen_attn (FlashAttention 2)"
+    assert attention.describe("fa4", packed=True).startswith("FlashAttention 4 varlen")
+    assert attention.describe("fa4", packed=False).startswith("FlashAttention 4 dense causal")
+    assert attention.describe("flash", packed=True) == "varlen_attn (FlashAttention 2)"
 
 
 def test_fa4_caches_go_under_the_output_in_training_and_nowhere_otherwise(monkeypatch, tmp_path):
-    for variable in (*attention_kernels.CACHE_VARIABLES.values(), "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",
+    for variable in (*flash4.CACHE_VARIABLES.values(), "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",
                      "CUTE_DSL_DISABLE_FILE_CACHING"):
         monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setattr(attention_kernels, "_cache_folder", None)
-    attention_kernels.prepare_environment()  # the probe, tests: memory only, no folder made anywhere
+    monkeypatch.setattr(flash4, "_cache_folder", None)
+    flash4.prepare_environment()  # the probe, tests: memory only, no folder made anywhere
     assert os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] == "1" and os.environ["CUTE_DSL_CACHE_DIR"] == os.devnull
-    assert attention_kernels.cache_usage_folders() == {}
+    assert flash4.cache_usage_folders() == {}
 
     for variable in ("CUTE_DSL_DISABLE_FILE_CACHING", "CUTE_DSL_CACHE_DIR"):
         monkeypatch.delenv(variable)
     monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(tmp_path / "mine"))  # a folder someone chose stays
-    attention_kernels.use_cache_folder(tmp_path / "data/compile-cache")  # what device_policy.prepare_compile does
-    attention_kernels.prepare_environment()
+    flash4.use_cache_folder(tmp_path / "data/compile-cache")  # what device_policy.prepare_compile does
+    flash4.prepare_environment()
     assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
-    assert attention_kernels.cache_usage_folders() == {
+    assert flash4.cache_usage_folders() == {
         "flash-attn": tmp_path / "mine", "cute-dsl": tmp_path / "data/compile-cache/cute-dsl"}
 
 
 def test_prepare_compile_hands_its_folder_to_fa4(monkeypatch, tmp_path):
     from runtime import device_policy
 
-    monkeypatch.setattr(attention_kernels, "_cache_folder", None)
+    monkeypatch.setattr(flash4, "_cache_folder", None)
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # leave inductor's settings alone
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     device_policy.prepare_compile(tmp_path / "data/compile-cache", 1)
-    assert attention_kernels._cache_folder == tmp_path / "data/compile-cache"
+    assert flash4._cache_folder == tmp_path / "data/compile-cache"
 
 
 # ----------------------------------------------------------------------------- the custom ops
@@ -151,9 +151,9 @@ def reference_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen):
 
 @pytest.fixture
 def reference_fa4(monkeypatch):
-    monkeypatch.setitem(attention_kernels.IMPLEMENTATION, "forward", reference_forward)
-    monkeypatch.setitem(attention_kernels.IMPLEMENTATION, "backward", reference_backward)
-    monkeypatch.setattr(model_module.DocumentLayout, "use_fa4", lambda self, q: self.kernel == "fa4")
+    monkeypatch.setitem(flash4.IMPLEMENTATION, "forward", reference_forward)
+    monkeypatch.setitem(flash4.IMPLEMENTATION, "backward", reference_backward)
+    monkeypatch.setattr(attention.DocumentLayout, "use_fa4", lambda self, q: self.kernel == "fa4")
 
 
 def packed_qkv(seed: int):
@@ -170,7 +170,7 @@ def test_the_custom_op_passes_pytorchs_op_checks(reference_fa4, packed):
     shape = (40, 2, 8) if packed else (2, 20, 2, 8)
     q, k, v = (torch.randn(shape, generator=generator, requires_grad=True) for _ in range(3))
     cu = torch.tensor([0, 13, 40], dtype=torch.int32) if packed else None
-    torch.library.opcheck(attention_kernels.fa4_forward, (q, k, v, cu, 20 if packed else 0))
+    torch.library.opcheck(flash4.fa4_forward, (q, k, v, cu, 20 if packed else 0))
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -182,15 +182,15 @@ def test_attend_through_fa4_matches_the_plain_path_and_compiles_without_a_graph_
     cu = document_offsets(positions) if packed else None
     grad = torch.randn(b, t, h, hd, generator=torch.Generator().manual_seed(2))
 
-    def attention(qkv, cu, kernel):
+    def attend(qkv, cu, kernel):
         q, k, v = (z.view(b, t, h, hd) for z in qkv.split(h * hd, dim=-1))
-        return model_module.attend(q, k, v, model_module.DocumentLayout(positions, cu, kernel))
+        return attention.attend(q, k, v, attention.DocumentLayout(positions, cu, kernel))
 
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)  # fullgraph: a break raises
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)  # fullgraph: a break raises
     results = []
-    for fn, kernel in ((attention, "sdpa"), (attention, "fa4"), (compiled, "fa4")):
+    for fn, kernel in ((attend, "sdpa"), (attend, "fa4"), (compiled, "fa4")):
         qkv.grad = None
         out = fn(qkv, cu, kernel)
         out.backward(grad)
@@ -226,7 +226,7 @@ def test_the_fa4_import_is_lazy():
     import subprocess
     import sys
 
-    code = "import sys, model, attention_kernels; print('flash_attn' in sys.modules, 'cutlass' in sys.modules)"
+    code = "import sys, model.gpt, model.flash4; print('flash_attn' in sys.modules, 'cutlass' in sys.modules)"
     from tests.helpers import ROOT as root
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]

@@ -1,0 +1,191 @@
+"""The LM head and the next-token cross-entropy, summed over the target tokens.
+
+The head is the tied token embedding. Its logits are the largest tensor of a step (tokens x
+vocabulary), so in training they never exist all at once. Which kernel computes the head and the
+loss (``choose``, ``model.loss_kernel``):
+
+- ``"chunked"``, the default: ``ChunkedLinearCrossEntropy``, pure PyTorch: one chunk of logits at a
+  time, the loss and its gradients computed in the forward pass; it runs everywhere, and neither
+  package is faster at this model's shapes (docs/PERFORMANCE.md).
+- ``"liger"``: Liger-Kernel's fused linear cross-entropy (the optional ``liger-kernel`` package,
+  Triton): the same scheme with its own chunking and loss kernel, on the unpadded vocabulary.
+- ``"cce"``: Cut Cross-Entropy (the optional ``cut-cross-entropy`` package, Triton): the logits are
+  computed tile by tile in on-chip memory and never written; the backward pass recomputes them.
+  No gradient filtering here; it adds its gradient tiles into bf16 buffers.
+
+Validation (no gradients) always takes the chunked path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from typing import Literal, get_args
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100  # a target that takes no loss: the last token of a document, padding
+VOCAB_ALIGNMENT = 128  # padded vocabulary keeps the head's matmuls on the aligned (fast) GEMM kernels
+Kernel = Literal["chunked", "liger", "cce"]  # model.loss_kernel
+CHOICES = get_args(Kernel)
+PACKAGES = {"liger": ("liger-kernel", "liger_kernel.ops.fused_linear_cross_entropy"),
+            "cce": ("cut-cross-entropy", "cut_cross_entropy")}
+_modules: dict[str, object] = {}  # kernel -> its imported module
+_errors: dict[str, str] = {}  # kernel -> why it could not be imported
+
+
+def kernel_module(kernel: str):
+    """The optional package behind ``kernel``, imported on first use; None if it does not import."""
+    if kernel not in _modules and kernel not in _errors:
+        package, module = PACKAGES[kernel]
+        try:
+            _modules[kernel] = importlib.import_module(module)
+        except Exception as error:  # noqa: BLE001 - missing package, one built for another torch or Triton
+            _errors[kernel] = f"{package} does not import ({type(error).__name__}: {str(error)[:200]})"
+    return _modules.get(kernel)
+
+
+_reported: set = set()
+
+
+def choose(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel for ``model.loss_kernel`` = ``requested``. CPU runs and fp32 or fp16 runs take
+    "chunked"; a package that does not import on a CUDA bf16 run is an error."""
+    if requested == "chunked" or device.type != "cuda" or dtype != torch.bfloat16:
+        return "chunked"
+    if kernel_module(requested) is None:
+        raise RuntimeError(f"model.loss_kernel is {requested!r} but {_errors[requested]}. "
+                           f"Install {PACKAGES[requested][0]}, or use 'chunked'.")
+    if requested not in _reported:
+        _reported.add(requested)
+        log.info("LM head and loss: %s (%s)", requested, PACKAGES[requested][0])
+    return requested
+
+
+def padded_vocab_size(vocab_size: int) -> int:
+    """The LM head's column count inside the loss: the vocabulary rounded up to VOCAB_ALIGNMENT."""
+    return -(-vocab_size // VOCAB_ALIGNMENT) * VOCAB_ALIGNMENT
+
+
+def token_loss_sum(
+    hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 0,
+    kernel: str = "chunked", compiled: bool = False,
+) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy over targets != IGNORE_INDEX, in fp32.
+
+    Returning the sum lets the caller divide by the whole optimizer update's target count.
+    ``kernel`` is what ``choose`` returned. With "chunked" and ``chunk_tokens`` the
+    full-vocabulary logits never exist at once (0: all at once, the plain path); ``compiled``
+    runs each chunk's softmax arithmetic as one compiled kernel.
+    """
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    if kernel != "chunked" and torch.is_grad_enabled():
+        return fused_loss_sum(hidden, head_weight, targets, kernel)
+    if not chunk_tokens:
+        return cross_entropy_sum(hidden, head_weight, targets)
+    if torch.is_grad_enabled():  # a batch of at most chunk_tokens is one chunk: still no saved logits
+        chunk_fn = compiled_chunk_loss_and_grad() if compiled else chunk_loss_and_grad
+        return ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, chunk_tokens, chunk_fn)
+    chunks = zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
+    return sum(cross_entropy_sum(h, head_weight, t) for h, t in chunks)
+
+
+def fused_loss_sum(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, kernel: str):
+    """The summed loss through Liger's or Cut Cross-Entropy's kernel, on bf16 operands (``choose``
+    takes them only for bf16 runs): the fp32 weight is cast once per call and autograd carries its
+    gradient back to fp32, as the chunked path does. Liger accumulates the head's gradient in fp32.
+    """
+    with torch.autocast("cuda", enabled=False):
+        h, w = hidden.to(torch.bfloat16), head_weight.to(torch.bfloat16)
+        if kernel == "liger":
+            function = kernel_module("liger").LigerFusedLinearCrossEntropyFunction
+            # input, weight, target, bias, class weights, ignore_index, z-loss scale, label smoothing,
+            # reduction, softcap, return_z_loss, accumulation dtype
+            loss = function.apply(h, w, targets, None, None, IGNORE_INDEX, 0.0, 0.0, "sum", None, False, torch.float32)
+            return loss[0] if isinstance(loss, tuple) else loss
+        return kernel_module("cce").linear_cross_entropy(h, w, targets, ignore_index=IGNORE_INDEX, reduction="sum",
+                                                         filter_eps=None, impl="cce")
+
+
+def cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The plain path: full logits, widened to at least fp32, and PyTorch's cross-entropy."""
+    logits = F.linear(hidden, head_weight)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, dtype: torch.dtype):
+    """Summed loss of one chunk and d(loss)/d(logits) = softmax - one-hot (zero for ignored targets).
+
+    ``logits`` come in the matmul's dtype and are widened here to at least fp32. The one-hot is a
+    comparison, not a scatter, so inductor fuses the function into one reduction kernel that reads
+    the logits and writes the gradient in ``dtype`` (no fp32 copy of the chunk); eager (the
+    probe, CPU runs), the in-place steps hold one fp32 copy. Columns past ``vocab_size`` are
+    padding: -inf logits, so they take no probability.
+    """
+    columns = torch.arange(logits.shape[1], device=logits.device)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)  # ours to change in place
+    logits.masked_fill_(columns >= vocab_size, float("-inf"))
+    valid = targets != IGNORE_INDEX
+    safe = torch.where(valid, targets, 0)
+    log_normalizer = torch.logsumexp(logits, dim=-1)
+    loss = torch.where(valid, log_normalizer - logits.gather(1, safe[:, None]).squeeze(1), 0.0).sum()
+    grad = logits.sub_(log_normalizer[:, None]).exp_()
+    grad = grad.sub_((columns[None, :] == safe[:, None]).to(grad.dtype)).mul_(valid[:, None])
+    return loss, grad.to(dtype)
+
+
+_compiled_chunk: Callable | None = None
+
+
+def compiled_chunk_loss_and_grad() -> Callable:
+    """``chunk_loss_and_grad`` through torch.compile, made once per process: every chunk has one shape."""
+    global _compiled_chunk
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(chunk_loss_and_grad, dynamic=False)
+    return _compiled_chunk
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """LM head + summed cross-entropy, chunk by chunk, with the gradients computed on the way.
+
+    Each chunk's logits live only while its loss and its gradients (softmax - one-hot, times the
+    head) are computed, so peak memory holds one chunk of logits instead of all of them, and
+    nothing is recomputed in backward. Under autocast the matmuls run in the autocast dtype, as
+    F.linear would; the softmax and the sums stay in fp32 (at least). The vocabulary is padded to
+    a multiple of VOCAB_ALIGNMENT inside the computation: with 50257 columns the GEMMs fall back
+    to slow unaligned kernels.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_tokens, chunk_fn=chunk_loss_and_grad):
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        exact = torch.promote_types(dtype, torch.float32)
+        vocab, width = weight.shape
+        padded = padded_vocab_size(vocab)
+        with torch.autocast(device_type=device, enabled=False):
+            w = torch.zeros(padded, width, dtype=dtype, device=weight.device)
+            w[:vocab] = weight
+            grad_hidden = torch.empty_like(hidden)
+            grad_weight = torch.zeros(padded, width, dtype=exact, device=weight.device)
+            loss = torch.zeros((), dtype=exact, device=hidden.device)
+            for start in range(0, hidden.shape[0], chunk_tokens):
+                h = hidden[start : start + chunk_tokens].to(dtype)
+                logits = h @ w.t()
+                chunk_loss, grad_logits = chunk_fn(logits, targets[start : start + chunk_tokens], vocab, dtype)
+                loss += chunk_loss
+                grad_hidden[start : start + chunk_tokens] = (grad_logits @ w).to(hidden.dtype)
+                grad_weight += (grad_logits.t() @ h).to(exact)
+        ctx.save_for_backward(grad_hidden, grad_weight[:vocab])
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None

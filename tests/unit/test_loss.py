@@ -1,0 +1,119 @@
+"""The LM head + cross-entropy: the chunked loss against the plain one, and which kernel runs.
+
+The optional kernels (liger-kernel, cut-cross-entropy) need CUDA and bf16; tests/gpu/test_gpu.py
+compares them with the plain path there. Here the choice runs against fakes of their import, and
+the call into Liger runs against a float reference standing in for its autograd function.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from config import ConfigError, load_config
+from model import loss
+from model.loss import IGNORE_INDEX, token_loss_sum
+
+CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
+
+
+def test_chunked_loss_matches_the_plain_loss_and_its_gradients():
+    torch.manual_seed(4)
+    hidden = torch.randn(2, 37, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(53, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 53, (2, 37))
+    targets[0, 5:9] = IGNORE_INDEX
+    plain = token_loss_sum(hidden, weight, targets)
+    plain_grads = torch.autograd.grad(3.0 * plain, (hidden, weight))
+    for chunk in (1, 8, 36, 100):  # 100: the whole batch is one chunk
+        chunked = token_loss_sum(hidden, weight, targets, chunk_tokens=chunk)
+        torch.testing.assert_close(chunked, plain)
+        for got, expected in zip(torch.autograd.grad(3.0 * chunked, (hidden, weight)), plain_grads):
+            torch.testing.assert_close(got, expected)
+    with torch.no_grad():
+        torch.testing.assert_close(token_loss_sum(hidden, weight, targets, chunk_tokens=8), plain)
+
+
+@pytest.fixture
+def packages(monkeypatch):
+    """Which optional loss packages import: ``state[kernel]`` True or False; imports are counted."""
+    state = {"liger": False, "cce": False, "imported": []}
+
+    def import_module(name):
+        kernel = next(k for k, (_, module) in loss.PACKAGES.items() if module == name)
+        state["imported"].append(kernel)
+        if not state[kernel]:
+            raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}")
+        return types.SimpleNamespace()
+
+    monkeypatch.setattr(loss.importlib, "import_module", import_module)
+    monkeypatch.setattr(loss, "_modules", {})
+    monkeypatch.setattr(loss, "_errors", {})
+    return state
+
+
+def test_cpu_and_non_bf16_runs_take_the_chunked_loss_whatever_is_requested(packages):
+    packages.update(liger=True, cce=True)
+    for requested in loss.CHOICES:
+        assert loss.choose(requested, torch.device("cpu"), torch.bfloat16) == "chunked"
+        assert loss.choose(requested, CUDA, torch.float32) == "chunked"
+        assert loss.choose(requested, CUDA, torch.float16) == "chunked"
+    assert packages["imported"] == []
+
+
+def test_an_explicit_kernel_runs_where_its_package_imports_and_is_an_error_where_not(packages):
+    packages["cce"] = True
+    assert loss.choose("cce", CUDA, torch.bfloat16) == "cce"
+    with pytest.raises(RuntimeError, match="model.loss_kernel is 'liger' but liger-kernel does not import.*Install liger-kernel"):
+        loss.choose("liger", CUDA, torch.bfloat16)
+    assert loss.choose("chunked", CUDA, torch.bfloat16) == "chunked"
+    assert packages["imported"] == ["cce", "liger"]  # the default never imports a package
+
+
+def test_the_config_names_the_loss_kernel_choices_and_defaults_to_the_chunked_loss():
+    assert load_config("conf/smoke.yaml").model.loss_kernel == "chunked"
+    with pytest.raises(ConfigError, match="model.loss_kernel must be one of chunked, liger, cce, not 'quack'"):
+        load_config("conf/smoke.yaml", ["model.loss_kernel=quack"])
+
+
+def test_liger_gets_bf16_operands_the_sum_reduction_and_fp32_accumulation(monkeypatch):
+    """The call into Liger's autograd function, with a float reference in its place: its arguments,
+    and the gradients reaching the fp32 weight and hidden states through the bf16 casts."""
+    calls = []
+
+    class Reference(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, h, w, targets, bias, ce_weight, ignore_index, z_scale, smoothing, reduction, softcap, z_loss,
+                    accumulation):
+            calls.append((h.dtype, w.dtype, bias, ce_weight, ignore_index, z_scale, smoothing, reduction, softcap,
+                          z_loss, accumulation))
+            with torch.enable_grad():
+                h32, w32 = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+                value = torch.nn.functional.cross_entropy(h32 @ w32.t(), targets, ignore_index=ignore_index, reduction="sum")
+                ctx.grads = [g.to(torch.bfloat16) for g in torch.autograd.grad(value, (h32, w32))]
+            return value.detach(), None, None, None
+
+        @staticmethod
+        def backward(ctx, grad, *unused):
+            return ctx.grads[0] * grad, ctx.grads[1] * grad, *([None] * 10)
+
+    monkeypatch.setitem(loss._modules, "liger", types.SimpleNamespace(LigerFusedLinearCrossEntropyFunction=Reference))
+    torch.manual_seed(5)
+    hidden = torch.randn(24, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    targets = torch.randint(0, 40, (24,))
+    targets[3] = IGNORE_INDEX
+    fused = token_loss_sum(hidden, weight, targets, chunk_tokens=8, kernel="liger")
+    fused_grads = torch.autograd.grad(2.0 * fused, (hidden, weight))
+    plain = token_loss_sum(hidden, weight, targets)
+    plain_grads = torch.autograd.grad(2.0 * plain, (hidden, weight))
+    assert calls == [(torch.bfloat16, torch.bfloat16, None, None, IGNORE_INDEX, 0.0, 0.0, "sum", None, False, torch.float32)]
+    torch.testing.assert_close(fused, plain, rtol=2e-2, atol=0.0)
+    for got, expected in zip(fused_grads, plain_grads):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, rtol=5e-2, atol=5e-2)
+    with torch.no_grad():  # validation never calls the package
+        torch.testing.assert_close(token_loss_sum(hidden, weight, targets, chunk_tokens=8, kernel="liger"), plain)
+    assert len(calls) == 1
