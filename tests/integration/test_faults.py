@@ -491,3 +491,39 @@ def test_a_reader_of_stdout_that_goes_away_costs_the_metric_lines_not_the_run(tm
     record = json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())
     assert record["status"] == "completed" and record["optimizer_steps"] == 60
     assert len((tmp_path / "out" / "run" / "metrics.jsonl").read_text().splitlines()) >= 60
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_probe_stopped_by_sigterm_during_fit_exits_non_zero(tmp_path, devices):
+    """RunFab judges a probe by its exit status alone. Lightning turns a SIGTERM during fit into a
+    SystemExit without a code (status 0), so a stopped probe looked like a microbatch that fits. With
+    several devices the ranks are stopped (the probe process is signalled on its own elsewhere)."""
+    import psutil
+    from omegaconf import OmegaConf
+
+    config = tmp_path / "probe.yaml"  # rows long enough that the second update runs for seconds on a CPU
+    dotlist = ["model.max_seq_len=512", f"trainer.devices={devices}"]
+    OmegaConf.save(OmegaConf.merge(OmegaConf.load(ROOT / "conf/smoke.yaml"), OmegaConf.from_dotlist(dotlist)), config)
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="", RUNFAB_CONFIG=str(config))
+    hook = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import train; train.probe_batch({8 // devices})"
+    process = subprocess.Popen([sys.executable, "-c", hook], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    stderr = Lines(process.stderr)
+    Lines(process.stdout)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(b"rank 0, update 1:" in line for line in stderr.lines):  # fit is under way, one update left
+            assert time.monotonic() < deadline and process.poll() is None, b"".join(stderr.lines).decode()[-3000:]
+            time.sleep(0.05)
+        targets = [process] if devices == 1 else psutil.Process(process.pid).children()
+        assert len(targets) == devices
+        for target in targets:
+            target.send_signal(signal.SIGTERM)
+        returncode = process.wait(timeout=60)
+    finally:
+        process.kill()
+    stderr.thread.join(timeout=10)
+    message = b"".join(stderr.lines).decode()
+    assert returncode != 0, message[-3000:]
+    assert "received SIGTERM during the probe" in message
+    assert not (tmp_path / "out").exists()
