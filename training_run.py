@@ -30,7 +30,7 @@ from callbacks.export import ExportModel
 from callbacks.graceful_stop import GracefulStop
 from callbacks.observe import ObservationWindows
 from callbacks.run_record import RunRecord, sha256_file
-from callbacks.runfab_metrics import RunFabMetrics
+from callbacks.runfab_metrics import RunFabMetrics, ensure_stdout
 from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, load_config_dict, training_time_limit
 from datamodule import StreamingDataModule
 from feeder import UpdateFeeder
@@ -181,6 +181,7 @@ def run_training(cfg: RunConfig, split: BatchSplit, stdin=None) -> dict:
     in_workers = world > 1 or bool(cfg.trainer.worker_processes)
     check_host_memory(cfg, world, in_workers, split.microbatch)
     setup_process(cfg)
+    ensure_stdout()
     with claimed_output(Path(cfg.output.root)):
         use_allocator_settings(cfg)
         platform_fraction = platform_memory_fraction()

@@ -527,3 +527,25 @@ def test_a_probe_stopped_by_sigterm_during_fit_exits_non_zero(tmp_path, devices)
     assert returncode != 0, message[-3000:]
     assert "received SIGTERM during the probe" in message
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_run_started_with_stdout_closed_trains_and_exports(tmp_path, devices):
+    """fd 1 closed at start (sys.stdout is None): the first metric line raised AttributeError and the run
+    ended with nothing exported. Now it is told once, like a reader that went away, and the lines stay
+    in run/metrics.jsonl."""
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+    records = tmp_path / "records.jsonl"
+    records.write_bytes(sample(1400))
+    with records.open("rb") as stdin:
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), *ARGS, "--trainer.max_steps", "6", "--metrics.interval_seconds",
+             "0", "--trainer.devices", str(devices)],
+            stdin=stdin, stderr=subprocess.PIPE, env=env, timeout=180, cwd=tmp_path, preexec_fn=lambda: os.close(1),
+        )
+    stderr = result.stderr.decode()
+    assert result.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.count("stdout is closed") == 1
+    record = json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())
+    assert record["status"] == "completed" and record["optimizer_steps"] == 6
+    assert len((tmp_path / "out" / "run" / "metrics.jsonl").read_text().splitlines()) == 6
