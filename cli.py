@@ -29,6 +29,7 @@ from jsonargparse import ArgumentParser
 import launcher
 import training_run
 from batch_split import BatchSplit, command_line_microbatch
+from callbacks.export import ExportFailed
 from callbacks.runfab_metrics import NonFiniteLossError
 from config import CONFIG_ENV, DEFAULT_CONFIG, ConfigError, RunConfig, as_dict, load_config
 from device_policy import world_size
@@ -66,7 +67,7 @@ class CommandLineError(Exception):
 # What a command line run reports as one line on stderr, with exit code 2, instead of a traceback.
 USER_ERRORS = (
     ConfigError, UnusableInputError, NonFiniteLossError, FileNotFoundError, launcher.WorkerFailed, launcher.Interrupted,
-    launcher.InputFailed,
+    launcher.InputFailed, ExportFailed,
 )
 
 
