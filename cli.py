@@ -35,6 +35,7 @@ from jsonargparse import ArgumentParser
 from runtime import launcher
 from runtime import training_run
 from runtime.batch_split import BatchSplit, command_line_microbatch
+from callbacks.export import ExportFailed
 from callbacks.runfab_metrics import NonFiniteLossError
 from config import (CONFIG_ENV, DEFAULT_CONFIG, LIGHTNING_REFUSED, ConfigError, RunConfig, TrainerConfig, as_dict,
                     lightning_argument_problems, lightning_trainer_arguments, load_config)
@@ -77,7 +78,7 @@ class CommandLineError(Exception):
 # What a command line run reports as one line on stderr, with exit code 2, instead of a traceback.
 USER_ERRORS = (
     ConfigError, UnusableInputError, NonFiniteLossError, FileNotFoundError, launcher.WorkerFailed, launcher.Interrupted,
-    launcher.InputFailed, ShardsError,
+    launcher.InputFailed, ShardsError, ExportFailed,
 )
 
 

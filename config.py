@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import os
 import types
 import typing
@@ -35,6 +36,7 @@ Precision = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true",
 WorkerStart = Literal["auto", "fork", "exec"]  # launcher.py says what each does
 ACCELERATORS, PRECISIONS, WORKER_STARTS = get_args(Accelerator), get_args(Precision), get_args(WorkerStart)
 CONFIG_ENV = "RUNFAB_CONFIG"
+SEED_RANGE = range(2**32)  # what numpy's generators (and so Lightning's seed_everything) accept
 
 
 @dataclass
@@ -126,12 +128,20 @@ class TrainerConfig:
         """``max_time`` less the export reserve: what the training loop itself may use."""
         if self.max_time is None:
             return None
+        expected = f'trainer.max_time must look like "DD:HH:MM:SS" (whole numbers, none negative), not {self.max_time!r}'
+        if self.max_time.isdigit():  # YAML 1.1 reads an unquoted 1:00:00:00 as a base-60 number
+            expected += ' (in a YAML file, quote it: max_time: "01:00:00:00")'
         try:
-            days, hours, minutes, seconds = (int(part) for part in self.max_time.split(":"))
+            days, hours, minutes, seconds = parts = [int(part) for part in self.max_time.split(":")]
+            if min(parts) < 0:
+                raise ValueError(expected)
+            total = timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
+            limit = total - timedelta(seconds=self.export_reserve_seconds)
         except ValueError:
-            raise ValueError(f'trainer.max_time must look like "DD:HH:MM:SS", not {self.max_time!r}') from None
-        total = timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
-        limit = total - timedelta(seconds=self.export_reserve_seconds)
+            raise ValueError(expected) from None
+        except OverflowError:
+            raise ValueError(f"trainer.max_time ({self.max_time}) and trainer.export_reserve_seconds "
+                             f"({self.export_reserve_seconds}) must each be below {timedelta.max.days} days") from None
         if limit <= timedelta(0):
             raise ValueError(
                 f"trainer.max_time ({self.max_time}) leaves no training time after the "
@@ -151,7 +161,10 @@ class MetricsConfig:
     training lab counts it"""
 
     def problems(self) -> list[str]:
-        return ["metrics.interval_seconds must be >= 0 (0 reports every update)"] if self.interval_seconds < 0 else []
+        found = ["metrics.interval_seconds must be >= 0 (0 reports every update)"] if self.interval_seconds < 0 else []
+        if self.peak_flops < 0:
+            found.append(f"metrics.peak_flops must be >= 0 (0: no mfu), not {self.peak_flops}")
+        return found
 
 
 @dataclass
@@ -162,6 +175,9 @@ class OutputConfig:
     """Folder of the model, the run record and checkpoints: RunFab's RUNFABRIC_OUTPUT, else ./output"""
     budget_bytes: int = OUTPUT_BYTES
     """Bytes all output may take: RunFab keeps it in the job's RAM (model, checkpoints, caches)"""
+
+    def problems(self) -> list[str]:
+        return [f"output.budget_bytes must be at least 1, not {self.budget_bytes}"] if self.budget_bytes < 1 else []
 
 
 @dataclass
@@ -343,15 +359,29 @@ def load_config_dict(values: dict) -> RunConfig:
 
 
 def check_config(cfg: RunConfig) -> None:
-    """Every section checks itself (its ``problems()``); all problems are reported at once."""
-    problems = [
+    """Every section checks itself (its ``problems()``); all problems are reported at once. A NaN or an
+    infinity, which no key has a use for and which slips through range checks, is reported alone."""
+    problems = non_finite_keys(cfg) or [
+        *([] if cfg.seed in SEED_RANGE else [f"seed must be a whole number in 0..{SEED_RANGE[-1]}, not {cfg.seed}"]),
         *cfg.model.problems(), *cfg.data.problems(), *cfg.optim.problems(cfg.trainer.max_steps),
-        *cfg.trainer.problems(), *cfg.metrics.problems(), *cfg.observe.problems(),
+        *cfg.trainer.problems(), *cfg.metrics.problems(), *cfg.observe.problems(), *cfg.output.problems(),
     ]
     if len(problems) == 1:
         raise ConfigError(f"invalid configuration: {problems[0]}")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def non_finite_keys(section: object, prefix: str = "") -> list[str]:
+    """A line for every key of ``section`` (and the sections under it) that holds a NaN or an infinity."""
+    found = []
+    for item in fields(section):
+        value = getattr(section, item.name)
+        if is_dataclass(value):
+            found += non_finite_keys(value, f"{prefix}{item.name}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            found.append(f"{prefix}{item.name} must be a finite number, not {value}")
+    return found
 
 
 def training_time_limit(cfg: RunConfig) -> timedelta | None:

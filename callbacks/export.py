@@ -12,6 +12,7 @@ import json
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -20,9 +21,14 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from torch import nn
 
+from callbacks import owned_folders
 from model.gpt import GPT, GPTConfig
 
 WEIGHTS_NAME = "model.safetensors"
+
+
+class ExportFailed(RuntimeError):
+    """The trained model could not be written (a full or read-only output filesystem); nothing was exported."""
 
 
 def _export_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -133,17 +139,21 @@ def _name_portable_tokenizer_class(path: Path) -> None:
 
 
 def export_model(
-    model: GPT, tokenizer_path: str | Path, out_dir: str | Path, eos_token: str = "<|endoftext|>"
+    model: GPT, tokenizer_path: str | Path, out_dir: str | Path, eos_token: str = "<|endoftext|>",
+    prepare: Callable[[Path], None] = lambda staging: None,
 ) -> list[Path]:
     """Write a GPT-2 checkpoint of ``model`` plus its tokenizer to ``out_dir``; return its files.
 
     Everything is written into a temporary sibling folder first and then renamed into place,
-    so a crash mid-export leaves either the previous export or none, never half a model.
+    so a crash mid-export leaves either the previous export or none, never half a model; one
+    killed while writing leaves that folder (``unfinished_exports``). ``prepare(staging)`` runs
+    on the empty staging folder first.
     """
     tokenizer_path, out_dir = Path(tokenizer_path), Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
+        prepare(staging)
         _write_export(model, tokenizer_path, staging, eos_token)
         # mkdtemp (and safetensors) create owner-only entries; an export is meant to be shared.
         staging.chmod(0o755)
@@ -161,6 +171,11 @@ def export_model(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return sorted(p for p in out_dir.iterdir() if p.is_file())
+
+
+def unfinished_exports(out_dir: Path) -> list[Path]:
+    """The staging folders of exports to ``out_dir`` that never finished: the process was killed while writing."""
+    return sorted(p for p in out_dir.parent.glob(f".{out_dir.name}.tmp-*") if p.is_dir() and not p.is_symlink())
 
 
 class ExportModel(pl.Callback):
@@ -181,5 +196,12 @@ class ExportModel(pl.Callback):
         if trainer.global_step == 0:  # stopped before the first update: an untrained model is no result
             print(f"nothing was trained, so no model is exported to {self.out_dir}", file=sys.stderr)
             return
-        export_model(pl_module.model, self.tokenizer_path, self.out_dir)
+        try:
+            export_model(pl_module.model, self.tokenizer_path, self.out_dir, prepare=owned_folders.mark)
+        except OSError as error:  # after all the training: one line that says what happened, no traceback
+            where = f" ({error.filename})" if error.filename else ""
+            raise ExportFailed(
+                f"writing the model to {self.out_dir} failed after {trainer.global_step} optimizer steps: "
+                f"{error.strerror or error}{where}; nothing was exported. Give the output root room and write "
+                "access (RUNFABRIC_OUTPUT or output.root), then train again") from error
         print(f"exported Hugging Face GPT-2 model to {self.out_dir}", file=sys.stderr)

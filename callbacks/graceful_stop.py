@@ -24,11 +24,13 @@ class GracefulStop(L.Callback):
     ends every rank's stream instead (launcher.raise_on_signals).
 
     ``end_input(name)`` ends the input at the next update boundary; Lightning then finishes the
-    update, exports and writes the record as at any end of input. A second signal stops at once.
+    update, exports and writes the record as at any end of input. A second signal stops at once,
+    right after ``before_exit()``, which removes what must not outlive the process (a half-written export).
     """
 
-    def __init__(self, end_input: Callable[[str], None]) -> None:
+    def __init__(self, end_input: Callable[[str], None], before_exit: Callable[[], None] = lambda: None) -> None:
         self.end_input = end_input
+        self.before_exit = before_exit
         self.signal_name: str | None = None
         self._trainer: L.Trainer | None = None
         self._restore: Callable[[], None] | None = None
@@ -50,6 +52,7 @@ class GracefulStop(L.Callback):
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.signal_name is not None:  # asked twice: stop now, as without this callback
+            self.before_exit()
             self._restore()
             signal.raise_signal(signum)
             return

@@ -55,6 +55,8 @@ class ObserveConfig:
                  for name in self.loggers if name not in LOGGERS]
         if min(self.warmup_updates, self.profile_update, self.profile_updates, self.memory_update) < 0:
             found.append("observe: update numbers and counts must be >= 0")
+        if self.memory_history_entries < 1:
+            found.append(f"observe.memory_history_entries must be at least 1, not {self.memory_history_entries}")
         return found
 
 

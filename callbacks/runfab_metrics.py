@@ -62,6 +62,24 @@ def deliver(stream: TextIO, text: str) -> bool:
     return False
 
 
+def ensure_stdout() -> None:
+    """A process started with stdout closed has none (``sys.stdout`` is None), and the first metric line
+    would end the run; it gets /dev/null instead, said once, as when a reader goes away (``deliver``):
+    the lines stay in run/metrics.jsonl. /dev/null also takes fd 1 if it is free, so that no file
+    opened later lands there and receives what is meant for stdout."""
+    if sys.stdout is not None:
+        return
+    try:
+        os.fstat(1)
+    except OSError:
+        null = os.open(os.devnull, os.O_WRONLY)
+        if null != 1:
+            os.dup2(null, 1)
+            os.close(null)
+    sys.stdout = open(os.devnull, "w")
+    log.warning("stdout is closed: metric lines are not delivered there (run/metrics.jsonl keeps them)")
+
+
 class RunFabMetrics(L.Callback):
     """Token-weighted loss and synchronized throughput over each reporting interval (rank 0 writes)."""
 

@@ -73,9 +73,15 @@ class GPTConfig:
 
     def problems(self) -> list[str]:
         found = [f"model.{name} must be at least 1, not {getattr(self, name)}"
-                 for name in ("vocab_size", "n_layer", "n_head", "n_embd", "max_seq_len") if getattr(self, name) < 1]
+                 for name in ("vocab_size", "n_layer", "n_head", "n_embd") if getattr(self, name) < 1]
+        if self.max_seq_len < 2:  # a row of n tokens trains on n - 1 next-token targets
+            found.append(f"model.max_seq_len must be at least 2 (a row needs a token and the next one to predict), "
+                         f"not {self.max_seq_len}")
         if self.loss_chunk_tokens < 0 or self.layer_norm_eps <= 0 or self.init_std <= 0:
             found.append("model.loss_chunk_tokens must be >= 0, model.layer_norm_eps and model.init_std > 0")
+        if not 0 <= self.activation_memory_budget <= 1:
+            found.append(f"model.activation_memory_budget must lie in [0, 1] (1: no extra recomputation), "
+                         f"not {self.activation_memory_budget}")
         if self.n_head >= 1 and self.n_embd % self.n_head:
             found.append(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
         if self.attention not in attention.CHOICES:

@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 
 from runtime import hostmem
@@ -102,7 +103,13 @@ def run_probe_local(cfg: RunConfig, microbatch: int, world: int, effective: int,
     if accelerator == "gpu":
         torch.cuda.reset_peak_memory_stats()
     with contextlib.redirect_stdout(sys.stderr):
-        trainer.fit(module, train_dataloaders=batches)
+        try:
+            trainer.fit(module, train_dataloaders=batches)
+            stopped = trainer.received_sigterm  # a SIGTERM after Lightning's last look still stops the probe
+        except SIGTERMException:  # Lightning's handler ends fit by a SystemExit without a code: exit status 0
+            stopped = True
+    if stopped:
+        raise launcher.Interrupted("received SIGTERM during the probe: it was stopped, so it has no result")
     result = {"microbatch": microbatch, "steps": trainer.global_step} | peak_memory(device)
     log.info("probe: %s", result)
     return result

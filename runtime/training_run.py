@@ -14,6 +14,8 @@ import importlib.util
 import json
 import logging
 import os
+import pwd
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -27,11 +29,12 @@ from runtime import hostmem
 from runtime import launcher
 from runtime.batch_split import BatchSplit
 from runtime.lifetime import exit_with_parent
-from callbacks.export import ExportModel
+from callbacks import owned_folders
+from callbacks.export import ExportFailed, ExportModel, unfinished_exports
 from callbacks.graceful_stop import GracefulStop
 from callbacks.observe import ObservationWindows
 from callbacks.run_record import RunRecord, sha256_file
-from callbacks.runfab_metrics import RunFabMetrics
+from callbacks.runfab_metrics import RunFabMetrics, ensure_stdout
 from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, load_config_dict, training_time_limit
 from datamodule import StreamingDataModule
 from pipeline.feeder import UpdateFeeder
@@ -72,6 +75,10 @@ LOCK_NAME = ".run.lock"
 
 
 RUN_FOLDERS = ("model", "run", "checkpoints")  # what one run writes; an earlier run's are set aside, never mixed in
+# Never an output root: a run writes model/, run/, checkpoints/ and data/ into it and sets earlier ones aside there.
+SYSTEM_FOLDERS = tuple(Path(p) for p in ("/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64",
+                                         "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/usr", "/usr/local",
+                                         "/var"))
 
 
 @contextlib.contextmanager
@@ -80,7 +87,13 @@ def claimed_output(root: Path, keep: tuple[str, ...] = ()):
     would mix with this one's), and what an earlier run left in ``model/``, ``run/`` and
     ``checkpoints/`` is moved to ``previous-model/``, ``previous-run/`` and ``previous-checkpoints/``,
     so that those folders only ever hold this run's results, or nothing if this run fails early.
-    The folders named in ``keep`` stay where they are (a resumed run reads ``checkpoints/``)."""
+
+    Only folders a run wrote (owned_folders) are moved: anything else under those names, a link or a
+    file, is refused before anything moves, as are the bundle and system folders as a root. The
+    staging folders of an export that was killed while writing are removed, at the start and at the end.
+    The folders named in ``keep`` stay where they are (a resumed run reads ``checkpoints/``).
+    """
+    refuse_unsafe_root(root)
     try:
         root.mkdir(parents=True, exist_ok=True)
         lock = (root / LOCK_NAME).open("a+")
@@ -103,30 +116,73 @@ def claimed_output(root: Path, keep: tuple[str, ...] = ()):
         lock.truncate(0)
         lock.write(f"{os.getpid()}\n")
         lock.flush()
-        moves = [move for name in RUN_FOLDERS if name not in keep for move in _set_aside(root, name)]
-        if moves:
-            log.warning("an earlier run's results were moved aside, never deleted: %s",
-                        ", ".join(f"{source} -> {target}" for source, target in moves))
         try:
+            moves = [move for name in RUN_FOLDERS if name not in keep for move in _set_aside_plan(root, name)]
+            remove_unfinished_exports(root)
+            for source, target in moves:
+                _move_aside(source, target)
+            if moves:
+                log.warning("an earlier run's results were moved aside, never deleted: %s",
+                            ", ".join(f"{source} -> {target}" for source, target in moves))
             yield
         finally:
+            remove_unfinished_exports(root)
             (root / LOCK_NAME).unlink(missing_ok=True)
 
 
-def _set_aside(root: Path, name: str) -> list[tuple[Path, Path]]:
-    """Move an earlier run's ``name`` to ``previous-name``, and a ``previous-name`` already there to
-    ``previous-name.N``: it may hold the only copy of a model, or the user's own files. Returns the moves."""
+def refuse_unsafe_root(root: Path) -> None:
+    """Refuse the bundle itself and system folders as the output root: a run writes its folders there."""
+    where = root.resolve()
+    try:
+        home = Path(pwd.getpwuid(os.getuid()).pw_dir).resolve()  # the account's, not whatever $HOME says
+    except KeyError:
+        home = None
+    what = ("the bundle itself (the folder of train.py)" if where == BUNDLE_ROOT else
+            "a system folder" if where in SYSTEM_FOLDERS else "the home folder itself" if where == home else None)
+    if what is not None:
+        raise ConfigError(f"the output root {root} is {what}; a run writes model/, run/, checkpoints/ and data/ into "
+                          "it: set RUNFABRIC_OUTPUT (or output.root) to a folder of its own")
+
+
+def remove_unfinished_exports(root: Path) -> None:
+    """Remove the half-written staging folders that a run's export left when it was killed."""
+    for staging in unfinished_exports(root / "model"):
+        if owned_folders.is_marked(staging):
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _set_aside_plan(root: Path, name: str) -> list[tuple[Path, Path]]:
+    """The moves that set an earlier run's ``name`` aside as ``previous-name``, and a ``previous-name``
+    already there as ``previous-name.N``: it may hold the only copy of a model. Refuses (ConfigError)
+    when either is not a folder a run wrote."""
     earlier, previous = root / name, root / f"previous-{name}"
-    if not earlier.exists():
+    if not os.path.lexists(earlier):
         return []
+    _refuse_unless_owned(earlier)
     moves = []
-    if previous.exists():
+    if os.path.lexists(previous):
+        _refuse_unless_owned(previous)
         suffixes = (p.name.removeprefix(f"{previous.name}.") for p in root.glob(f"{previous.name}.*"))
         older = root / f"{previous.name}.{max((int(s) for s in suffixes if s.isdigit()), default=0) + 1}"
-        previous.rename(older)
         moves.append((previous, older))
-    earlier.rename(previous)
     return [*moves, (earlier, previous)]
+
+
+def _refuse_unless_owned(path: Path) -> None:
+    if owned_folders.is_marked(path):
+        return
+    what = (f"a symbolic link (to {os.readlink(path)})" if path.is_symlink() else "a file" if not path.is_dir()
+            else f"a folder that no run of train.py wrote (it has no {owned_folders.MARK})")
+    raise ConfigError(f"{path} is {what}, and a run neither writes into nor moves what a run did not write: move it "
+                      "elsewhere, or set RUNFABRIC_OUTPUT (or output.root) to another folder")
+
+
+def _move_aside(source: Path, target: Path) -> None:
+    try:
+        source.rename(target)
+    except OSError as error:
+        raise ConfigError(f"cannot move the earlier run's {source} aside to {target} ({error.strerror}); move or "
+                          "remove it yourself, or set RUNFABRIC_OUTPUT (or output.root) to another folder") from None
 
 
 def stream_settings(cfg: RunConfig, encoder: TextEncoder, split: BatchSplit) -> StreamSettings:
@@ -155,8 +211,8 @@ def compile_folder(cfg: RunConfig) -> Path:
     return Path(cfg.output.root) / "data" / "compile-cache"
 
 
-def check_output_budget(cfg: RunConfig) -> None:
-    """Refuse, before any training, a run whose deliverables cannot fit RunFab's output space.
+def output_bytes(cfg: RunConfig) -> tuple[int, int]:
+    """What a run writes into its output root, in bytes: the model export and checkpoints, and the observation files.
 
     The export is fp32 safetensors (4 bytes a parameter); a Lightning checkpoint holds weights
     and AdamW's two moments (12 bytes a parameter), twice while the newest replaces the last.
@@ -167,6 +223,30 @@ def check_output_budget(cfg: RunConfig) -> None:
         parameters = count_parameters(GPT(cfg.model))
     need = 4 * parameters + (2 * 12 * parameters if cfg.trainer.checkpoint_every_steps > 0 else 0)
     observed = len(cfg.observe.profiled()) * (16 << 20) + ((8 << 20) if cfg.observe.memory_update > 0 else 0)
+    return need, observed
+
+
+SMALL_FILES_BYTES = 16 << 20  # beside the weights: configs, the run record, metric lines, the lock
+
+
+def check_output_space(cfg: RunConfig, root: Path) -> None:
+    """Refuse, before any training, a run whose output the filesystem under ``root`` has no room for,
+    rather than fail at the export after all the training."""
+    need, observed = output_bytes(cfg)
+    tokenizer = bundle_path(cfg.data.tokenizer)
+    need += observed + SMALL_FILES_BYTES + (tokenizer.stat().st_size if tokenizer.is_file() else 0)
+    free = shutil.disk_usage(root).free
+    if free < need:
+        raise ConfigError(
+            f"the output root {root} has {free / 2**30:.2f} GiB free but this run writes about {need / 2**30:.2f} GiB "
+            f"there (the model export{', two checkpoints' if cfg.trainer.checkpoint_every_steps > 0 else ''}"
+            f"{', observation files' if observed else ''}); free some space, or set RUNFABRIC_OUTPUT (or "
+            "output.root) to a folder with room")
+
+
+def check_output_budget(cfg: RunConfig) -> None:
+    """Refuse, before any training, a run whose deliverables cannot fit RunFab's output space (output_bytes)."""
+    need, observed = output_bytes(cfg)
     if need + observed > cfg.output.budget_bytes:
         raise ConfigError(
             f"the output would need about {(need + observed) / 2**30:.2f} GiB (model export"
@@ -184,7 +264,9 @@ def run_training(cfg: RunConfig, split: BatchSplit, stdin=None) -> dict:
     in_workers = world > 1 or bool(cfg.trainer.worker_processes)
     check_host_memory(cfg, world, split.microbatch)
     setup_process(cfg)
+    ensure_stdout()
     with claimed_output(Path(cfg.output.root)):
+        check_output_space(cfg, Path(cfg.output.root))
         use_allocator_settings(cfg)
         platform_fraction = platform_memory_fraction()
         encoder = load_encoder(cfg)
@@ -271,17 +353,18 @@ def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
         report_due=report_due,
     )
     observer = ObservationWindows(cfg.observe, run_dir)
+    every = cfg.trainer.checkpoint_every_steps
+    checkpoint_dir = Path(cfg.output.root) / "checkpoints"
     callbacks: list[L.Callback] = [
+        owned_folders.MarkRunFolders([run_dir, *([checkpoint_dir] if every > 0 else [])]),
         observer,  # before the metrics: writing a trace counts as observed time
         metrics,
         ExportModel(model_dir, tokenizer_path),
         RunRecord(model_dir, BUNDLE_ROOT, static, input_summary, compiled, early_end, metrics, observer),
-        GracefulStop(end_input),
+        GracefulStop(end_input, before_exit=functools.partial(remove_unfinished_exports, Path(cfg.output.root))),
         host_memory,
     ]
-    every = cfg.trainer.checkpoint_every_steps
     if every > 0:
-        checkpoint_dir = Path(cfg.output.root) / "checkpoints"
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=every, save_top_k=1))
     callbacks.extend(extra_callbacks)
     progress = cfg.trainer.enable_progress_bar if cfg.trainer.enable_progress_bar is not None else sys.stderr.isatty()
@@ -388,7 +471,11 @@ def run_worker() -> int:
         connection.batches, pool, settings, rank=rank, pin_memory=resolve_accelerator(cfg) == "gpu",
         on_teardown=connection.close,
     )
-    fit(cfg, split, datamodule, encoder, lambda: connection.input_summary, platform_fraction=platform_fraction,
-        early_end=lambda: connection.early_end, report_due=connection.report_due if world > 1 else None)
+    try:
+        fit(cfg, split, datamodule, encoder, lambda: connection.input_summary, platform_fraction=platform_fraction,
+            early_end=lambda: connection.early_end, report_due=connection.report_due if world > 1 else None)
+    except ExportFailed as error:  # one line in the feeder's report of this rank, as in a single process
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     return 0
 

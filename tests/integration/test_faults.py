@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -402,13 +403,14 @@ def test_an_earlier_runs_results_are_moved_aside_and_never_deleted(tmp_path, cap
     """Three runs on one output folder: the second run's model (or metric lines, or checkpoints) is in
     previous-<folder>/, the first's (with a file the user added to it) is kept as previous-<folder>.1/
     instead of being deleted or mixed with a later run's files."""
+    from callbacks.owned_folders import mark
     from runtime.training_run import claimed_output
 
     root = tmp_path / "out"
     for run in (1, 2, 3):
         with claimed_output(root):
             assert not (root / folder).exists()
-            (root / folder).mkdir()
+            mark(root / folder)  # as a run does with each folder it writes
             (root / folder / "run.txt").write_text(str(run))
         if run == 1:
             (root / folder / "notes.txt").write_text("mine")
@@ -445,3 +447,227 @@ def test_a_reader_of_stdout_that_goes_away_costs_the_metric_lines_not_the_run(tm
     record = json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())
     assert record["status"] == "completed" and record["optimizer_steps"] == 60
     assert len((tmp_path / "out" / "run" / "metrics.jsonl").read_text().splitlines()) >= 60
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_probe_stopped_by_sigterm_during_fit_exits_non_zero(tmp_path, devices):
+    """RunFab judges a probe by its exit status alone. Lightning turns a SIGTERM during fit into a
+    SystemExit without a code (status 0), so a stopped probe looked like a microbatch that fits. With
+    several devices the ranks are stopped (the probe process is signalled on its own elsewhere)."""
+    import psutil
+    from omegaconf import OmegaConf
+
+    config = tmp_path / "probe.yaml"  # rows long enough that the second update runs for seconds on a CPU
+    dotlist = ["model.max_seq_len=512", f"trainer.devices={devices}"]
+    OmegaConf.save(OmegaConf.merge(OmegaConf.load(ROOT / "conf/smoke.yaml"), OmegaConf.from_dotlist(dotlist)), config)
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="", RUNFAB_CONFIG=str(config))
+    hook = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import train; train.probe_batch({8 // devices})"
+    process = subprocess.Popen([sys.executable, "-c", hook], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    stderr = Lines(process.stderr)
+    Lines(process.stdout)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(b"rank 0, update 1:" in line for line in stderr.lines):  # fit is under way, one update left
+            assert time.monotonic() < deadline and process.poll() is None, b"".join(stderr.lines).decode()[-3000:]
+            time.sleep(0.05)
+        targets = [process] if devices == 1 else psutil.Process(process.pid).children()
+        assert len(targets) == devices
+        for target in targets:
+            target.send_signal(signal.SIGTERM)
+        returncode = process.wait(timeout=60)
+    finally:
+        process.kill()
+    stderr.thread.join(timeout=10)
+    message = b"".join(stderr.lines).decode()
+    assert returncode != 0, message[-3000:]
+    assert "received SIGTERM during the probe" in message
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_run_started_with_stdout_closed_trains_and_exports(tmp_path, devices):
+    """fd 1 closed at start (sys.stdout is None): the first metric line raised AttributeError and the run
+    ended with nothing exported. Now it is told once, like a reader that went away, and the lines stay
+    in run/metrics.jsonl."""
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+    records = tmp_path / "records.jsonl"
+    records.write_bytes(sample(1400))
+    with records.open("rb") as stdin:
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), *ARGS, "--trainer.max_steps", "6", "--metrics.interval_seconds",
+             "0", "--trainer.devices", str(devices)],
+            stdin=stdin, stderr=subprocess.PIPE, env=env, timeout=180, cwd=tmp_path, preexec_fn=lambda: os.close(1),
+        )
+    stderr = result.stderr.decode()
+    assert result.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.count("stdout is closed") == 1
+    record = json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())
+    assert record["status"] == "completed" and record["optimizer_steps"] == 6
+    assert len((tmp_path / "out" / "run" / "metrics.jsonl").read_text().splitlines()) == 6
+
+
+# ----------------------------------------------------------------------------- the output root
+
+
+@pytest.mark.parametrize("kind", ["folder", "file", "link", "previous"])
+def test_what_no_run_wrote_is_refused_in_one_line_and_left_in_place(tmp_path, kind):
+    """The set-aside moved whatever stood at model/ (a user's folder, a file, a link) and at
+    previous-model/; only folders that carry a run's mark are moved now, and anything else is refused
+    before anything moves."""
+    from callbacks.owned_folders import mark
+    from runtime.training_run import claimed_output
+
+    root = tmp_path / "out"
+    root.mkdir()
+    if kind == "folder":
+        (root / "model").mkdir()
+        (root / "model" / "weights.bin").write_text("the user's own")
+    elif kind == "file":
+        (root / "model").write_text("a file")
+    elif kind == "link":
+        (tmp_path / "elsewhere").mkdir()
+        mark(tmp_path / "elsewhere")  # even a run's folder: the link is not
+        (root / "model").symlink_to(tmp_path / "elsewhere")
+    else:
+        mark(root / "model")
+        (root / "previous-model").mkdir()
+    mark(root / "run")  # an earlier run's, which must not move either while model/ is refused
+    before = sorted((p.relative_to(root).as_posix(), p.is_symlink()) for p in root.rglob("*"))
+    with pytest.raises(ConfigError) as error:
+        with claimed_output(root):
+            pass
+    message = str(error.value)
+    refused = root / ("previous-model" if kind == "previous" else "model")
+    assert message.startswith(f"{refused} is ") and "\n" not in message
+    assert {"folder": "no run of train.py wrote", "file": "a file", "link": "a symbolic link",
+            "previous": "no run of train.py wrote"}[kind] in message
+    assert sorted((p.relative_to(root).as_posix(), p.is_symlink()) for p in root.rglob("*")) == before
+
+
+def test_a_folder_in_the_way_is_refused_before_the_input_is_read(tmp_path):
+    (tmp_path / "out" / "model").mkdir(parents=True)
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *ARGS], input=sample(300), env=env,
+                            capture_output=True, timeout=120, cwd=tmp_path)
+    stderr = result.stderr.decode()
+    assert result.returncode == 2 and "Traceback" not in stderr, stderr[-3000:]
+    assert [line for line in stderr.splitlines() if line.startswith("error: ")] == [
+        f"error: {tmp_path / 'out' / 'model'} is a folder that no run of train.py wrote (it has no .train-py-output), "
+        "and a run neither writes into nor moves what a run did not write: move it elsewhere, or set RUNFABRIC_OUTPUT "
+        "(or output.root) to another folder"]
+    assert "reading records" not in stderr and list((tmp_path / "out" / "model").iterdir()) == []
+
+
+@pytest.mark.parametrize("root", ["bundle", "/", "/usr", "/etc", "/home", "home", "link to /"])
+def test_the_bundle_or_a_system_folder_is_no_output_root(tmp_path, root):
+    """Checked on the check itself: a run on such a root, were the check ever lost, would move things
+    there (/run is one of the names a run sets aside)."""
+    import pwd
+
+    from runtime.training_run import refuse_unsafe_root
+
+    path = {"bundle": ROOT, "home": Path(pwd.getpwuid(os.getuid()).pw_dir)}.get(root, Path(root))
+    if root == "link to /":
+        path = tmp_path / "output"
+        path.symlink_to("/")
+    with pytest.raises(ConfigError, match="set RUNFABRIC_OUTPUT .* to a folder of its own") as error:
+        refuse_unsafe_root(path)
+    assert str(error.value).startswith(f"the output root {path} is ")
+    refuse_unsafe_root(tmp_path / "output-of-its-own")  # an ordinary folder, and the bundle's default output/
+    refuse_unsafe_root(ROOT / "output")
+
+
+def test_an_export_killed_while_writing_is_removed_by_the_next_run(tmp_path):
+    from callbacks.owned_folders import mark
+    from runtime.training_run import claimed_output
+
+    root = tmp_path / "out"
+    mark(root / ".model.tmp-killed")  # a run's staging folder, as export_model marks it before writing
+    (root / ".model.tmp-killed" / "model.safetensors").write_bytes(b"half")
+    (root / ".model.tmp-mine").mkdir()  # not a run's: left alone
+    with claimed_output(root):
+        assert sorted(p.name for p in root.iterdir()) == [".model.tmp-mine", ".run.lock"]
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_second_signal_during_the_export_leaves_no_half_written_model(tmp_path, devices):
+    """SIGTERM, then SIGTERM again while the export writes: the run stops at once, and the staging
+    folder it was writing does not stay behind in the output root (with several devices the rank that
+    exports is killed once trainer.stop_grace_seconds have passed)."""
+    slow_export = tmp_path / "slow_export.py"
+    slow_export.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        import callbacks.export as export
+        write = export.save_file
+        def save_file(*args, **kwargs):  # the weights are written, the rest of the export never comes
+            write(*args, **kwargs)
+            while True:
+                try:
+                    time.sleep(120)
+                except BaseException:  # as a write stuck in the kernel, deaf to Python's exceptions
+                    pass
+        export.save_file = save_file
+        import train
+        sys.exit(train.main(sys.argv[1:]))
+    """))
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+    process = subprocess.Popen(
+        [sys.executable, str(slow_export), *ARGS, "--trainer.max_steps", "2", "--trainer.devices", str(devices),
+         "--trainer.stop_grace_seconds", "5"],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    stderr = Lines(process.stderr)
+    process.stdin.write(sample(1400))
+    process.stdin.close()
+    try:
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "out").glob(".model.tmp-*/model.safetensors")):
+            assert time.monotonic() < deadline and process.poll() is None, b"".join(stderr.lines).decode()[-3000:]
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        process.send_signal(signal.SIGTERM)
+        returncode = process.wait(timeout=60)
+    finally:
+        process.kill()
+    stderr.thread.join(timeout=10)
+    assert returncode != 0, b"".join(stderr.lines).decode()[-3000:]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".model")) == []
+    assert not (tmp_path / "out" / "model").exists()
+
+
+def test_an_output_filesystem_without_room_is_refused_before_the_input_is_read(tmp_path, monkeypatch, capsys):
+    """A full output filesystem failed the export with a raw ENOSPC traceback after all the training."""
+    import shutil
+    from collections import namedtuple
+
+    import cli
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 30, (10 << 30) - (1 << 20), 1 << 20))
+    monkeypatch.setattr(training_run, "open_input", lambda *args: pytest.fail("the input was opened"))
+    monkeypatch.setenv("RUNFABRIC_OUTPUT", str(tmp_path / "out"))
+    assert cli.main([*ARGS, "--data.source", "sample"], train.EFFECTIVE_BATCH_SIZE) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "has 0.00 GiB free but this run writes about" in errors[0], errors
+    assert not (tmp_path / "out" / "model").exists()
+
+
+def test_an_export_that_still_fails_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    import errno
+
+    import callbacks.export
+    import cli
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(callbacks.export, "save_file", full)
+    monkeypatch.setenv("RUNFABRIC_OUTPUT", str(tmp_path / "out"))
+    assert cli.main([*ARGS, "--data.source", "sample", "--trainer.max_steps", "2"], train.EFFECTIVE_BATCH_SIZE) == 2
+    stderr = capsys.readouterr().err
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert "failed after 2 optimizer steps: No space left on device; nothing was exported" in errors[0]
+    assert not (tmp_path / "out" / "model").exists() and not list((tmp_path / "out").glob(".model*"))

@@ -123,7 +123,8 @@ def test_runfab_path_never_imports_jsonargparse():
 @pytest.mark.parametrize("override, says", [
     ("model.n_layer=0", "model.n_layer must be at least 1, not 0"),
     ("model.n_head=0", "model.n_head must be at least 1"),  # was a ZeroDivisionError in the divisibility check
-    ("model.max_seq_len=0", "model.max_seq_len must be at least 1"),
+    ("model.max_seq_len=0", "model.max_seq_len must be at least 2"),
+    ("model.max_seq_len=1", "model.max_seq_len must be at least 2"),  # no target token: ZeroDivisionError in training
     ("trainer.devices=0", "trainer.devices must be at least 1"),
     ("trainer.val_every_steps=-5", "trainer.val_every_steps must be >= 0"),
     ("trainer.precision=garbage", "trainer.precision must be one of 32-true"),
@@ -136,13 +137,46 @@ def test_runfab_path_never_imports_jsonargparse():
     ("model.compile_scope=x", "with the command line's overrides"),  # a command-line value is not the file's fault
     ("trainer.max_steps=-1", "trainer.max_steps is -1 (until the input ends), so the cosine schedule has no horizon"),
     ("optim.decay_steps=0", "optim.decay_steps must be >= 1"),
+    # NaN and infinities slipped through the range checks: the run diverged, never learned or never reported
+    ("optim.lr=inf", "optim.lr must be a finite number, not inf"),
+    ("optim.eps=inf", "optim.eps must be a finite number"),  # every update is zero
+    ("optim.weight_decay=inf", "optim.weight_decay must be a finite number"),
+    ("optim.grad_clip=inf", "optim.grad_clip must be a finite number"),
+    ("model.layer_norm_eps=nan", "model.layer_norm_eps must be a finite number"),
+    ("model.init_std=inf", "model.init_std must be a finite number"),
+    ("metrics.interval_seconds=nan", "metrics.interval_seconds must be a finite number"),
+    ("metrics.interval_seconds=inf", "metrics.interval_seconds must be a finite number"),
+    ("metrics.peak_flops=nan", "metrics.peak_flops must be a finite number"),
+    ("trainer.memory_headroom_gib=nan", "trainer.memory_headroom_gib must be a finite number"),
+    ("trainer.host_memory_budget_gib=nan", "trainer.host_memory_budget_gib must be a finite number"),
+    ("trainer.ddp_bucket_cap_mb=inf", "trainer.ddp_bucket_cap_mb must be a finite number"),
+    # Lightning's seed_everything raised for a seed numpy does not take
+    ("seed=-1", "seed must be a whole number in 0..4294967295"),
+    ("seed=4294967296", "seed must be a whole number in 0..4294967295"),
+    ("trainer.max_time=00:00:-1:90", "none negative"),
+    ("trainer.max_time=00:00:00:99999999999999999999", "must each be below"),  # was an OverflowError
+    ("trainer.max_time=00:01:00:00 trainer.export_reserve_seconds=99999999999999999", "must each be below"),
+    ("metrics.peak_flops=-1", "metrics.peak_flops must be >= 0"),  # a negative mfu
+    ("model.activation_memory_budget=-0.5", "model.activation_memory_budget must lie in [0, 1]"),
+    ("output.budget_bytes=0", "output.budget_bytes must be at least 1"),
+    ("observe.memory_history_entries=0", "observe.memory_history_entries must be at least 1"),
 ])
 def test_a_value_no_run_can_use_is_refused_when_the_config_loads(override, says):
     from config import ConfigError
 
     with pytest.raises(ConfigError) as caught:
-        load_config("conf/smoke.yaml", [override])
+        load_config("conf/smoke.yaml", override.split())
     assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("option", [["--model.max_seq_len", "1"], ["--seed", "-1"]])
+def test_a_value_no_run_can_use_is_one_line_and_exit_2_on_the_command_line(tmp_path, option):
+    proc = run_train_py("--config", "conf/smoke.yaml", "--data.source", "sample", *option, cwd=tmp_path,
+                        output=tmp_path / "out")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and option[0].removeprefix("--") in errors[0], proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_config_file_that_is_not_a_mapping_is_refused(tmp_path):

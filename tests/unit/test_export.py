@@ -155,3 +155,26 @@ def test_callback_exports_on_rank_zero_only(gpt, tokenizer_path, tmp_path):
     callback.on_train_end(SimpleNamespace(is_global_zero=True, global_step=3), module)
     hf_model, _ = load(tmp_path / "hf")
     assert max_logit_diff(hf_model, gpt) < 1e-4
+
+
+def test_the_callback_marks_its_folder_and_a_failed_write_is_one_line_with_nothing_left(
+        gpt, tokenizer_path, tmp_path, monkeypatch):
+    import errno
+
+    import callbacks.export
+    from callbacks.export import ExportFailed
+    from callbacks.owned_folders import is_marked
+
+    trained = SimpleNamespace(is_global_zero=True, global_step=3)
+    ExportModel(tmp_path / "hf", tokenizer_path).on_train_end(trained, SimpleNamespace(model=gpt))
+    assert is_marked(tmp_path / "hf")  # a later run may set it aside
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(callbacks.export, "save_file", full)
+    with pytest.raises(ExportFailed) as error:
+        ExportModel(tmp_path / "again", tokenizer_path).on_train_end(trained, SimpleNamespace(model=gpt))
+    assert "failed after 3 optimizer steps: No space left on device" in str(error.value)
+    assert "\n" not in str(error.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging folder left behind
