@@ -18,6 +18,7 @@ import json
 import logging
 import random
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -37,6 +38,13 @@ EXPECTED_RECORD = 'NDJSON records, one JSON object per line, with "text" (a non-
 
 class UnusableInputError(RuntimeError):
     """The stream holds nothing this trainer can learn from (for example image records)."""
+
+
+OTHER_KIND_RECORDS = 256
+"""JSON records of another kind (no "text" or "input_ids" field, or not an object), with no usable
+record before them, after which the stream is refused: image records, say, are not text to skip past."""
+
+PROGRESS_SECONDS = 10.0  # at most one line on stderr this often about records skipped
 
 
 @dataclass
@@ -69,12 +77,25 @@ class StreamStats:
     end_of_input: bool = False  # the reader reached the end of the stream
     drained: bool = False  # and the flow behind it used up everything it had read (or hit its token budget)
     training_wait_seconds: float = 0.0  # time training sat waiting for its next microbatch (after the first)
+    skipped: int = 0  # rejected records, all reasons together
     fingerprint: str = ""
     _sha: object = field(default_factory=hashlib.sha256, repr=False)
+    _progress_at: float | None = field(default=None, repr=False)
 
     def count_bytes(self, chunk: bytes) -> None:
         self.bytes_read += len(chunk)
         self._sha.update(chunk)
+
+    def reject(self, reason: str) -> None:
+        """Count a skipped record; say so on stderr, at most every PROGRESS_SECONDS (the first at once),
+        so that a long run of bad records is visibly read past rather than silently waited on."""
+        self.rejected[reason] += 1
+        self.skipped += 1
+        now = time.monotonic()
+        if self._progress_at is None or now - self._progress_at >= PROGRESS_SECONDS:
+            self._progress_at = now
+            log.warning("input: %d skipped so far (%s), %d accepted; reading on", self.skipped,
+                        _counts(self.rejected), self.accepted)
 
     def as_dict(self) -> dict:
         self.fingerprint = self._sha.hexdigest()
@@ -175,7 +196,12 @@ def parse_record(line: bytes, vocab_size: int) -> Document | str:
 def read_records(
     stream: BinaryIO, stats: StreamStats, vocab_size: int, max_record_bytes: int, give_up_after: int
 ) -> Iterator[Document]:
-    """Validate each line; count rejects by reason; refuse a stream with nothing usable early."""
+    """Validate each line; count rejects by reason and read on past them.
+
+    Before the first usable record, the stream is refused once ``give_up_after`` records were
+    rejected, or OTHER_KIND_RECORDS records of another kind (image records, say) were seen; and at
+    its end if it held no usable record at all.
+    """
     for line in _read_lines(stream, max_record_bytes, stats):
         stats.records += 1
         if line is None:
@@ -186,21 +212,29 @@ def read_records(
                 continue
             outcome = parse_record(line, vocab_size)
         if isinstance(outcome, Document):
+            if stats.accepted == 0 and stats.skipped:
+                log.warning("input: first usable record at line %d, after %d skipped (%s)", stats.records,
+                            stats.skipped, _counts(stats.rejected))
             stats.accepted += 1
             yield outcome
             continue
-        stats.rejected[outcome] += 1
+        stats.reject(outcome)
         if outcome == "no_text_or_input_ids" and stats.rejected[outcome] <= 8:
             stats.rejected_keys.update(list(json.loads(line))[:16])
-        if stats.accepted == 0 and stats.records >= give_up_after:
+        if stats.accepted == 0 and (stats.skipped >= give_up_after or stats.rejected["no_text_or_input_ids"]
+                                    + stats.rejected["not_an_object"] >= OTHER_KIND_RECORDS):
             raise UnusableInputError(unusable_message(stats))
     stats.end_of_input = True
     if stats.accepted == 0:
         raise UnusableInputError(unusable_message(stats))
 
 
+def _counts(rejected: Counter) -> str:
+    return ", ".join(f"{n} {reason}" for reason, n in rejected.most_common())
+
+
 def unusable_message(stats: StreamStats) -> str:
-    found = ", ".join(f"{n} {reason}" for reason, n in stats.rejected.most_common()) or "no records"
+    found = _counts(stats.rejected) or "no records"
     keys = ", ".join(k for k, _ in stats.rejected_keys.most_common(8))
     seen = f"; fields seen: {keys}" if keys else ""
     return (
@@ -445,7 +479,7 @@ class DataConfig:
     sample_path: str = "data/sample.jsonl"  # the bundled sample (data.source sample, or a terminal)
     microbatch: int = 8  # for local runs only: RunFab chooses its own
     max_record_bytes: int = RECORD_BYTES  # RunFab's limit per record
-    give_up_after: int = 256  # rejected records, with none usable, before the stream is refused
+    give_up_after: int = 1_000_000  # rejected records, with none usable, before the stream is refused (records of another kind: 256)
     tokenize_batch_docs: int = 256  # documents per tokenizer call (its threads pay off on batches)
     tokenize_batch_bytes: int = 8 << 20  # bound of a tokenizer call in bytes of text (the first bound reached flushes)
     tokenizer_threads: int = 2  # tiktoken encoding threads (RunFab has 2 cores)
@@ -504,7 +538,7 @@ def stream_updates(
         yield split_update(update, s.world_size, s.microbatch, stats)
     stats.drained = True
     if stats.updates == 0:
-        rejected = ", ".join(f"{n} {reason}" for reason, n in stats.rejected.most_common()) or "none"
+        rejected = _counts(stats.rejected) or "none"
         raise UnusableInputError(
             f"the input ended before one complete update: an update is {s.rows_per_update} rows of {s.seq_len} "
             f"tokens ({s.rows_per_update * s.seq_len} tokens), the input gave {stats.document_tokens} tokens "

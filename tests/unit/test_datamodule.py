@@ -46,7 +46,7 @@ def ndjson(*records) -> bytes:
     return b"".join((r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in records)
 
 
-def reader(data: bytes, max_bytes: int = 1 << 20, give_up_after: int = 256) -> tuple[list, StreamStats]:
+def reader(data: bytes, max_bytes: int = 1 << 20, give_up_after: int = DataConfig.give_up_after) -> tuple[list, StreamStats]:
     stats = StreamStats(source="test")
     docs = list(read_records(io.BytesIO(data), stats, VOCAB, max_bytes, give_up_after))
     return docs, stats
@@ -135,8 +135,8 @@ def test_an_image_stream_is_refused_quickly_naming_what_was_expected_and_found()
             return next(self.lines)
 
     start = time.perf_counter()
-    with pytest.raises(UnusableInputError) as error:
-        list(read_records(Stream(), StreamStats(source="stdin"), VOCAB, 1 << 20, 256))
+    with pytest.raises(UnusableInputError) as error:  # under the default bound on rejected records
+        list(read_records(Stream(), StreamStats(source="stdin"), VOCAB, 1 << 20, DataConfig().give_up_after))
     assert time.perf_counter() - start < 10
     message = str(error.value)
     assert '"text"' in message and '"input_ids"' in message and "image_b64" in message
@@ -145,6 +145,31 @@ def test_an_image_stream_is_refused_quickly_naming_what_was_expected_and_found()
 def test_a_stream_without_any_usable_record_fails_at_its_end():
     with pytest.raises(UnusableInputError, match="no usable record"):
         reader(ndjson(b"{bad", {"foo": 1}))
+
+
+def test_bad_records_before_the_first_good_one_are_read_past_and_reported_on_stderr(caplog):
+    """100,000 empty texts, then good records: bad records never stop a run, however many lead."""
+    good = [{"text": f"good record {i}"} for i in range(1500)]
+    docs, stats = reader(ndjson({"text": ""}) * 100_000 + ndjson(*good))
+    assert [d.text for d in docs] == [r["text"] for r in good]
+    assert stats.rejected == {"empty_text": 100_000} and stats.accepted == 1500
+    said = caplog.text
+    assert "input: 1 skipped so far (1 empty_text), 0 accepted; reading on" in said  # as soon as a record is skipped
+    assert "first usable record at line 100001, after 100000 skipped (100000 empty_text)" in said
+
+
+def test_records_of_another_kind_are_refused_early_and_only_an_endless_run_of_bad_ones_later():
+    image = {"image_b64": "AAAA", "labels": [], "boxes": [], "class_ids": [], "id": "x", "split": "train", "epoch": 0}
+    after_blanks = ndjson({"text": " "}) * 5000 + ndjson(image) * 10_000 + ndjson({"text": "never reached"})
+    with pytest.raises(UnusableInputError, match=r"first 5256 lines.*256 no_text_or_input_ids.*fields seen: .*image_b64"):
+        reader(after_blanks)
+    with pytest.raises(UnusableInputError, match="256 not_an_object"):  # valid JSON, but not records at all
+        reader(ndjson([1, 2, 3]) * 1000)
+    with pytest.raises(UnusableInputError, match="first 300 lines.*300 invalid_json"):  # the bound, set low
+        reader(ndjson(b"{bad") * 1000 + ndjson({"text": "late"}), give_up_after=300)
+    docs, stats = reader(ndjson(image) * 100 + ndjson({"text": "first"}, *([image] * 1000), {"text": "second"}))
+    assert [d.text for d in docs] == ["first", "second"]  # once the stream has given text, any record is only skipped
+    assert stats.rejected == {"no_text_or_input_ids": 1100}
 
 
 # ----------------------------------------------------------------------------- packing
