@@ -246,19 +246,54 @@ def unusable_message(stats: StreamStats) -> str:
 # ----------------------------------------------------------------------------- tokenize
 
 
+ENCODER_INTERRUPTS = (KeyboardInterrupt, SystemExit)  # what an encoder raises that is not about the text
+
+
 def encode_documents(
     docs: Iterable[Document], encode_batch: Callable[[list[str]], list[np.ndarray]], eos_id: int, stats: StreamStats,
     batch_docs: int, batch_bytes: int,
 ) -> Iterator[tuple[bytes, np.ndarray]]:
-    """Tokenize text in bounded batches (the encoder's threads pay off on batches); EOS ends every document."""
+    """Tokenize text in bounded batches (the encoder's threads pay off on batches); EOS ends every document.
+
+    A batch the encoder fails on is encoded again one document at a time, and a document it still
+    fails on is rejected as ``untokenizable_text``: one record never ends the run, and a batch that
+    encodes costs nothing more.
+    """
     pending: list[Document] = []
     pending_bytes = 0
+    told = False
+
+    def encode_alone(text: str) -> np.ndarray | None:
+        nonlocal told
+        try:
+            return encode_batch([text])[0]
+        except ENCODER_INTERRUPTS:
+            raise
+        except BaseException as error:  # a PyO3 tokenizer's panic (PanicException) is a BaseException
+            if not told:
+                told = True
+                log.warning("input: the tokenizer failed on a record of %d characters (%s: %s); such records are "
+                            "skipped and counted as untokenizable_text", len(text), type(error).__name__,
+                            str(error)[:200])
+            stats.accepted -= 1
+            stats.reject("untokenizable_text")
+            return None
+
+    def encode(texts: list[str]) -> list[np.ndarray | None]:
+        try:
+            return encode_batch(texts)
+        except ENCODER_INTERRUPTS:
+            raise
+        except BaseException:
+            return [encode_alone(text) for text in texts]
 
     def flush() -> Iterator[tuple[bytes, np.ndarray]]:
         texts = [d.text for d in pending if d.text is not None]
-        encoded = iter(encode_batch(texts)) if texts else iter(())
+        encoded = iter(encode(texts)) if texts else iter(())
         for doc in pending:
             ids = doc.ids if doc.ids is not None else next(encoded)
+            if ids is None:
+                continue
             tokens = np.empty(len(ids) + 1, dtype=np.int32)  # one copy, EOS included
             tokens[:-1] = ids
             tokens[-1] = eos_id

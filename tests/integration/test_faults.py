@@ -184,6 +184,23 @@ def test_a_hostile_deeply_nested_record_is_skipped_and_counted(tmp_path):
     assert record["status"] == "completed" and record["optimizer_steps"] == record["input"]["updates"] > 20
 
 
+def test_leading_bad_records_and_one_the_fast_tokenizer_gives_up_on_cost_only_themselves(tmp_path):
+    """100,000 empty texts, then a valid record holding a million spaces (tiktoken's regex gives up on
+    it), then text: the run trains on everything usable and exits 0."""
+    spaces = json.dumps({"text": "start" + " " * 1_000_500 + "end"}).encode() + b"\n"
+    data = b'{"text": ""}\n' * 100_000 + spaces + sample(400)
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="", RUST_BACKTRACE="0")
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *ARGS, "--trainer.max_steps", "3"], input=data,
+                            env=env, capture_output=True, timeout=300, cwd=tmp_path)
+    stderr = result.stderr.decode()
+    assert result.returncode == 0, stderr[-3000:]
+    assert "first usable record at line 100001, after 100000 skipped (100000 empty_text)" in stderr
+    record = json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())
+    assert record["status"] == "completed" and record["optimizer_steps"] == 3
+    assert record["input"]["rejected"] == {"empty_text": 100_000}
+    assert record["input"]["accepted"] == record["input"]["records"] - 100_000 > 0
+
+
 class FailingStdin(io.RawIOBase):
     """Gives ``data``, then fails like a broken input device."""
 

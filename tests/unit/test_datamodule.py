@@ -22,6 +22,7 @@ from stages import (
     balance_ranks,
     collate_rows,
     DataConfig,
+    encode_documents,
     is_held_out,
     pack_rows,
     parse_record,
@@ -170,6 +171,25 @@ def test_records_of_another_kind_are_refused_early_and_only_an_endless_run_of_ba
     docs, stats = reader(ndjson(image) * 100 + ndjson({"text": "first"}, *([image] * 1000), {"text": "second"}))
     assert [d.text for d in docs] == ["first", "second"]  # once the stream has given text, any record is only skipped
     assert stats.rejected == {"no_text_or_input_ids": 1100}
+
+
+def test_a_record_the_tokenizer_fails_on_is_rejected_alone_and_a_batch_that_encodes_costs_one_call(caplog):
+    calls = []
+
+    def encode(texts):
+        calls.append(len(texts))
+        if any("\x00" in t for t in texts):
+            raise ValueError("Regex error while tokenizing")
+        return fake_encode(texts)
+
+    records = [{"text": f"doc {i}" + ("\x00" if i == 10 else "")} for i in range(20)] + [{"input_ids": [5, 6]}]
+    docs, stats = reader(ndjson(*records))
+    out = list(encode_documents(docs, encode, 0, stats, batch_docs=8, batch_bytes=1 << 20))
+    assert calls == [8, 8, *[1] * 8, 4]  # only the batch that failed is encoded again, one document at a time
+    assert [key for key, _ in out] == [f"doc {i}".encode() for i in range(20) if i != 10] + [out[-1][0]]
+    assert out[-1][1].tolist() == [5, 6, 0]
+    assert stats.rejected == {"untokenizable_text": 1} and stats.accepted == stats.documents == 20
+    assert "the tokenizer failed on a record of 7 characters (ValueError: Regex error while tokenizing)" in caplog.text
 
 
 # ----------------------------------------------------------------------------- packing
@@ -472,22 +492,34 @@ def test_finish_ends_every_rank_at_the_same_update_while_the_input_is_silent(wor
     feeder.close()
 
 
+class BrokenAfter(io.RawIOBase):
+    """Gives ``data``, then fails like a broken input device."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        if not self.data:
+            raise OSError(5, "Input/output error")
+        n = min(len(buffer), len(self.data))
+        buffer[:n], self.data = self.data[:n], self.data[n:]
+        return n
+
+
 def test_an_input_error_after_training_started_ends_the_stream_and_is_kept():
     good = ndjson(*({"input_ids": [3] * 50} for _ in range(40)))
-
-    def failing_encode(texts):
-        raise RuntimeError("tokenizer crashed")
-
     s = settings(val_fraction=0.0, tokenize_batch_docs=1)
-    feeder = UpdateFeeder(lambda: (io.BytesIO(good + ndjson({"text": "boom"})), "test"), s, failing_encode,
-                          ValidationPool(0))
+    feeder = UpdateFeeder(lambda: (io.BufferedReader(BrokenAfter(good)), "test"), s, fake_encode, ValidationPool(0))
     microbatches = list(feeder.iterate())  # no exception: the updates before the failure are trained
     assert len(microbatches) == feeder.stats.updates * s.accumulation > 0
-    assert isinstance(feeder.input_error, RuntimeError) and "tokenizer crashed" in feeder.early_end
+    assert isinstance(feeder.input_error, OSError) and "Input/output error" in feeder.early_end
 
-    early = UpdateFeeder(lambda: (io.BytesIO(ndjson({"text": "boom"}) + good), "test"), s, failing_encode,
+    early = UpdateFeeder(lambda: (io.BufferedReader(BrokenAfter(ndjson({"text": "few"}))), "test"), s, fake_encode,
                          ValidationPool(0))
-    with pytest.raises(RuntimeError, match="tokenizer crashed"):  # nothing trained yet: the run fails as it is
+    with pytest.raises(OSError, match="Input/output error"):  # nothing trained yet: the run fails as it is
         list(early.iterate())
 
 
