@@ -201,6 +201,60 @@ def test_leading_bad_records_and_one_the_fast_tokenizer_gives_up_on_cost_only_th
     assert record["input"]["accepted"] == record["input"]["records"] - 100_000 > 0
 
 
+WRITER = """
+import sys, time
+lines = open(sys.argv[1], "rb").readlines()
+out = sys.stdout.buffer
+
+def trickle(records):
+    for line in records:
+        out.write(line)
+        out.flush()
+        time.sleep(0.1)
+
+trickle(lines[:1])
+sys.stdin.readline()  # go: the trainer is reading
+trickle(lines[1:30])
+time.sleep(5)  # a pause, stdin open
+trickle(lines[30:60])
+sys.stdin.read()  # stdin stays open until the test closes this writer's input
+"""
+
+
+def test_a_slow_stream_trains_as_it_arrives_and_reports_its_waits(tmp_path):
+    """Records trickle in from a writer process, then pause, then trickle again: metric lines come
+    before the end of the input, and the time training waited for records is reported as waiting."""
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(ROOT / "data/sample.jsonl")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE)
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+    process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *ARGS, "--model.max_seq_len", "32",
+                                "--trainer.max_steps", "-1"], stdin=writer.stdout, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    writer.stdout.close()  # the trainer's now
+    try:
+        stdout, stderr = Lines(process.stdout), Lines(process.stderr)
+        deadline = time.monotonic() + 90
+        while not any(b"reading records from stdin" in line for line in stderr.lines):
+            assert time.monotonic() < deadline and process.poll() is None, b"".join(stderr.lines).decode()[-3000:]
+            time.sleep(0.1)
+        writer.stdin.write(b"go\n")
+        writer.stdin.flush()
+        while not any(json.loads(line).get("training_wait_seconds", 0) > 0 for line in stdout.lines):
+            assert time.monotonic() < deadline and process.poll() is None, b"".join(stderr.lines).decode()[-3000:]
+            time.sleep(0.1)
+        assert writer.poll() is None  # the input has not ended: training went on while it trickled
+        waited = [json.loads(line) for line in stdout.lines if json.loads(line)["training_wait_seconds"] > 0][0]
+        writer.stdin.close()  # the writer exits: the end of the input
+        assert process.wait(timeout=90) == 0, b"".join(stderr.lines).decode()[-3000:]
+    finally:
+        process.kill()
+        writer.kill()
+    assert waited["step"] >= 2 and waited["elapsed_seconds"] > waited["training_wait_seconds"] > 0
+    record = json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())
+    assert record["status"] == "completed" and record["input"]["records"] == 60
+    assert record["input"]["training_wait_seconds"] >= waited["training_wait_seconds"]
+
+
 class FailingStdin(io.RawIOBase):
     """Gives ``data``, then fails like a broken input device."""
 

@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from feeder import UpdateFeeder
+import lightning as L
+
+from datamodule import StreamingDataModule
+from feeder import INPUT_PENDING, UpdateFeeder
 
 from sources import DescriptorReader, open_input
 
@@ -23,6 +26,7 @@ from stages import (
     collate_rows,
     DataConfig,
     encode_documents,
+    INPUT_IDLE,
     is_held_out,
     pack_rows,
     parse_record,
@@ -294,6 +298,28 @@ def test_shuffle_respects_its_token_bound():
     assert len(first) == 50  # released as soon as the buffer passed 500 tokens
 
 
+def test_an_idle_input_releases_an_updates_worth_of_the_shuffle_buffer_at_once():
+    docs = docs_of([10] * 50)
+    pulled = []
+
+    def source():
+        for i, d in enumerate(docs):
+            if i == 30:
+                pulled.append("idle")
+                yield INPUT_IDLE
+            pulled.append(i)
+            yield d
+
+    out, seen = [], []
+    for d in shuffle_documents(source(), max_docs=100, max_tokens=10**9, seed=7, idle_release_tokens=45):
+        out.append(d)
+        seen.append(pulled[-1])
+    assert seen[:5] == ["idle"] * 5 and seen[5:] == [49] * 45  # 5 of 10 tokens at the idle moment, the rest at the end
+    assert sorted(id(d) for d in out) == sorted(id(d) for d in docs)
+    fast = list(shuffle_documents(iter(docs), max_docs=100, max_tokens=10**9, seed=7, idle_release_tokens=45))
+    assert [id(d) for d in fast] == [id(d) for d in shuffle_documents(iter(docs), 100, 10**9, 7)]  # no idle: as seeded
+
+
 def test_held_out_documents_are_chosen_by_content_not_by_order():
     docs = [(f"doc {i}".encode(), np.arange(i % 7 + 1, dtype=np.int32)) for i in range(4000)]
     chosen = {key for key, _ in docs if is_held_out(key, 0.05)}
@@ -428,6 +454,71 @@ def test_the_descriptor_reader_reads_lines_as_a_buffered_reader_does():
     os.close(read_end)
 
 
+def test_the_descriptor_reader_calls_a_silent_pipe_and_a_trickle_idle_and_a_full_one_never():
+    read_end, write_end = os.pipe()
+    ours = DescriptorReader(read_end)
+    os.write(write_end, b'{"text": "par')
+    start = time.monotonic()
+    assert ours.readline_or_idle(-1, 0.3) is None and time.monotonic() - start >= 0.3
+    os.write(write_end, b'tial"}\n')
+    assert ours.readline_or_idle(-1, 0.3) == b'{"text": "partial"}\n'  # the part read before the idle is kept
+
+    def trickle():
+        for i in range(12):
+            time.sleep(0.1)
+            os.write(write_end, b"line %d\n" % i)
+        os.close(write_end)
+
+    writer = threading.Thread(target=trickle)
+    writer.start()
+    got = [ours.readline_or_idle(-1, 0.35) for _ in range(40)]
+    writer.join()
+    lines = [line for line in got if line]
+    assert lines == [b"line %d\n" % i for i in range(12)]
+    assert None in got[: got.index(b"line 11\n")]  # no gap of 0.35 s, but the waits add up to one
+    os.close(read_end)
+
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"x\n" * 1000)
+    os.close(write_end)
+    ours = DescriptorReader(read_end, chunk_bytes=64)
+    assert [ours.readline_or_idle(-1, 0.01) for _ in range(1001)] == [b"x\n"] * 1000 + [b""]
+    os.close(read_end)
+
+
+def test_a_trickle_of_records_trains_before_the_input_ends_and_the_buffers_stay_bounded():
+    """Records at about 20 a second into a shuffle buffer of 10,000 documents and tokenizer batches of
+    256: the first update comes while the writer is still writing, not at the end of the input."""
+    read_end, write_end = os.pipe()
+    records = [ndjson({"text": "w" * 50 + str(i)}) for i in range(200)]
+    written, close = [], threading.Event()
+
+    def write():
+        for record in records:
+            os.write(write_end, record)
+            written.append(record)
+            time.sleep(0.05)
+            if close.is_set():
+                break
+        close.wait(30)
+        os.write(write_end, b"".join(records[len(written):]))
+        os.close(write_end)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    s = settings(val_fraction=0.0, shuffle_buffer_docs=10_000, tokenize_batch_docs=256, input_idle_seconds=0.2)
+    stats = StreamStats()
+    flow = stream_updates(DescriptorReader(read_end), s, fake_encode, stats, ValidationPool(0))
+    first = next(flow)
+    read, arrived = stats.records, len(written)
+    close.set()
+    rest = list(flow)
+    writer.join(timeout=30)
+    os.close(read_end)
+    assert read <= arrived < len(records)  # an update while the input was still arriving
+    assert first[0][0]["update_target_tokens"] > 0 and stats.documents == 200 and len(rest) + 1 == stats.updates
+
+
 def test_feeder_start_is_safe_from_several_threads_at_once():
     s = settings(val_fraction=0.0, world_size=2)
     errors = []
@@ -521,6 +612,37 @@ def test_an_input_error_after_training_started_ends_the_stream_and_is_kept():
                          ValidationPool(0))
     with pytest.raises(OSError, match="Input/output error"):  # nothing trained yet: the run fails as it is
         list(early.iterate())
+
+
+def test_each_update_is_trained_before_the_stream_is_asked_for_the_next_and_the_wait_is_measured():
+    """Lightning fetches one microbatch ahead: without a stand-in for a microbatch that has not
+    arrived, the last microbatch of every update would wait, untrained, for the next update."""
+    from lit_module import GPTTrainingModule, OptimConfig
+    from model import GPTConfig
+
+    rng = np.random.default_rng(0)
+    rows = [Row(rng.integers(0, 50, 16).astype(np.int32), np.arange(16, dtype=np.int32)) for _ in range(16)]
+    updates = [split_update(rows[i : i + 4], 1, 2, StreamStats())[0] for i in range(0, 16, 4)]
+    trainer = L.Trainer(accelerator="cpu", max_steps=10, max_epochs=1, accumulate_grad_batches=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0)
+    steps_when_asked = []
+
+    def stream():
+        for k, update in enumerate(updates):
+            if k:
+                yield INPUT_PENDING  # the next update has not arrived
+                steps_when_asked.append(trainer.global_step)
+                time.sleep(0.2)  # and arrives after a while
+            yield from update
+        yield INPUT_PENDING  # then the input ends
+
+    torch.manual_seed(0)
+    module = GPTTrainingModule(GPTConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=16, max_seq_len=16), OptimConfig())
+    datamodule = StreamingDataModule(stream, ValidationPool(0), settings())
+    trainer.fit(module, datamodule=datamodule)
+    assert trainer.global_step == 4 and steps_when_asked == [1, 2, 3]
+    assert 0.6 <= datamodule.input_wait_seconds < 5
 
 
 def test_collate_finds_the_documents_and_targets_as_the_model_would():
