@@ -6,21 +6,54 @@ The stream is the feeder's queue (feeder.py) in a single process, or the feeder'
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
+from pipeline.feeder import INPUT_PENDING
 from pipeline.stages import StreamSettings, StreamStats, ValidationPool, collate_rows, pack_rows
 
 
+class PendingMicrobatch:
+    """Stands in for the first microbatch of an update that had not arrived when Lightning fetched it.
+
+    Lightning fetches one microbatch ahead of the one it trains, so without a stand-in the last
+    microbatch of an update would wait, untrained, until the next update arrived: on a slow input
+    every optimizer step would lag one update behind the data. ``batch`` is filled in (or stays
+    None at the end of the stream) before Lightning uses the stand-in: it fetches the next item first.
+    """
+
+    batch: dict | None = None
+
 
 class _BatchStream(IterableDataset):
+    """The stream's microbatches, a PendingMicrobatch where one has not arrived, and how long
+    training waited for input (``wait_seconds``: while resolving stand-ins)."""
+
     def __init__(self, batches: Callable[[], Iterator[dict]]) -> None:
         self.batches = batches
+        self.wait_seconds = 0.0
 
-    def __iter__(self) -> Iterator[dict]:
-        return self.batches()
+    def __iter__(self) -> Iterator[dict | PendingMicrobatch]:
+        pending: PendingMicrobatch | None = None
+        waiting_since = 0.0
+        for item in self.batches():
+            if item is INPUT_PENDING:
+                if pending is None:
+                    pending = PendingMicrobatch()
+                    yield pending
+                    waiting_since = time.perf_counter()  # Lightning asks for the next item: training waits now
+                continue
+            if pending is not None:
+                pending.batch = item
+                self.wait_seconds += time.perf_counter() - waiting_since
+                pending = None
+                continue
+            yield item
+        if pending is not None:
+            self.wait_seconds += time.perf_counter() - waiting_since
 
 
 class _ValidationDataset(IterableDataset):
@@ -39,7 +72,8 @@ class _ValidationDataset(IterableDataset):
 class StreamingDataModule(L.LightningDataModule):
     """Training batches from a stream of complete updates (this rank's share); validation from the held-out pool.
 
-    The stream is the feeder's queue in a single process, or the feeder's socket in a data-parallel worker.
+    The stream is the feeder's queue in a single process, or the feeder's socket in a data-parallel
+    worker; either may give INPUT_PENDING where the input keeps training waiting.
     """
 
     def __init__(
@@ -51,14 +85,30 @@ class StreamingDataModule(L.LightningDataModule):
         self.rank = rank
         self.pin_memory = pin_memory
         self.on_teardown = on_teardown
+        self._stream = _BatchStream(batches)
+
+    @property
+    def input_wait_seconds(self) -> float:
+        """Seconds training has waited for input since its first update (the wait for the first is startup)."""
+        return self._stream.wait_seconds
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_BatchStream(self.batches), batch_size=None, pin_memory=self.pin_memory)
+        return DataLoader(self._stream, batch_size=None, pin_memory=self.pin_memory)
 
     def val_dataloader(self) -> DataLoader:
         s = self.settings
         dataset = _ValidationDataset(self.pool, s.seq_len, s.microbatch, self.rank, s.world_size)
         return DataLoader(dataset, batch_size=None, pin_memory=self.pin_memory)
+
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        """A stand-in becomes its microbatch here (it left the loader unpinned: it waited on the
+        input, so the copy's speed does not matter); one the stream ended behind ends the epoch,
+        which is the stream's one pass, before Lightning counts it as a batch."""
+        if not isinstance(batch, PendingMicrobatch):
+            return batch
+        if batch.batch is None:
+            raise StopIteration
+        return batch.batch
 
     def teardown(self, stage: str) -> None:
         if self.on_teardown is not None:

@@ -88,6 +88,7 @@ class RunFabMetrics(L.Callback):
         flops: Callable[[int, int], float] | None = None, peak_flops: float | None = None,
         warmup_updates: int = 0, observed_updates: Collection[int] = (), log_path: Path | None = None,
         validate_every: int = 0, report_due: Callable[[int], bool] | None = None,
+        input_wait: Callable[[], float] | None = None,
     ) -> None:
         """``flops(tokens, attention_pairs)`` and ``peak_flops`` (per device) add ``mfu`` to the lines.
 
@@ -96,6 +97,10 @@ class RunFabMetrics(L.Callback):
         ``val_loss`` rides on the line of the interval that validation (every ``validate_every``
         updates) closes. With several ranks ``report_due(update)`` (the feeder's marks) says when to
         report instead of the clock, so every rank reports at the same update.
+
+        ``input_wait()`` gives the seconds training has waited for input so far: a line reports them
+        as ``training_wait_seconds``, and its throughput leaves them out, so that a slow input shows
+        as waiting, not as a slow trainer.
         """
         self.interval_seconds = interval_seconds
         self.stream = stream if stream is not None else sys.stdout
@@ -106,6 +111,7 @@ class RunFabMetrics(L.Callback):
         self.log_path = Path(log_path) if log_path is not None else None
         self.validate_every = validate_every
         self.report_due = report_due
+        self.input_wait = input_wait
         self._held: dict | None = None  # the interval closed when validation started, written with its val_loss
         self._pending_val_loss: float | None = None  # a validation loss waiting for the next training line
         self._log_file: TextIO | None = None
@@ -132,7 +138,7 @@ class RunFabMetrics(L.Callback):
         self._steps_seen = trainer.global_step
         self.total_tokens = 0
         self.start_time: float | None = None
-        self._interval_start = 0.0
+        self._interval_start = self._interval_wait = 0.0
         if self.log_path is not None and trainer.is_global_zero:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = self.log_path.open("w")
@@ -144,7 +150,8 @@ class RunFabMetrics(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.start_time is None:
-            self.start_time = self._interval_start = self._now(pl_module.device)
+            self._start_interval(pl_module.device)
+            self.start_time = self._interval_start
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss_sum = outputs["loss_sum"].double()
@@ -205,7 +212,8 @@ class RunFabMetrics(L.Callback):
             self._sum_over_ranks(pl_module.device)
         if self._interval_steps:
             record = {"step": trainer.global_step, "elapsed_seconds": round(now - self.start_time, 3)}
-            seconds = max(now - self._interval_start, 1e-9)
+            waited = self.input_wait() if self.input_wait is not None else 0.0
+            seconds = max(now - self._interval_start - (waited - self._interval_wait), 1e-9)
             tokens = self._interval_tokens
             record |= {
                 "loss": float(self._interval_loss) / max(tokens, 1),
@@ -222,14 +230,20 @@ class RunFabMetrics(L.Callback):
             else:
                 record[phase] = 1
             self.total_tokens += tokens
+            if self.input_wait is not None:
+                record["training_wait_seconds"] = waited
             record |= peak_memory(pl_module.device)
             if self._pending_val_loss is not None:
                 record["val_loss"], self._pending_val_loss = self._pending_val_loss, None
         self._interval_loss, self._interval_grad_norm = self._zero(), self._zero()
         self._interval_tokens = self._interval_rows = self._interval_steps = 0
         self._interval_flops = 0.0
-        self._interval_start = self._now(pl_module.device)
+        self._start_interval(pl_module.device)
         return record
+
+    def _start_interval(self, device: torch.device) -> None:
+        self._interval_start = self._now(device)
+        self._interval_wait = self.input_wait() if self.input_wait is not None else 0.0
 
     def _count_normal(self, last_update: int, seconds: float, tokens: int) -> None:
         normal = self.normal
@@ -311,7 +325,7 @@ class RunFabMetrics(L.Callback):
                 self._pending_val_loss = val_loss  # no update since the last line: the next line carries it
         if held is not None:
             self._write(trainer, held)
-        self._interval_start = self._now(pl_module.device)
+        self._start_interval(pl_module.device)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.start_time is not None:

@@ -25,6 +25,17 @@ _END = object()
 POLL_SECONDS = 0.1  # how often a waiting consumer looks up from an empty queue (a stop request may have come)
 
 
+class _InputPending:
+    def __repr__(self) -> str:
+        return "INPUT_PENDING"
+
+
+INPUT_PENDING = _InputPending()
+"""Given (by ``iterate(mark_waits=True)`` and launcher.FeederConnection) at an update boundary when
+the next update has not arrived: the consumer may then finish the update it holds before waiting
+(datamodule.py hands Lightning a stand-in for the microbatch it fetches one ahead)."""
+
+
 class UpdateFeeder:
     """Runs ``stream_updates`` on a daemon thread and fills one bounded queue per rank.
 
@@ -155,29 +166,33 @@ class UpdateFeeder:
                 self._started[rank] = updates + 1
             return False
 
-    def iterate(self, rank: int = 0) -> Iterator[dict | ValidationDocument]:
-        """The rank's items, complete updates only; the stream is consumed once, so a second pass yields nothing."""
+    def iterate(self, rank: int = 0, mark_waits: bool = False) -> Iterator[dict | ValidationDocument | _InputPending]:
+        """The rank's items, complete updates only; the stream is consumed once, so a second pass yields nothing.
+
+        With ``mark_waits``, INPUT_PENDING comes first whenever an update after the first is not
+        there yet when asked for.
+        """
         self.start()
         per_update = self.settings.accumulation
         taken = 0  # microbatches yielded
-        waiting_since: float | None = None
+        marked = False
         while not self._finished[rank]:
             boundary = taken % per_update == 0
             if boundary and taken // per_update == self.settings.max_updates:
                 break  # Lightning fetches one batch ahead: it must not wait on the input for one it never trains
             if boundary and self._past_last_update(rank, taken // per_update, starting=False):
                 break
+            if mark_waits and boundary and taken and not marked and self.queues[rank].empty():
+                marked = True
+                yield INPUT_PENDING
+                continue
             try:
                 item = self.queues[rank].get(timeout=POLL_SECONDS)
             except queue.Empty:  # training is ahead of the input (the GPU may starve meanwhile)
-                if waiting_since is None:
-                    waiting_since = time.perf_counter()
                 if self._deadline is not None and time.monotonic() >= self._deadline:
                     self._end_at_time_limit()
                 continue
-            if waiting_since is not None and taken and rank == 0:
-                self.stats.training_wait_seconds += time.perf_counter() - waiting_since
-            waiting_since = None
+            marked = False
             if item is _END:
                 break
             if isinstance(item, BaseException):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import sys
+import time
 from pathlib import Path
 from typing import BinaryIO
 
@@ -24,11 +26,28 @@ class DescriptorReader:
     def __init__(self, fd: int, chunk_bytes: int = 1 << 16) -> None:
         self.fd, self.chunk_bytes = fd, chunk_bytes
         self._buffer, self._start, self._eof = b"", 0, False
+        self._waited = 0.0  # seconds waited by the reads since bytes were last ready at once (or the last idle)
 
-    def _fill(self) -> bool:
-        """Read one more chunk; False at end of input."""
+    def _fill(self, idle_seconds: float | None = None) -> bool | None:
+        """Read one more chunk; False at end of input; None (only with ``idle_seconds``) once the input is idle.
+
+        Idle means the reads since bytes were last ready at once have waited ``idle_seconds`` in
+        all, and this one finds nothing: a trickle of records (each read waits a little) is idle
+        as surely as a silent pipe, while a stream read at full speed, whose bytes are there when
+        asked for, never is.
+        """
         if self._eof:
             return False
+        if idle_seconds is not None:
+            if select.select([self.fd], [], [], 0)[0]:
+                self._waited = 0.0
+            else:
+                started = time.monotonic()
+                ready = select.select([self.fd], [], [], max(idle_seconds - self._waited, 0.0))[0]
+                self._waited += time.monotonic() - started
+                if not ready:
+                    self._waited = 0.0
+                    return None
         chunk = os.read(self.fd, self.chunk_bytes)
         if not chunk:
             self._eof = True
@@ -43,6 +62,11 @@ class DescriptorReader:
         return self._buffer[self._start : self._start + size]
 
     def readline(self, limit: int = -1) -> bytes:
+        return self.readline_or_idle(limit, None)
+
+    def readline_or_idle(self, limit: int, idle_seconds: float | None) -> bytes | None:
+        """``readline``, or None when the input is idle (see ``_fill``) before the line is complete;
+        the bytes already read stay buffered for the next call."""
         searched = self._start
         while True:
             newline = self._buffer.find(b"\n", searched)
@@ -51,7 +75,9 @@ class DescriptorReader:
                 end = newline + 1
             elif 0 <= limit <= available:
                 end = self._start + limit
-            elif not self._fill():
+            elif not (filled := self._fill(idle_seconds)):
+                if filled is None:
+                    return None
                 end = len(self._buffer)
             else:
                 searched = available  # the bytes already searched now start the rebased buffer

@@ -18,6 +18,7 @@ import json
 import logging
 import random
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -38,6 +39,23 @@ EXPECTED_RECORD = 'NDJSON records, one JSON object per line, with "text" (a non-
 
 class UnusableInputError(RuntimeError):
     """The stream holds nothing this trainer can learn from (for example image records)."""
+
+
+class _InputIdle:
+    def __repr__(self) -> str:
+        return "INPUT_IDLE"
+
+
+INPUT_IDLE = _InputIdle()
+"""Passed down the stages when the input keeps the reader waiting (DataConfig.input_idle_seconds):
+the tokenizer's batch and the shuffle buffer then release what they hold back, so a slow stream
+trains as it arrives. A stream read at full speed never sends it, so its order stays the seeded one."""
+
+OTHER_KIND_RECORDS = 256
+"""JSON records of another kind (no "text" or "input_ids" field, or not an object), with no usable
+record before them, after which the stream is refused: image records, say, are not text to skip past."""
+
+PROGRESS_SECONDS = 10.0  # at most one line on stderr this often about records skipped
 
 
 @dataclass
@@ -69,13 +87,25 @@ class StreamStats:
     tail_tokens_dropped: int = 0
     end_of_input: bool = False  # the reader reached the end of the stream
     drained: bool = False  # and the flow behind it used up everything it had read (or hit its token budget)
-    training_wait_seconds: float = 0.0  # time training sat waiting for its next microbatch (after the first)
+    skipped: int = 0  # rejected records, all reasons together
     fingerprint: str = ""
     _sha: object = field(default_factory=hashlib.sha256, repr=False)
+    _progress_at: float | None = field(default=None, repr=False)
 
     def count_bytes(self, chunk: bytes) -> None:
         self.bytes_read += len(chunk)
         self._sha.update(chunk)
+
+    def reject(self, reason: str) -> None:
+        """Count a skipped record; say so on stderr, at most every PROGRESS_SECONDS (the first at once),
+        so that a long run of bad records is visibly read past rather than silently waited on."""
+        self.rejected[reason] += 1
+        self.skipped += 1
+        now = time.monotonic()
+        if self._progress_at is None or now - self._progress_at >= PROGRESS_SECONDS:
+            self._progress_at = now
+            log.warning("input: %d skipped so far (%s), %d accepted; reading on", self.skipped,
+                        _counts(self.rejected), self.accepted)
 
     def as_dict(self) -> dict:
         self.fingerprint = self._sha.hexdigest()
@@ -95,7 +125,6 @@ class StreamStats:
             "tail_tokens_dropped": self.tail_tokens_dropped,
             "end_of_input": self.end_of_input,
             "drained": self.drained,
-            "training_wait_seconds": round(self.training_wait_seconds, 3),
             "input_sha256": self.fingerprint,
         }
 
@@ -106,16 +135,22 @@ class StreamStats:
 UTF8_BOM = b"\xef\xbb\xbf"
 
 
-def _read_lines(stream: BinaryIO, max_bytes: int, stats: StreamStats) -> Iterator[bytes | None]:
+def _read_lines(stream: BinaryIO, max_bytes: int, stats: StreamStats,
+                idle_seconds: float | None = None) -> Iterator[bytes | None | _InputIdle]:
     """Yield each line's bytes, or None for a record longer than ``max_bytes`` (skipped in bounded chunks).
 
     The limit counts the record, not its line ending (``\n`` or ``\r\n``). A UTF-8 byte-order mark
     opening the stream is dropped. Every byte read, skipped ones included, goes into the byte count
-    and the input fingerprint.
+    and the input fingerprint. A stream that can tell (sources.DescriptorReader: stdin) also gives
+    INPUT_IDLE whenever it has kept the reader waiting ``idle_seconds``.
     """
+    readline_or_idle = getattr(stream, "readline_or_idle", None) if idle_seconds is not None else None
     first = True
     while True:
-        line = stream.readline(max_bytes + 2)
+        line = readline_or_idle(max_bytes + 2, idle_seconds) if readline_or_idle else stream.readline(max_bytes + 2)
+        if line is None:
+            yield INPUT_IDLE
+            continue
         stats.count_bytes(line)
         if not line:
             return
@@ -174,10 +209,19 @@ def parse_record(line: bytes, vocab_size: int) -> Document | str:
 
 
 def read_records(
-    stream: BinaryIO, stats: StreamStats, vocab_size: int, max_record_bytes: int, give_up_after: int
-) -> Iterator[Document]:
-    """Validate each line; count rejects by reason; refuse a stream with nothing usable early."""
-    for line in _read_lines(stream, max_record_bytes, stats):
+    stream: BinaryIO, stats: StreamStats, vocab_size: int, max_record_bytes: int, give_up_after: int,
+    idle_seconds: float | None = None,
+) -> Iterator[Document | _InputIdle]:
+    """Validate each line; count rejects by reason and read on past them.
+
+    Before the first usable record, the stream is refused once ``give_up_after`` records were
+    rejected, or OTHER_KIND_RECORDS records of another kind (image records, say) were seen; and at
+    its end if it held no usable record at all.
+    """
+    for line in _read_lines(stream, max_record_bytes, stats, idle_seconds):
+        if line is INPUT_IDLE:
+            yield line
+            continue
         stats.records += 1
         if line is None:
             outcome: Document | str = "record_too_large"
@@ -187,21 +231,29 @@ def read_records(
                 continue
             outcome = parse_record(line, vocab_size)
         if isinstance(outcome, Document):
+            if stats.accepted == 0 and stats.skipped:
+                log.warning("input: first usable record at line %d, after %d skipped (%s)", stats.records,
+                            stats.skipped, _counts(stats.rejected))
             stats.accepted += 1
             yield outcome
             continue
-        stats.rejected[outcome] += 1
+        stats.reject(outcome)
         if outcome == "no_text_or_input_ids" and stats.rejected[outcome] <= 8:
             stats.rejected_keys.update(list(json.loads(line))[:16])
-        if stats.accepted == 0 and stats.records >= give_up_after:
+        if stats.accepted == 0 and (stats.skipped >= give_up_after or stats.rejected["no_text_or_input_ids"]
+                                    + stats.rejected["not_an_object"] >= OTHER_KIND_RECORDS):
             raise UnusableInputError(unusable_message(stats))
     stats.end_of_input = True
     if stats.accepted == 0:
         raise UnusableInputError(unusable_message(stats))
 
 
+def _counts(rejected: Counter) -> str:
+    return ", ".join(f"{n} {reason}" for reason, n in rejected.most_common())
+
+
 def unusable_message(stats: StreamStats) -> str:
-    found = ", ".join(f"{n} {reason}" for reason, n in stats.rejected.most_common()) or "no records"
+    found = _counts(stats.rejected) or "no records"
     keys = ", ".join(k for k, _ in stats.rejected_keys.most_common(8))
     seen = f"; fields seen: {keys}" if keys else ""
     return (
@@ -213,19 +265,54 @@ def unusable_message(stats: StreamStats) -> str:
 # ----------------------------------------------------------------------------- tokenize
 
 
+ENCODER_INTERRUPTS = (KeyboardInterrupt, SystemExit)  # what an encoder raises that is not about the text
+
+
 def encode_documents(
-    docs: Iterable[Document], encode_batch: Callable[[list[str]], list[np.ndarray]], eos_id: int, stats: StreamStats,
-    batch_docs: int, batch_bytes: int,
-) -> Iterator[tuple[bytes, np.ndarray]]:
-    """Tokenize text in bounded batches (the encoder's threads pay off on batches); EOS ends every document."""
+    docs: Iterable[Document | _InputIdle], encode_batch: Callable[[list[str]], list[np.ndarray]], eos_id: int,
+    stats: StreamStats, batch_docs: int, batch_bytes: int,
+) -> Iterator[tuple[bytes, np.ndarray] | _InputIdle]:
+    """Tokenize text in bounded batches (the encoder's threads pay off on batches); EOS ends every document.
+
+    A batch is encoded early when the input is idle. A batch the encoder fails on is encoded again
+    one document at a time, and a document it still fails on is rejected as ``untokenizable_text``:
+    one record never ends the run, and a batch that encodes costs nothing more.
+    """
     pending: list[Document] = []
     pending_bytes = 0
+    told = False
+
+    def encode_alone(text: str) -> np.ndarray | None:
+        nonlocal told
+        try:
+            return encode_batch([text])[0]
+        except ENCODER_INTERRUPTS:
+            raise
+        except BaseException as error:  # a PyO3 tokenizer's panic (PanicException) is a BaseException
+            if not told:
+                told = True
+                log.warning("input: the tokenizer failed on a record of %d characters (%s: %s); such records are "
+                            "skipped and counted as untokenizable_text", len(text), type(error).__name__,
+                            str(error)[:200])
+            stats.accepted -= 1
+            stats.reject("untokenizable_text")
+            return None
+
+    def encode(texts: list[str]) -> list[np.ndarray | None]:
+        try:
+            return encode_batch(texts)
+        except ENCODER_INTERRUPTS:
+            raise
+        except BaseException:
+            return [encode_alone(text) for text in texts]
 
     def flush() -> Iterator[tuple[bytes, np.ndarray]]:
         texts = [d.text for d in pending if d.text is not None]
-        encoded = iter(encode_batch(texts)) if texts else iter(())
+        encoded = iter(encode(texts)) if texts else iter(())
         for doc in pending:
             ids = doc.ids if doc.ids is not None else next(encoded)
+            if ids is None:
+                continue
             tokens = np.empty(len(ids) + 1, dtype=np.int32)  # one copy, EOS included
             tokens[:-1] = ids
             tokens[-1] = eos_id
@@ -235,6 +322,11 @@ def encode_documents(
         pending.clear()
 
     for doc in docs:
+        if doc is INPUT_IDLE:
+            yield from flush()
+            pending_bytes = 0
+            yield doc
+            continue
         pending.append(doc)
         pending_bytes += len(doc.key)
         if len(pending) >= batch_docs or pending_bytes >= batch_bytes:
@@ -275,10 +367,14 @@ class ValidationPool:
 
 
 def split_validation(
-    docs: Iterable[tuple[bytes, np.ndarray]], pool: ValidationPool, fraction: float, stats: StreamStats
-) -> Iterator[np.ndarray]:
+    docs: Iterable[tuple[bytes, np.ndarray] | _InputIdle], pool: ValidationPool, fraction: float, stats: StreamStats
+) -> Iterator[np.ndarray | _InputIdle]:
     """Divert the held-out documents into the pool; once it is full they are trained on like the rest."""
-    for key, tokens in docs:
+    for item in docs:
+        if item is INPUT_IDLE:
+            yield item
+            continue
+        key, tokens = item
         if fraction > 0 and is_held_out(key, fraction) and pool.offer(tokens):
             stats.held_out_documents += 1
             stats.held_out_tokens += len(tokens)
@@ -286,20 +382,37 @@ def split_validation(
         yield tokens
 
 
-def shuffle_documents(docs: Iterable[np.ndarray], max_docs: int, max_tokens: int, seed: int) -> Iterator[np.ndarray]:
-    """Bounded, seeded shuffle: release a random held document whenever the buffer is over either bound."""
+def shuffle_documents(docs: Iterable[np.ndarray | _InputIdle], max_docs: int, max_tokens: int, seed: int,
+                      idle_release_tokens: int = 0) -> Iterator[np.ndarray]:
+    """Bounded, seeded shuffle: release a random held document whenever the buffer is over either bound.
+
+    When the input is idle, random held documents of ``idle_release_tokens`` tokens in all (one
+    update's worth) are released as well: training goes on while the buffer keeps filling.
+    """
     rng = random.Random(seed)
     buffer: list[np.ndarray] = []
     held = 0
+
+    def take() -> np.ndarray:
+        nonlocal held
+        i = rng.randrange(len(buffer))
+        buffer[i], buffer[-1] = buffer[-1], buffer[i]
+        out = buffer.pop()
+        held -= len(out)
+        return out
+
     for doc in docs:
+        if doc is INPUT_IDLE:
+            released = 0
+            while buffer and released < idle_release_tokens:
+                out = take()
+                released += len(out)
+                yield out
+            continue
         buffer.append(doc)
         held += len(doc)
         while len(buffer) > max_docs or (held > max_tokens and len(buffer) > 1):
-            i = rng.randrange(len(buffer))
-            buffer[i], buffer[-1] = buffer[-1], buffer[i]
-            out = buffer.pop()
-            held -= len(out)
-            yield out
+            yield take()
     rng.shuffle(buffer)
     yield from buffer
 
@@ -457,14 +570,18 @@ class DataConfig:
     """Rows per microbatch of a local run; RunFab chooses its own"""
     max_record_bytes: int = RECORD_BYTES
     """Longest record accepted, in bytes (RunFab's limit); a longer one is rejected"""
-    give_up_after: int = 256
-    """Rejected records, with none usable yet, after which the input is refused"""
+    give_up_after: int = 1_000_000
+    """Rejected records, with none usable yet, after which the input is refused (a stream of records of another
+    kind, without text or input_ids, is refused after 256)"""
     tokenize_batch_docs: int = 256
     """Documents per tokenizer call (its threads pay off on batches)"""
     tokenize_batch_bytes: int = 8 << 20
     """Bytes of text per tokenizer call at most; whichever bound is reached first ends the call's batch"""
     tokenizer_threads: int = 2
     """tiktoken's encoding threads (RunFab gives the job 2 cores)"""
+    input_idle_seconds: float = 1.0
+    """Seconds stdin may keep the reader waiting before what the tokenizer and the shuffle hold back goes on to
+    training, so a slow stream trains as it arrives"""
     val_fraction: float = 0.005
     """Share of documents held out for validation, chosen by a hash of their content"""
     val_max_tokens: int = 1 << 18
@@ -492,6 +609,8 @@ class DataConfig:
             "microbatch", "max_record_bytes", "give_up_after", "tokenize_batch_docs", "tokenize_batch_bytes",
             "tokenizer_threads", "shuffle_buffer_docs", "shuffle_buffer_tokens", "prefetch_updates",
         ) if getattr(self, name) < 1]
+        if not self.input_idle_seconds > 0:
+            found.append(f"data.input_idle_seconds must be above 0, not {self.input_idle_seconds}")
         if self.val_max_tokens < 0 or self.max_train_tokens is not None and self.max_train_tokens < 1:
             found.append("data.val_max_tokens must be >= 0 and data.max_train_tokens at least 1 (or null: no budget)")
         return found
@@ -521,16 +640,17 @@ def stream_updates(
 ) -> Iterator[list[list[dict]]]:
     """The whole flow, composed: a byte stream in, per-rank microbatch lists of complete updates out."""
     s, d = settings, settings.data
-    docs = read_records(stream, stats, s.vocab_size, d.max_record_bytes, d.give_up_after)
+    docs = read_records(stream, stats, s.vocab_size, d.max_record_bytes, d.give_up_after, d.input_idle_seconds)
     tokens = encode_documents(docs, encode_batch, s.eos_id, stats, d.tokenize_batch_docs, d.tokenize_batch_bytes)
     train_docs = split_validation(tokens, pool, d.val_fraction, stats)
-    shuffled = shuffle_documents(train_docs, d.shuffle_buffer_docs, d.shuffle_buffer_tokens, s.seed)
+    shuffled = shuffle_documents(train_docs, d.shuffle_buffer_docs, d.shuffle_buffer_tokens, s.seed,
+                                 idle_release_tokens=s.rows_per_update * s.seq_len)
     rows = pack_rows(shuffled, s.seq_len, stats)
     for update in assemble_updates(rows, s.rows_per_update, stats, d.max_train_tokens):
         yield split_update(update, s.world_size, s.microbatch, stats)
     stats.drained = True
     if stats.updates == 0:
-        rejected = ", ".join(f"{n} {reason}" for reason, n in stats.rejected.most_common()) or "none"
+        rejected = _counts(stats.rejected) or "none"
         raise UnusableInputError(
             f"the input ended before one complete update: an update is {s.rows_per_update} rows of {s.seq_len} "
             f"tokens ({s.rows_per_update * s.seq_len} tokens), the input gave {stats.document_tokens} tokens "

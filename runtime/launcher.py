@@ -50,7 +50,7 @@ import torch
 
 from callbacks.runfab_metrics import deliver
 from config import WORKER_STARTS
-from pipeline.feeder import ValidationDocument
+from pipeline.feeder import INPUT_PENDING, ValidationDocument
 from runtime.lifetime import on_stop_signals
 
 log = logging.getLogger(__name__)
@@ -167,9 +167,26 @@ class FeederConnection:
         self._report_updates: set[int] = set()
 
     def batches(self) -> Iterator[dict]:
+        """Lightning's microbatches, with INPUT_PENDING first whenever an update after the first has
+        not arrived when asked for (as the feeder's ``iterate(mark_waits=True)``).
+
+        The stream always ends after one: a stand-in costs Lightning one more step of its loop, and
+        each step starts with a collective (its SIGTERM broadcast), so every rank must take the
+        same number, whether or not its end had already arrived.
+        """
         if self._done:
             return
-        for item in receive_items(self.conn, on_end=self._ended):
+        items = receive_items(self.conn, on_end=self._ended)
+        while True:
+            boundary = self._taken and self._taken % self._per_update == 0
+            marked = boundary and not self.conn.poll()
+            if marked:
+                yield INPUT_PENDING
+            item = next(items, None)
+            if item is None:
+                if boundary and not marked:
+                    yield INPUT_PENDING
+                break
             if isinstance(item, np.ndarray):
                 self.pool.offer(item)
                 continue

@@ -281,8 +281,8 @@ def run_training(cfg: RunConfig, split: BatchSplit, stdin=None) -> dict:
             result = train_data_parallel(cfg, split, feeder, platform_fraction)
         else:
             datamodule = StreamingDataModule(
-                feeder.iterate, feeder.pool, settings, pin_memory=resolve_accelerator(cfg) == "gpu",
-                on_teardown=feeder.stop,
+                functools.partial(feeder.iterate, mark_waits=True), feeder.pool, settings,
+                pin_memory=resolve_accelerator(cfg) == "gpu", on_teardown=feeder.stop,
             )
             result = fit(cfg, split, datamodule, encoder, feeder.close, platform_fraction,
                          end_input=feeder.finish, early_end=lambda: feeder.early_end)
@@ -296,13 +296,12 @@ def raise_if_ended_early(feeder: UpdateFeeder, result: dict) -> None:
     """A run cut short by a signal or by its input fails, after the model trained so far was exported;
     so does one whose time limit passed before the input delivered a single update."""
     if feeder.time_limit_reached and not result["steps"]:
-        stats, data = feeder.stats, feeder.settings.data
+        stats, settings = feeder.stats, feeder.settings
         raise UnusableInputError(
             "trainer.max_time passed before the input delivered one complete update: nothing was trained or "
-            f"exported. {stats.records} records ({stats.document_tokens} tokens) had arrived; until the input ends, "
-            f"the tokenizer's batch (data.tokenize_batch_docs {data.tokenize_batch_docs}) and the shuffle buffer "
-            f"(data.shuffle_buffer_docs {data.shuffle_buffer_docs}) hold documents back until they fill. Send records "
-            "sooner, close the input once it is complete, or give the run more time")
+            f"exported. {stats.records} records ({stats.document_tokens} tokens) had arrived, and an update takes "
+            f"{settings.rows_per_update * settings.seq_len} tokens. Send records sooner, close the input once it is "
+            "complete, or give the run more time")
     if feeder.early_end is None:
         return
     where = (f"stopped after optimizer step {result['steps']}; the model trained so far is in {result['model_dir']} "
@@ -350,8 +349,13 @@ def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
         flops=functools.partial(training_flops, cfg.model) if on_gpu else None, peak_flops=cfg.metrics.peak_flops,
         warmup_updates=cfg.observe.warmup_updates, observed_updates=cfg.observe.observed_updates(),
         log_path=run_dir / "metrics.jsonl", validate_every=cfg.trainer.val_every_steps if validate else 0,
-        report_due=report_due,
+        report_due=report_due, input_wait=lambda: datamodule.input_wait_seconds,
     )
+
+    def input_record() -> dict | None:
+        summary = input_summary() if input_summary else None
+        return summary and summary | {"training_wait_seconds": round(datamodule.input_wait_seconds, 3)}
+
     observer = ObservationWindows(cfg.observe, run_dir)
     every = cfg.trainer.checkpoint_every_steps
     checkpoint_dir = Path(cfg.output.root) / "checkpoints"
@@ -360,7 +364,7 @@ def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
         observer,  # before the metrics: writing a trace counts as observed time
         metrics,
         ExportModel(model_dir, tokenizer_path),
-        RunRecord(model_dir, BUNDLE_ROOT, static, input_summary, compiled, early_end, metrics, observer),
+        RunRecord(model_dir, BUNDLE_ROOT, static, input_record, compiled, early_end, metrics, observer),
         GracefulStop(end_input, before_exit=functools.partial(remove_unfinished_exports, Path(cfg.output.root))),
         host_memory,
     ]

@@ -185,6 +185,77 @@ def test_a_hostile_deeply_nested_record_is_skipped_and_counted(tmp_path):
     assert record["status"] == "completed" and record["optimizer_steps"] == record["input"]["updates"] > 20
 
 
+def test_leading_bad_records_and_one_the_fast_tokenizer_gives_up_on_cost_only_themselves(tmp_path):
+    """100,000 empty texts, then a valid record holding a million spaces (tiktoken's regex gives up on
+    it), then text: the run trains on everything usable and exits 0."""
+    spaces = json.dumps({"text": "start" + " " * 1_000_500 + "end"}).encode() + b"\n"
+    data = b'{"text": ""}\n' * 100_000 + spaces + sample(400)
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="", RUST_BACKTRACE="0")
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *ARGS, "--trainer.max_steps", "3"], input=data,
+                            env=env, capture_output=True, timeout=300, cwd=tmp_path)
+    stderr = result.stderr.decode()
+    assert result.returncode == 0, stderr[-3000:]
+    assert "first usable record at line 100001, after 100000 skipped (100000 empty_text)" in stderr
+    record = json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())
+    assert record["status"] == "completed" and record["optimizer_steps"] == 3
+    assert record["input"]["rejected"] == {"empty_text": 100_000}
+    assert record["input"]["accepted"] == record["input"]["records"] - 100_000 > 0
+
+
+WRITER = """
+import sys, time
+lines = open(sys.argv[1], "rb").readlines()
+out = sys.stdout.buffer
+
+def trickle(records):
+    for line in records:
+        out.write(line)
+        out.flush()
+        time.sleep(0.1)
+
+trickle(lines[:1])
+sys.stdin.readline()  # go: the trainer is reading
+trickle(lines[1:30])
+time.sleep(5)  # a pause, stdin open
+trickle(lines[30:60])
+sys.stdin.read()  # stdin stays open until the test closes this writer's input
+"""
+
+
+def test_a_slow_stream_trains_as_it_arrives_and_reports_its_waits(tmp_path):
+    """Records trickle in from a writer process, then pause, then trickle again: metric lines come
+    before the end of the input, and the time training waited for records is reported as waiting."""
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(ROOT / "data/sample.jsonl")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE)
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+    process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *ARGS, "--model.max_seq_len", "32",
+                                "--trainer.max_steps", "-1"], stdin=writer.stdout, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    writer.stdout.close()  # the trainer's now
+    try:
+        stdout, stderr = Lines(process.stdout), Lines(process.stderr)
+        deadline = time.monotonic() + 90
+        while not any(b"reading records from stdin" in line for line in stderr.lines):
+            assert time.monotonic() < deadline and process.poll() is None, b"".join(stderr.lines).decode()[-3000:]
+            time.sleep(0.1)
+        writer.stdin.write(b"go\n")
+        writer.stdin.flush()
+        while not any(json.loads(line).get("training_wait_seconds", 0) > 0 for line in stdout.lines):
+            assert time.monotonic() < deadline and process.poll() is None, b"".join(stderr.lines).decode()[-3000:]
+            time.sleep(0.1)
+        assert writer.poll() is None  # the input has not ended: training went on while it trickled
+        waited = [json.loads(line) for line in stdout.lines if json.loads(line)["training_wait_seconds"] > 0][0]
+        writer.stdin.close()  # the writer exits: the end of the input
+        assert process.wait(timeout=90) == 0, b"".join(stderr.lines).decode()[-3000:]
+    finally:
+        process.kill()
+        writer.kill()
+    assert waited["step"] >= 2 and waited["elapsed_seconds"] > waited["training_wait_seconds"] > 0
+    record = json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())
+    assert record["status"] == "completed" and record["input"]["records"] == 60
+    assert record["input"]["training_wait_seconds"] >= waited["training_wait_seconds"]
+
+
 class FailingStdin(io.RawIOBase):
     """Gives ``data``, then fails like a broken input device."""
 

@@ -61,6 +61,35 @@ def test_interval_loss_is_token_weighted_and_steps_are_counted_once_per_update()
     assert record["mfu"] * 1e6 / record["tokens_per_second"] == pytest.approx(flops / 30, rel=1e-4)
 
 
+def test_time_waiting_for_input_is_reported_as_waiting_and_left_out_of_the_throughput(monkeypatch):
+    """Two updates of 30 target tokens, one second of training each, and 9 s waiting for input
+    between them: 60 tokens in 2 s of training, whatever the wall clock says."""
+    import callbacks.runfab_metrics as runfab_metrics
+
+    clock, waited = [100.0], [0.0]
+    monkeypatch.setattr(runfab_metrics.time, "perf_counter", lambda: clock[0])
+    stream = io.StringIO()
+    metrics = RunFabMetrics(interval_seconds=3600, stream=stream, input_wait=lambda: waited[0])
+    trainer = SimpleNamespace(global_step=0, is_global_zero=True, world_size=1, sanity_checking=False,
+                              optimizers=[SimpleNamespace(param_groups=[{"lr": 0.5}])])
+    module = SimpleNamespace(device=torch.device("cpu"), last_grad_norm=None, val_loss=None)
+    metrics.on_train_start(trainer, module)
+    batch = {"input_ids": torch.zeros(3, 4)}
+    for update in range(2):
+        if update:
+            clock[0] += 9.0  # training waits for the next update to arrive
+            waited[0] += 9.0
+        metrics.on_train_batch_start(trainer, module, batch, update)
+        clock[0] += 1.0
+        trainer.global_step += 1
+        metrics.on_train_batch_end(trainer, module, {"loss_sum": torch.tensor(3.0), "target_tokens": 30}, batch, update)
+    metrics.report(trainer, module)
+    record = json.loads(stream.getvalue())
+    assert record["elapsed_seconds"] == 11.0 and record["training_wait_seconds"] == 9.0
+    assert record["tokens_per_second"] == pytest.approx(60 / 2) and record["samples_per_second"] == pytest.approx(6 / 2)
+    assert metrics.summary(trainer, module)["normal_region"]["seconds"] == pytest.approx(2.0)
+
+
 class PoisonWeights(L.Callback):
     """Turns the embedding into NaN before the given microbatch, as a diverging run would."""
 

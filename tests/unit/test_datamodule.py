@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.feeder import UpdateFeeder
+import lightning as L
+
+from datamodule import StreamingDataModule
+from pipeline.feeder import INPUT_PENDING, UpdateFeeder
 
 from pipeline.sources import DescriptorReader, open_input
 
@@ -22,6 +25,8 @@ from pipeline.stages import (
     balance_ranks,
     collate_rows,
     DataConfig,
+    encode_documents,
+    INPUT_IDLE,
     is_held_out,
     pack_rows,
     parse_record,
@@ -47,7 +52,7 @@ def ndjson(*records) -> bytes:
     return b"".join((r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in records)
 
 
-def reader(data: bytes, max_bytes: int = 1 << 20, give_up_after: int = 256) -> tuple[list, StreamStats]:
+def reader(data: bytes, max_bytes: int = 1 << 20, give_up_after: int = DataConfig.give_up_after) -> tuple[list, StreamStats]:
     stats = StreamStats(source="test")
     docs = list(read_records(io.BytesIO(data), stats, VOCAB, max_bytes, give_up_after))
     return docs, stats
@@ -136,8 +141,8 @@ def test_an_image_stream_is_refused_quickly_naming_what_was_expected_and_found()
             return next(self.lines)
 
     start = time.perf_counter()
-    with pytest.raises(UnusableInputError) as error:
-        list(read_records(Stream(), StreamStats(source="stdin"), VOCAB, 1 << 20, 256))
+    with pytest.raises(UnusableInputError) as error:  # under the default bound on rejected records
+        list(read_records(Stream(), StreamStats(source="stdin"), VOCAB, 1 << 20, DataConfig().give_up_after))
     assert time.perf_counter() - start < 10
     message = str(error.value)
     assert '"text"' in message and '"input_ids"' in message and "image_b64" in message
@@ -146,6 +151,50 @@ def test_an_image_stream_is_refused_quickly_naming_what_was_expected_and_found()
 def test_a_stream_without_any_usable_record_fails_at_its_end():
     with pytest.raises(UnusableInputError, match="no usable record"):
         reader(ndjson(b"{bad", {"foo": 1}))
+
+
+def test_bad_records_before_the_first_good_one_are_read_past_and_reported_on_stderr(caplog):
+    """100,000 empty texts, then good records: bad records never stop a run, however many lead."""
+    good = [{"text": f"good record {i}"} for i in range(1500)]
+    docs, stats = reader(ndjson({"text": ""}) * 100_000 + ndjson(*good))
+    assert [d.text for d in docs] == [r["text"] for r in good]
+    assert stats.rejected == {"empty_text": 100_000} and stats.accepted == 1500
+    said = caplog.text
+    assert "input: 1 skipped so far (1 empty_text), 0 accepted; reading on" in said  # as soon as a record is skipped
+    assert "first usable record at line 100001, after 100000 skipped (100000 empty_text)" in said
+
+
+def test_records_of_another_kind_are_refused_early_and_only_an_endless_run_of_bad_ones_later():
+    image = {"image_b64": "AAAA", "labels": [], "boxes": [], "class_ids": [], "id": "x", "split": "train", "epoch": 0}
+    after_blanks = ndjson({"text": " "}) * 5000 + ndjson(image) * 10_000 + ndjson({"text": "never reached"})
+    with pytest.raises(UnusableInputError, match=r"first 5256 lines.*256 no_text_or_input_ids.*fields seen: .*image_b64"):
+        reader(after_blanks)
+    with pytest.raises(UnusableInputError, match="256 not_an_object"):  # valid JSON, but not records at all
+        reader(ndjson([1, 2, 3]) * 1000)
+    with pytest.raises(UnusableInputError, match="first 300 lines.*300 invalid_json"):  # the bound, set low
+        reader(ndjson(b"{bad") * 1000 + ndjson({"text": "late"}), give_up_after=300)
+    docs, stats = reader(ndjson(image) * 100 + ndjson({"text": "first"}, *([image] * 1000), {"text": "second"}))
+    assert [d.text for d in docs] == ["first", "second"]  # once the stream has given text, any record is only skipped
+    assert stats.rejected == {"no_text_or_input_ids": 1100}
+
+
+def test_a_record_the_tokenizer_fails_on_is_rejected_alone_and_a_batch_that_encodes_costs_one_call(caplog):
+    calls = []
+
+    def encode(texts):
+        calls.append(len(texts))
+        if any("\x00" in t for t in texts):
+            raise ValueError("Regex error while tokenizing")
+        return fake_encode(texts)
+
+    records = [{"text": f"doc {i}" + ("\x00" if i == 10 else "")} for i in range(20)] + [{"input_ids": [5, 6]}]
+    docs, stats = reader(ndjson(*records))
+    out = list(encode_documents(docs, encode, 0, stats, batch_docs=8, batch_bytes=1 << 20))
+    assert calls == [8, 8, *[1] * 8, 4]  # only the batch that failed is encoded again, one document at a time
+    assert [key for key, _ in out] == [f"doc {i}".encode() for i in range(20) if i != 10] + [out[-1][0]]
+    assert out[-1][1].tolist() == [5, 6, 0]
+    assert stats.rejected == {"untokenizable_text": 1} and stats.accepted == stats.documents == 20
+    assert "the tokenizer failed on a record of 7 characters (ValueError: Regex error while tokenizing)" in caplog.text
 
 
 # ----------------------------------------------------------------------------- packing
@@ -248,6 +297,28 @@ def test_shuffle_respects_its_token_bound():
     first = next(it)
     held.append(first)
     assert len(first) == 50  # released as soon as the buffer passed 500 tokens
+
+
+def test_an_idle_input_releases_an_updates_worth_of_the_shuffle_buffer_at_once():
+    docs = docs_of([10] * 50)
+    pulled = []
+
+    def source():
+        for i, d in enumerate(docs):
+            if i == 30:
+                pulled.append("idle")
+                yield INPUT_IDLE
+            pulled.append(i)
+            yield d
+
+    out, seen = [], []
+    for d in shuffle_documents(source(), max_docs=100, max_tokens=10**9, seed=7, idle_release_tokens=45):
+        out.append(d)
+        seen.append(pulled[-1])
+    assert seen[:5] == ["idle"] * 5 and seen[5:] == [49] * 45  # 5 of 10 tokens at the idle moment, the rest at the end
+    assert sorted(id(d) for d in out) == sorted(id(d) for d in docs)
+    fast = list(shuffle_documents(iter(docs), max_docs=100, max_tokens=10**9, seed=7, idle_release_tokens=45))
+    assert [id(d) for d in fast] == [id(d) for d in shuffle_documents(iter(docs), 100, 10**9, 7)]  # no idle: as seeded
 
 
 def test_held_out_documents_are_chosen_by_content_not_by_order():
@@ -384,6 +455,71 @@ def test_the_descriptor_reader_reads_lines_as_a_buffered_reader_does():
     os.close(read_end)
 
 
+def test_the_descriptor_reader_calls_a_silent_pipe_and_a_trickle_idle_and_a_full_one_never():
+    read_end, write_end = os.pipe()
+    ours = DescriptorReader(read_end)
+    os.write(write_end, b'{"text": "par')
+    start = time.monotonic()
+    assert ours.readline_or_idle(-1, 0.3) is None and time.monotonic() - start >= 0.3
+    os.write(write_end, b'tial"}\n')
+    assert ours.readline_or_idle(-1, 0.3) == b'{"text": "partial"}\n'  # the part read before the idle is kept
+
+    def trickle():
+        for i in range(12):
+            time.sleep(0.1)
+            os.write(write_end, b"line %d\n" % i)
+        os.close(write_end)
+
+    writer = threading.Thread(target=trickle)
+    writer.start()
+    got = [ours.readline_or_idle(-1, 0.35) for _ in range(40)]
+    writer.join()
+    lines = [line for line in got if line]
+    assert lines == [b"line %d\n" % i for i in range(12)]
+    assert None in got[: got.index(b"line 11\n")]  # no gap of 0.35 s, but the waits add up to one
+    os.close(read_end)
+
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"x\n" * 1000)
+    os.close(write_end)
+    ours = DescriptorReader(read_end, chunk_bytes=64)
+    assert [ours.readline_or_idle(-1, 0.01) for _ in range(1001)] == [b"x\n"] * 1000 + [b""]
+    os.close(read_end)
+
+
+def test_a_trickle_of_records_trains_before_the_input_ends_and_the_buffers_stay_bounded():
+    """Records at about 20 a second into a shuffle buffer of 10,000 documents and tokenizer batches of
+    256: the first update comes while the writer is still writing, not at the end of the input."""
+    read_end, write_end = os.pipe()
+    records = [ndjson({"text": "w" * 50 + str(i)}) for i in range(200)]
+    written, close = [], threading.Event()
+
+    def write():
+        for record in records:
+            os.write(write_end, record)
+            written.append(record)
+            time.sleep(0.05)
+            if close.is_set():
+                break
+        close.wait(30)
+        os.write(write_end, b"".join(records[len(written):]))
+        os.close(write_end)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    s = settings(val_fraction=0.0, shuffle_buffer_docs=10_000, tokenize_batch_docs=256, input_idle_seconds=0.2)
+    stats = StreamStats()
+    flow = stream_updates(DescriptorReader(read_end), s, fake_encode, stats, ValidationPool(0))
+    first = next(flow)
+    read, arrived = stats.records, len(written)
+    close.set()
+    rest = list(flow)
+    writer.join(timeout=30)
+    os.close(read_end)
+    assert read <= arrived < len(records)  # an update while the input was still arriving
+    assert first[0][0]["update_target_tokens"] > 0 and stats.documents == 200 and len(rest) + 1 == stats.updates
+
+
 def test_feeder_start_is_safe_from_several_threads_at_once():
     s = settings(val_fraction=0.0, world_size=2)
     errors = []
@@ -448,23 +584,66 @@ def test_finish_ends_every_rank_at_the_same_update_while_the_input_is_silent(wor
     feeder.close()
 
 
+class BrokenAfter(io.RawIOBase):
+    """Gives ``data``, then fails like a broken input device."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        if not self.data:
+            raise OSError(5, "Input/output error")
+        n = min(len(buffer), len(self.data))
+        buffer[:n], self.data = self.data[:n], self.data[n:]
+        return n
+
+
 def test_an_input_error_after_training_started_ends_the_stream_and_is_kept():
     good = ndjson(*({"input_ids": [3] * 50} for _ in range(40)))
-
-    def failing_encode(texts):
-        raise RuntimeError("tokenizer crashed")
-
     s = settings(val_fraction=0.0, tokenize_batch_docs=1)
-    feeder = UpdateFeeder(lambda: (io.BytesIO(good + ndjson({"text": "boom"})), "test"), s, failing_encode,
-                          ValidationPool(0))
+    feeder = UpdateFeeder(lambda: (io.BufferedReader(BrokenAfter(good)), "test"), s, fake_encode, ValidationPool(0))
     microbatches = list(feeder.iterate())  # no exception: the updates before the failure are trained
     assert len(microbatches) == feeder.stats.updates * s.accumulation > 0
-    assert isinstance(feeder.input_error, RuntimeError) and "tokenizer crashed" in feeder.early_end
+    assert isinstance(feeder.input_error, OSError) and "Input/output error" in feeder.early_end
 
-    early = UpdateFeeder(lambda: (io.BytesIO(ndjson({"text": "boom"}) + good), "test"), s, failing_encode,
+    early = UpdateFeeder(lambda: (io.BufferedReader(BrokenAfter(ndjson({"text": "few"}))), "test"), s, fake_encode,
                          ValidationPool(0))
-    with pytest.raises(RuntimeError, match="tokenizer crashed"):  # nothing trained yet: the run fails as it is
+    with pytest.raises(OSError, match="Input/output error"):  # nothing trained yet: the run fails as it is
         list(early.iterate())
+
+
+def test_each_update_is_trained_before_the_stream_is_asked_for_the_next_and_the_wait_is_measured():
+    """Lightning fetches one microbatch ahead: without a stand-in for a microbatch that has not
+    arrived, the last microbatch of every update would wait, untrained, for the next update."""
+    from lit_module import GPTTrainingModule, OptimConfig
+    from model import GPTConfig
+
+    rng = np.random.default_rng(0)
+    rows = [Row(rng.integers(0, 50, 16).astype(np.int32), np.arange(16, dtype=np.int32)) for _ in range(16)]
+    updates = [split_update(rows[i : i + 4], 1, 2, StreamStats())[0] for i in range(0, 16, 4)]
+    trainer = L.Trainer(accelerator="cpu", max_steps=10, max_epochs=1, accumulate_grad_batches=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0)
+    steps_when_asked = []
+
+    def stream():
+        for k, update in enumerate(updates):
+            if k:
+                yield INPUT_PENDING  # the next update has not arrived
+                steps_when_asked.append(trainer.global_step)
+                time.sleep(0.2)  # and arrives after a while
+            yield from update
+        yield INPUT_PENDING  # then the input ends
+
+    torch.manual_seed(0)
+    module = GPTTrainingModule(GPTConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=16, max_seq_len=16), OptimConfig())
+    datamodule = StreamingDataModule(stream, ValidationPool(0), settings())
+    trainer.fit(module, datamodule=datamodule)
+    assert trainer.global_step == 4 and steps_when_asked == [1, 2, 3]
+    assert 0.6 <= datamodule.input_wait_seconds < 5
 
 
 def test_collate_finds_the_documents_and_targets_as_the_model_would():

@@ -125,6 +125,20 @@ def test_the_array_path_training_uses_gives_the_same_ids(fast_encoder, plain_enc
         assert [a.tolist() for a in arrays] == expected
 
 
+@pytest.mark.parametrize("path", [SHIPPED_TOKENIZER, ROOT / "conf" / "gpt2" / "tokenizer.json"])
+def test_text_tiktoken_gives_up_on_still_encodes_to_the_plain_backends_ids(path):
+    """A record holding a run of about a million spaces (under RunFab's 1 MiB) exceeds tiktoken's backtracking
+    regex; the encoder falls back to HF tokenizers, which encodes it promptly to the same ids."""
+    fast, plain = tiktoken_encoder(path), TextEncoder(path, prefer_fast=False)
+    spaces = "start" + " " * 1_000_500 + "end"
+    texts = ["before", spaces, "after " + spaces[:1000] + "x"]
+    expected = plain.encode_batch(texts)
+    assert [a.tolist() for a in fast.encode_batch_arrays(texts)] == expected
+    assert fast.encode_batch(texts) == expected
+    assert [a.tolist() for a in plain.encode_batch_arrays(texts)] == expected  # the plain backend neither fails nor hangs
+    assert fast.decode(expected[1]) == spaces
+
+
 @pytest.mark.parametrize("backend", ["fast", "plain"])
 def test_roundtrip(backend, request, sample_texts):
     encoder = request.getfixturevalue(f"{backend}_encoder")
