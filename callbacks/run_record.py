@@ -128,7 +128,7 @@ class RunRecord(L.Callback):
 
     def compile_cache_usage(self) -> dict | None:
         """Where the compile caches went and their size: they share RunFab's 3 GiB of output with the
-        model (train.prepare_compile puts them there, unless the environment names other folders)."""
+        model (runtime.device_policy.prepare_compile puts them there, unless the environment names other folders)."""
         if not self.compiled:
             return None
         usage = {}

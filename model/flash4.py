@@ -38,11 +38,12 @@ _fa4: object | None = None  # flash_attn.cute.interface once imported
 _fa4_error: str | None = None  # why it could not be imported
 
 
-def use_cache_folder(folder: Path) -> None:
+def use_cache_folder(folder: Path | None) -> None:
     """FA4's and the CuTe DSL's compile caches go under ``folder`` (the output's data/compile-cache),
-    unless the environment already names folders. Takes effect if FA4 was not imported yet."""
+    unless the environment already names folders; None: in memory only. Takes effect if FA4 was not
+    imported yet."""
     global _cache_folder
-    _cache_folder = Path(folder)
+    _cache_folder = None if folder is None else Path(folder)
     if _fa4 is not None:
         log.info("FlashAttention 4 was imported before its cache folder was set: its kernels stay in memory")
 

@@ -208,11 +208,9 @@ def preload_worker_modules(cfg: RunConfig, compile_folder: Path, world: int) -> 
     otherwise import for itself, so that its memory is shared and its import time paid once; and
     set the compile caches' place, which the workers inherit.
 
-    FlashAttention 4 and quack are not preloaded: importing them initializes CUDA (tvm_ffi calls
-    ``torch.cuda.is_available()`` and quack reads the compute capability; measured on an H200,
-    2026-12-01), and a process that has initialized CUDA cannot fork workers that use it. Each
-    worker imports them itself; docs/PERFORMANCE.md says how both questions could be answered
-    without CUDA, which is not yet tested in forked workers."""
+    FlashAttention 4 is not preloaded: importing it initializes CUDA (tvm_ffi calls
+    ``torch.cuda.is_available()`` and quack, which it imports, reads the compute capability), and a
+    process that has initialized CUDA cannot fork workers that use it. Each worker imports it itself."""
     accelerator = resolve_accelerator(cfg)
     if accelerator != "gpu" or not compiles(cfg, accelerator):
         return

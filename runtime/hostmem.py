@@ -130,10 +130,9 @@ def host_budget_problem(budget_gib: float, gpus: int, output_bytes: float) -> st
 
 
 # A CPU run keeps its activations in host memory too, and the reference model at microbatch 8
-# needs about 70 GiB there: the machine's own OOM killer, not a message, would end it. A process's
-# peak RSS in the probe (two eager fp32 steps on worst-case rows) fits, within 3 % over 8 models
-# (1-6 layers, width 32-256, rows of 64-2048, microbatch 1-16; 2-core CPU, torch 2.13,
-# docs/PERFORMANCE.md, 2026-12-01):
+# needs tens of GiB there: the machine's own OOM killer, not a message, would end it. A process's
+# peak RSS in the probe (two eager fp32 steps on worst-case rows) fits this model, checked against
+# measured peaks in docs/PERFORMANCE.md ("Host memory"):
 #   0.37 GiB imported + 16 B per parameter (weights, gradients, AdamW's two moments)
 #   + tokens x layers x width x 20 fp32 values (the blocks' saved activations)
 #   + min(tokens, loss chunk) x padded vocabulary x 3.5 fp32 values (logits, their softmax and gradient)
@@ -257,7 +256,7 @@ class HostMemory(L.Callback):
 
         Lightning's teardown then copies the optimizer state and the module to the CPU, which for
         the reference model is 2 GiB of host memory per GPU process (weights, gradients, two AdamW
-        moments) just before the process exits: measured, it was the job's peak. On a GPU nothing
+        moments) just before the process exits, the job's peak. On a GPU nothing
         is needed after this point, so the copy is made of nothing."""
         self.stage("training ended", trainer)
         if pl_module.device.type != "cuda":

@@ -73,7 +73,7 @@ def test_fa4_caches_go_under_the_output_in_training_and_nowhere_otherwise(monkey
     for variable in (*flash4.CACHE_VARIABLES.values(), "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",
                      "CUTE_DSL_DISABLE_FILE_CACHING"):
         monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setattr(flash4, "_cache_folder", None)
+    flash4.use_cache_folder(None)
     flash4.prepare_environment()  # the probe, tests: memory only, no folder made anywhere
     assert os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] == "1" and os.environ["CUTE_DSL_CACHE_DIR"] == os.devnull
     assert flash4.cache_usage_folders() == {}
@@ -86,17 +86,24 @@ def test_fa4_caches_go_under_the_output_in_training_and_nowhere_otherwise(monkey
     assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
     assert flash4.cache_usage_folders() == {
         "flash-attn": tmp_path / "mine", "cute-dsl": tmp_path / "data/compile-cache/cute-dsl"}
+    flash4.use_cache_folder(None)
 
 
 def test_prepare_compile_hands_its_folder_to_fa4(monkeypatch, tmp_path):
     from runtime import device_policy
 
-    monkeypatch.setattr(flash4, "_cache_folder", None)
+    for variable in (*flash4.CACHE_VARIABLES.values(), "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",
+                     "CUTE_DSL_DISABLE_FILE_CACHING"):
+        monkeypatch.delenv(variable, raising=False)
+    flash4.use_cache_folder(None)
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # leave inductor's settings alone
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     device_policy.prepare_compile(tmp_path / "data/compile-cache", 1)
-    assert flash4._cache_folder == tmp_path / "data/compile-cache"
+    flash4.prepare_environment()
+    assert set(flash4.cache_usage_folders().values()) == {
+        tmp_path / "data/compile-cache" / name for name in flash4.CACHE_VARIABLES}
+    flash4.use_cache_folder(None)
 
 
 # ----------------------------------------------------------------------------- the custom ops
