@@ -58,8 +58,8 @@ def run_probe(cfg: RunConfig, microbatch: int, effective: int) -> dict:
     if isinstance(microbatch, bool) or not isinstance(microbatch, numbers.Integral) or not 1 <= microbatch <= effective:
         raise ConfigError(f"microbatch must be a whole number in 1..{effective}, not {microbatch!r}")
     world = world_size(cfg)
+    setup_process(cfg)  # first: the host-memory check logs its budget line
     check_host_memory(cfg, world, microbatch)
-    setup_process(cfg)
     use_allocator_settings(cfg)
     platform_fraction = platform_memory_fraction()
     if world == 1 and not cfg.trainer.worker_processes:

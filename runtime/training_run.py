@@ -262,8 +262,8 @@ def run_training(cfg: RunConfig, split: BatchSplit, stdin=None) -> dict:
     world = split.ranks
     check_output_budget(cfg)
     in_workers = world > 1 or bool(cfg.trainer.worker_processes)
+    setup_process(cfg)  # first: the host-memory check logs its budget line
     check_host_memory(cfg, world, split.microbatch)
-    setup_process(cfg)
     ensure_stdout()
     with claimed_output(Path(cfg.output.root)):
         check_output_space(cfg, Path(cfg.output.root))
