@@ -446,36 +446,10 @@ class WorkerGroup:
         self._threads.append(thread)
 
     def wait(self, feeder_error=lambda: None, on_first_exit=lambda: None, stop_deadline=lambda: None) -> None:
-        """Return when every worker exited 0; raise as soon as one fails (or the feeder fails).
-
-        ``on_first_exit`` runs once as soon as any worker has ended (training is over: stop reading).
-        ``stop_deadline()`` is the monotonic time by which a graceful stop must be over, or None: a
-        rank that is stuck (stopped, or blocked on a pipe) must not hold the job past it.
-        """
-        while True:
-            codes = [p.poll() for p in self.processes]
-            if any(code is not None for code in codes):
-                on_first_exit()
-            failed = _failures(codes)
-            error = feeder_error()
-            if error is not None and (failed or all(c is not None for c in codes)):
-                raise error
-            if failed:
-                # The first failure ends the wait. Look again after a pause: the stderr pumps catch up,
-                # and a rank killed by a signal, the cause, may still have been dying when its peer's
-                # error ("a remote worker crashed"), the consequence, was seen.
-                time.sleep(POLL_SECONDS)
-                raise WorkerFailed(_failure_message(_failures([p.poll() for p in self.processes]), self.tails))
-            if all(code == 0 for code in codes):
-                for thread in self._threads:
-                    thread.join(timeout=5)
-                return
-            deadline = stop_deadline()
-            if deadline is not None and time.monotonic() > deadline:
-                stuck = [rank for rank, code in enumerate(codes) if code is None]
-                raise Interrupted(f"the graceful stop did not end within trainer.stop_grace_seconds: rank(s) "
-                                  f"{', '.join(map(str, stuck))} still running, now stopped at once")
-            time.sleep(POLL_SECONDS)
+        """``wait_for_workers`` on this group's workers, then the stderr pumps are drained."""
+        wait_for_workers(self.processes, self.tails, feeder_error, on_first_exit, stop_deadline)
+        for thread in self._threads:
+            thread.join(timeout=5)
 
     def stop(self, grace_seconds: float = 5.0) -> None:
         """SIGTERM every worker still running, then SIGKILL what remains; nothing is left behind. From
@@ -493,6 +467,39 @@ class WorkerGroup:
                 _signal_group(p, signal.SIGKILL)
                 p.wait()
 
+
+
+def wait_for_workers(processes, tails, feeder_error=lambda: None, on_first_exit=lambda: None,
+                     stop_deadline=lambda: None) -> None:
+    """Return when every worker exited 0; raise as soon as one fails (or the feeder fails).
+
+    ``on_first_exit`` runs once as soon as any worker has ended (training is over: stop reading).
+    ``stop_deadline()`` is the monotonic time by which a graceful stop must be over, or None: a
+    rank that is stuck (stopped, or blocked on a pipe) must not hold the job past it. ``tails``
+    holds each rank's last stderr lines, which a failure report quotes.
+    """
+    while True:
+        codes = [p.poll() for p in processes]
+        if any(code is not None for code in codes):
+            on_first_exit()
+        failed = _failures(codes)
+        error = feeder_error()
+        if error is not None and (failed or all(c is not None for c in codes)):
+            raise error
+        if failed:
+            # The first failure ends the wait. Look again after a pause: the stderr pumps catch up,
+            # and a rank killed by a signal, the cause, may still have been dying when its peer's
+            # error ("a remote worker crashed"), the consequence, was seen.
+            time.sleep(POLL_SECONDS)
+            raise WorkerFailed(_failure_message(_failures([p.poll() for p in processes]), tails))
+        if all(code == 0 for code in codes):
+            return
+        deadline = stop_deadline()
+        if deadline is not None and time.monotonic() > deadline:
+            stuck = [rank for rank, code in enumerate(codes) if code is None]
+            raise Interrupted(f"the graceful stop did not end within trainer.stop_grace_seconds: rank(s) "
+                              f"{', '.join(map(str, stuck))} still running, now stopped at once")
+        time.sleep(POLL_SECONDS)
 
 def _failures(codes: list[int | None]) -> list[tuple[int, int]]:
     """(rank, code) of the ranks that failed, those killed by a signal first, then by rank."""

@@ -252,13 +252,10 @@ def test_a_failure_report_names_the_killed_rank_before_the_peers_it_brought_down
 
     from runtime import launcher
 
-    group = launcher.WorkerGroup.__new__(launcher.WorkerGroup)
     killed = _Exits(-signal.SIGKILL) if killed_seen == "in the same poll" else _Exits(None, -signal.SIGKILL)
-    group.processes = [_Exits(1), killed, _Exits(None)]
-    group.tails = [deque(["gloo: a remote worker crashed"]), deque([]), deque([])]
-    group._threads = []
+    tails = [deque(["gloo: a remote worker crashed"]), deque([]), deque([])]
     with pytest.raises(launcher.WorkerFailed) as failure:
-        group.wait()
+        launcher.wait_for_workers([_Exits(1), killed, _Exits(None)], tails)
     message = str(failure.value)
     assert message.startswith("worker rank 1 exited with code -9 (killed by SIGKILL)")
     assert message.endswith("then rank 0 exited with code 1")
