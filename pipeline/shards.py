@@ -278,6 +278,8 @@ def same_split_everywhere(dataset) -> None:
 class ShardDataModule(L.LightningDataModule):
     """Training batches from prepared rows; no validation (the preparation holds no documents out)."""
 
+    input_wait_seconds = 0.0  # the loader reads prepared chunks ahead of training; no wait is measured here
+
     def __init__(self, path: str, seq_len: int, microbatch: int, accumulation: int, seed: int, workers: int,
                  agreement: UpdateAgreement, pin_memory: bool = False) -> None:
         super().__init__()
