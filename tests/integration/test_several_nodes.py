@@ -124,7 +124,7 @@ def accumulate_same_rows(config: Path, shares: list[list], updates: int) -> tupl
         optimizer.zero_grad()
         loss_sum = module.model.loss_sum(batch)
         (loss_sum / batch["target_tokens"]).backward()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.optim.grad_clip, foreach=True)
+        torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.trainer.gradient_clip_val, foreach=True)
         optimizer.step()
         schedule.step()
         losses.append(loss_sum.item() / batch["target_tokens"])

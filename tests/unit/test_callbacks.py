@@ -179,9 +179,9 @@ def test_a_batch_split_that_does_not_make_the_effective_batch_is_refused():
 
 
 def test_compile_caches_go_under_the_output_even_after_imports_wrote_the_tmp_default(tmp_path, monkeypatch):
-    # What a fresh `python train.py` sees: importing Lightning already put inductor's /tmp default
+    # What a run sees once its hooks import Lightning: that import already put inductor's /tmp default
     # into the environment, so a setdefault would have kept the caches in RunFab's 256 MiB /tmp.
-    probe = "import os, train; print(os.environ.get('TORCHINDUCTOR_CACHE_DIR'))"
+    probe = "import os, lightning; print(os.environ.get('TORCHINDUCTOR_CACHE_DIR'))"
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     after_import = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env,
                                   cwd=Path(train.__file__).parent).stdout.strip()

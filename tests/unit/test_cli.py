@@ -141,7 +141,7 @@ def test_runfab_path_never_imports_jsonargparse():
     ("optim.lr=inf", "optim.lr must be a finite number, not inf"),
     ("optim.eps=inf", "optim.eps must be a finite number"),  # every update is zero
     ("optim.weight_decay=inf", "optim.weight_decay must be a finite number"),
-    ("optim.grad_clip=inf", "optim.grad_clip must be a finite number"),
+    ("trainer.gradient_clip_val=inf", "trainer.gradient_clip_val must be a finite number"),
     ("model.layer_norm_eps=nan", "model.layer_norm_eps must be a finite number"),
     ("model.init_std=inf", "model.init_std must be a finite number"),
     ("metrics.interval_seconds=nan", "metrics.interval_seconds must be a finite number"),
@@ -243,11 +243,12 @@ def test_a_worker_typed_by_a_person_is_one_readable_error(monkeypatch, capsys):
 
 @pytest.mark.parametrize("key, value, choices", [
     ("model.attention", "flash", "auto, fa4, varlen, sdpa"),
+    ("model.loss_kernel", "fused", "chunked, liger, cce"),
     ("model.compile_scope", "all", "trunk, blocks"),
     ("trainer.accelerator", "tpu", "auto, cpu, gpu"),
     ("trainer.precision", "16", "32-true, bf16-mixed, bf16-true, 16-mixed, 16-true, 64-true, null"),
     ("trainer.worker_start", "spawn", "auto, fork, exec"),
-    ("data.source", "file", "auto, stdin, sample"),
+    ("data.source", "file", "auto, stdin, sample, litdata"),
     ("optim.schedule", "linear", "cosine, constant"),
     ("observe.loggers", "[csv,mlflow]", "csv, tensorboard, wandb"),
 ])

@@ -619,7 +619,7 @@ def test_each_update_is_trained_before_the_stream_is_asked_for_the_next_and_the_
     """Lightning fetches one microbatch ahead: without a stand-in for a microbatch that has not
     arrived, the last microbatch of every update would wait, untrained, for the next update."""
     from lit_module import GPTTrainingModule, OptimConfig
-    from model import GPTConfig
+    from model.gpt import GPTConfig
 
     rng = np.random.default_rng(0)
     rows = [Row(rng.integers(0, 50, 16).astype(np.int32), np.arange(16, dtype=np.int32)) for _ in range(16)]

@@ -16,6 +16,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from config import ConfigError
 from pipeline import shards
 from pipeline.stages import (Row, StreamStats, collate_rows, encode_documents, pack_rows, read_records,
                              shuffle_documents)
@@ -287,7 +288,7 @@ def test_stdin_runs_refuse_what_only_a_run_from_shards_can_do(tmp_path, capsys, 
     assert cli.main(["--config", config, "--data.source", "litdata"], 32) == 2
     assert "set data.path to its --output" in capsys.readouterr().err
     monkeypatch.setenv("RUNFAB_CONFIG", config_file(tmp_path, **{"data.source": "litdata", "data.path": str(tmp_path)}))
-    with pytest.raises(train.ConfigError, match="RunFab's train\\(\\) reads stdin"):
+    with pytest.raises(ConfigError, match="RunFab's train\\(\\) reads stdin"):
         train.train(4, 8)
 
 

@@ -239,7 +239,7 @@ def main(argv: list[str]) -> int:
         lit.load_state_dict(initial)
         lit.model.config.loss_kernel = kernel
         try:
-            row = train_steps(lit, batches, args.steps, args.warmup, cfg.optim.grad_clip)
+            row = train_steps(lit, batches, args.steps, args.warmup, cfg.trainer.gradient_clip_val)
             row["mfu"] = flops / (row["ms_per_update"] / 1000) / cfg.metrics.peak_flops
         except Exception as error:  # noqa: BLE001
             row = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
@@ -263,7 +263,7 @@ def main(argv: list[str]) -> int:
         for name in ["chunked", "chunked (again)", *[k for k in args.kernels if k != "chunked" and k in ran]]:
             lit.load_state_dict(initial)
             lit.model.config.loss_kernel = name.split()[0]
-            row = train_steps(lit, train_rows, len(train_rows) - 1, 1, cfg.optim.grad_clip)
+            row = train_steps(lit, train_rows, len(train_rows) - 1, 1, cfg.trainer.gradient_clip_val)
             runs[name] = {"losses": row["losses"], "held_out_loss": held_out_loss(lit, held_out), "kernel": row["kernel"]}
             print(f"[{elapsed():.0f} s] learning {name}: held-out {runs[name]['held_out_loss']:.4f}, "
                   f"last train {row['losses'][-1] * 1:.4f}", file=sys.stderr, flush=True)
@@ -290,7 +290,7 @@ def main(argv: list[str]) -> int:
         lit.model.config.loss_kernel = default_kernel
         try:
             lit.model.compile_trunk()
-            row = train_steps(lit, batches, args.steps, args.warmup, cfg.optim.grad_clip)
+            row = train_steps(lit, batches, args.steps, args.warmup, cfg.trainer.gradient_clip_val)
             row["mfu"] = flops / (row["ms_per_update"] / 1000) / cfg.metrics.peak_flops
         except Exception as error:  # noqa: BLE001
             row = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
