@@ -27,21 +27,12 @@ except ImportError:
     varlen_attn = None
 
 from model import flash4
+from tools.bench.runs import cuda_median_ms
 
 
 def timed(fn, repeats: int = 20) -> float:
     """Median milliseconds of fn() over CUDA events, after warm-up calls."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(np.median(times))
+    return cuda_median_ms(fn, repeats)
 
 
 def realistic_offsets(rows: int, t: int, mean: float, seed: int = 0) -> torch.Tensor:

@@ -15,6 +15,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -106,6 +107,21 @@ def config(args, *overrides: str, forced: tuple[str, ...] = ()) -> RunConfig:
     """The experiment's configuration: its ``overrides`` (omegaconf's dotlist), then the user's, then
     what the experiment cannot do without (``forced``)."""
     return load_config(args.config, [*overrides, *args.overrides, *forced])
+
+
+def cuda_median_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn()`` over ``repeats`` runs timed with CUDA events, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def require_gpu(name: str) -> bool:

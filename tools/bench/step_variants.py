@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import io
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -117,17 +116,7 @@ def held_out_loss(lit, batches: list[dict]) -> float:
 
 def time_cuda(fn, repeats: int = 8, warmup: int = 2) -> float:
     """Median milliseconds of ``fn`` over ``repeats`` runs, device-timed."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return bench.cuda_median_ms(fn, repeats, warmup)
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:

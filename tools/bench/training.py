@@ -64,17 +64,8 @@ def trainer(argv: list[str]) -> int:
 
 
 def observe(argv: list[str]) -> int:
-    args = runs.parse(runs.parser("observe", "A run with a profiler window and a memory snapshot against one "
-                                             "without: both must show one pace."), argv)
-    if not runs.require_gpu("observe"):
-        return 2
-    runs.prepare(args)
-    results = {layout: {"lightning": runs.run_lightning(layout, args),
-                        "lightning+observe": runs.run_lightning(layout, args, "observe", OBSERVED)}
-               for layout in args.layouts}
-    runs.save(args, "observe", results)
-    runs.print_table(results, args, baseline="lightning")
-    return 0
+    return against_lightning(argv, "observe", "A run with a profiler window and a memory snapshot against one "
+                             "without: both must show one pace.", "lightning+observe", OBSERVED)
 
 
 def reference(argv: list[str]) -> int:
@@ -90,15 +81,20 @@ def reference(argv: list[str]) -> int:
 
 
 def workers(argv: list[str]) -> int:
-    args = runs.parse(runs.parser("workers", "train.py through the data-parallel worker path against one process: "
-                                             "speed and peak host memory."), argv)
-    if not runs.require_gpu("workers"):
+    return against_lightning(argv, "workers", "train.py through the data-parallel worker path against one "
+                             "process: speed and peak host memory.", "lightning workers", WORKERS)
+
+
+def against_lightning(argv: list[str], name: str, description: str, label: str, flags: tuple[str, ...]) -> int:
+    """train.py as configured against train.py with ``flags``, in each layout, in one job."""
+    args = runs.parse(runs.parser(name, description), argv)
+    if not runs.require_gpu(name):
         return 2
     runs.prepare(args)
     results = {layout: {"lightning": runs.run_lightning(layout, args),
-                        "lightning workers": runs.run_lightning(layout, args, "workers", WORKERS)}
+                        label: runs.run_lightning(layout, args, name, flags)}
                for layout in args.layouts}
-    runs.save(args, "workers", results)
+    runs.save(args, name, results)
     runs.print_table(results, args, baseline="lightning")
     return 0
 
