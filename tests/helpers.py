@@ -109,3 +109,22 @@ def tiktoken_encoder(path: Path):
     assert encoder.backend == "tiktoken"
     return encoder
 
+
+class BrokenAfter(io.RawIOBase):
+    """An input that gives ``data``, then fails like a broken device (wrap it in io.BufferedReader)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def readable(self):
+        return True
+
+    def isatty(self):
+        return False
+
+    def readinto(self, buffer):
+        if not self.data:
+            raise OSError(5, "Input/output error")
+        n = min(len(buffer), len(self.data))
+        buffer[:n], self.data = self.data[:n], self.data[n:]
+        return n

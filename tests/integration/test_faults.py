@@ -22,7 +22,7 @@ from config import ConfigError
 from runtime import training_run
 from config import load_config
 
-from tests.helpers import ROOT, as_args, as_dotlist, tiny
+from tests.helpers import ROOT, BrokenAfter, as_args, as_dotlist, tiny
 
 # The tiny model, training until stopped (the faults below stop it) at a constant rate.
 RUN = tiny({"trainer.max_steps": 100000, "optim.schedule": "constant", "metrics.interval_seconds": 0.2,
@@ -256,33 +256,13 @@ def test_a_slow_stream_trains_as_it_arrives_and_reports_its_waits(tmp_path):
     assert record["input"]["training_wait_seconds"] >= waited["training_wait_seconds"]
 
 
-class FailingStdin(io.RawIOBase):
-    """Gives ``data``, then fails like a broken input device."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def readable(self):
-        return True
-
-    def isatty(self):
-        return False
-
-    def readinto(self, buffer):
-        if not self.data:
-            raise OSError(5, "Input/output error")
-        n = min(len(buffer), len(self.data))
-        buffer[:n], self.data = self.data[:n], self.data[n:]
-        return n
-
-
 def test_an_input_failure_after_training_started_exports_the_model_so_far(tmp_path, monkeypatch):
     from runtime import launcher
 
     monkeypatch.setattr("sys.stdout", io.StringIO())
     cfg = load_config("conf/smoke.yaml", [*as_dotlist(RUN), "trainer.max_steps=-1",
                                           "data.shuffle_buffer_docs=16", f"output.root={tmp_path / 'out'}"])
-    stdin = io.BufferedReader(FailingStdin(sample(1200)))
+    stdin = io.BufferedReader(BrokenAfter(sample(1200)))
     with pytest.raises(launcher.InputFailed, match="Input/output error.*partial"):
         training_run.run_training(cfg, BatchSplit(4, 8, 1, train.EFFECTIVE_BATCH_SIZE), stdin=stdin)
     model = tmp_path / "out" / "model"

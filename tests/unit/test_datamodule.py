@@ -42,8 +42,11 @@ from pipeline.stages import (
     UnusableInputError,
     ValidationPool,
 )
+
 from model.attention import document_offsets
 from model.loss import IGNORE_INDEX
+
+from tests.helpers import BrokenAfter
 
 VOCAB = 1000
 
@@ -582,23 +585,6 @@ def test_finish_ends_every_rank_at_the_same_update_while_the_input_is_silent(wor
     assert feeder.early_end == "SIGTERM"
     assert counts[0] == counts[-1] == feeder.stats.updates * s.accumulation > 0  # the same whole updates everywhere
     feeder.close()
-
-
-class BrokenAfter(io.RawIOBase):
-    """Gives ``data``, then fails like a broken input device."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def readable(self):
-        return True
-
-    def readinto(self, buffer):
-        if not self.data:
-            raise OSError(5, "Input/output error")
-        n = min(len(buffer), len(self.data))
-        buffer[:n], self.data = self.data[:n], self.data[n:]
-        return n
 
 
 def test_an_input_error_after_training_started_ends_the_stream_and_is_kept():
