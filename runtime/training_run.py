@@ -46,7 +46,6 @@ from runtime.device_policy import (
     use_allocator_settings,
 )
 from model.flops import count_parameters, training_flops
-from model.gpt import GPT
 from runtime.probe import run_probe_local
 from pipeline.tokenizer import TextEncoder
 
@@ -212,16 +211,11 @@ def compile_folder(cfg: RunConfig) -> Path:
 
 
 def output_bytes(cfg: RunConfig) -> tuple[int, int]:
-    """What a run writes into its output root, in bytes: the model export and checkpoints, and the observation files.
-
-    The export is fp32 safetensors (4 bytes a parameter); a Lightning checkpoint holds weights
-    and AdamW's two moments (12 bytes a parameter), twice while the newest replaces the last.
-    Observation files get 8x what the reference model's took on an H200: 2.1 MB of trace per
-    profiled update, 0.9 MB per memory snapshot.
+    """What a run writes into its output root, in bytes: the model export and checkpoints
+    (hostmem.output_bytes), and the observation files, which get 8x what the reference model's took
+    on an H200: 2.1 MB of trace per profiled update, 0.9 MB per memory snapshot.
     """
-    with torch.device("meta"):  # the real parameter count, without allocating anything
-        parameters = count_parameters(GPT(cfg.model))
-    need = 4 * parameters + (2 * 12 * parameters if cfg.trainer.checkpoint_every_steps > 0 else 0)
+    need = hostmem.output_bytes(cfg)
     observed = len(cfg.observe.profiled()) * (16 << 20) + ((8 << 20) if cfg.observe.memory_update > 0 else 0)
     return need, observed
 
