@@ -62,6 +62,10 @@ class GPTConfig:
     """The LM head + cross-entropy in training: chunked (PyTorch), liger (liger-kernel) or cce
     (cut-cross-entropy); the packages run on CUDA in bf16 and are an error where they do not import. CPU, fp32
     and fp16 runs always take chunked"""
+    loss_softmax: loss.Softmax = "triton"
+    """Compiled CUDA training with the chunked loss: each chunk's softmax and gradient as one Triton kernel writing the
+    gradient over the logits (triton), or as inductor-compiled PyTorch (compiled). Eager runs take plain PyTorch;
+    run_record.json names what ran"""
     compile_scope: CompileScope = "trunk"
     """What torch.compile takes: trunk (one graph) or blocks (one graph all blocks share: compiles sooner, needs
     more GPU memory)"""
@@ -88,6 +92,8 @@ class GPTConfig:
             found.append(f"model.attention must be one of {', '.join(attention.CHOICES)}, not {self.attention!r}")
         if self.loss_kernel not in loss.CHOICES:
             found.append(f"model.loss_kernel must be one of {', '.join(loss.CHOICES)}, not {self.loss_kernel!r}")
+        if self.loss_softmax not in loss.SOFTMAX_CHOICES:
+            found.append(f"model.loss_softmax must be one of {', '.join(loss.SOFTMAX_CHOICES)}, not {self.loss_softmax!r}")
         if self.compile_scope not in COMPILE_SCOPES:
             found.append(f"model.compile_scope must be one of {', '.join(COMPILE_SCOPES)}, not {self.compile_scope!r}")
         return found
@@ -142,6 +148,7 @@ class GPT(nn.Module):
         self._compiled_trunk: Callable | None = None  # what training calls instead of _trunk
         self.attention_kernels: dict[str, str] = {}  # batch kind -> the kernel that ran it (run record, log)
         self.loss_kernel: str | None = None  # the loss kernel of the last training batch (run record)
+        self.loss_softmax: str | None = None  # and, with the chunked loss, what ran its chunk softmax
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -229,5 +236,8 @@ class GPT(nn.Module):
         kernel = loss.choose(self.config.loss_kernel, hidden.device, self.compute_dtype(hidden.device))
         if torch.is_grad_enabled():
             self.loss_kernel = kernel
+            self.loss_softmax = (loss.chunk_softmax_ran(self._compiled_trunk is not None, self.config.loss_softmax,
+                                                        hidden.device) if kernel == "chunked" else None)
         return loss.token_loss_sum(hidden, self.lm_head_weight, batch["targets"], self.config.loss_chunk_tokens,
-                                   kernel, compiled=self._compiled_trunk is not None)
+                                   kernel, compiled=self._compiled_trunk is not None,
+                                   softmax=self.config.loss_softmax)

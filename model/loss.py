@@ -14,6 +14,11 @@ loss (``choose``, ``model.loss_kernel``):
   No gradient filtering here; it adds its gradient tiles into bf16 buffers.
 
 Validation (no gradients) always takes the chunked path.
+
+Inside the chunked loss, each chunk's softmax and its gradient (``model.loss_softmax``) run in
+compiled CUDA training as one Triton kernel that writes the gradient over the logits
+(``"triton"``, the default: ``model.triton_cross_entropy``) or as the inductor-compiled PyTorch
+function (``"compiled"``); eager runs (CPU, the probe) take the PyTorch function as it is.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ IGNORE_INDEX = -100  # a target that takes no loss: the last token of a document
 VOCAB_ALIGNMENT = 128  # padded vocabulary keeps the head's matmuls on the aligned (fast) GEMM kernels
 Kernel = Literal["chunked", "liger", "cce"]  # model.loss_kernel
 CHOICES = get_args(Kernel)
+Softmax = Literal["triton", "compiled"]  # model.loss_softmax
+SOFTMAX_CHOICES = get_args(Softmax)
 PACKAGES = {"liger": ("liger-kernel", "liger_kernel.ops.fused_linear_cross_entropy"),
             "cce": ("cut-cross-entropy", "cut_cross_entropy")}
 _modules: dict[str, object] = {}  # kernel -> its imported module
@@ -73,14 +80,15 @@ def padded_vocab_size(vocab_size: int) -> int:
 
 def token_loss_sum(
     hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 0,
-    kernel: str = "chunked", compiled: bool = False,
+    kernel: str = "chunked", compiled: bool = False, softmax: str = "triton",
 ) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over targets != IGNORE_INDEX, in fp32.
 
     Returning the sum lets the caller divide by the whole optimizer update's target count.
     ``kernel`` is what ``choose`` returned. With "chunked" and ``chunk_tokens`` the
     full-vocabulary logits never exist at once (0: all at once, the plain path); ``compiled``
-    runs each chunk's softmax arithmetic as one compiled kernel.
+    (compiled training) runs each chunk's softmax arithmetic as one kernel, which ``softmax``
+    names on CUDA (``chunk_function``).
     """
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if kernel != "chunked" and torch.is_grad_enabled():
@@ -88,7 +96,7 @@ def token_loss_sum(
     if not chunk_tokens:
         return cross_entropy_sum(hidden, head_weight, targets)
     if torch.is_grad_enabled():  # a batch of at most chunk_tokens is one chunk: still no saved logits
-        chunk_fn = compiled_chunk_loss_and_grad() if compiled else chunk_loss_and_grad
+        chunk_fn = chunk_function(compiled, softmax, hidden.device)
         return ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, chunk_tokens, chunk_fn)
     chunks = zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
     return sum(cross_entropy_sum(h, head_weight, t) for h, t in chunks)
@@ -137,6 +145,32 @@ def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_size:
     grad = logits.sub_(log_normalizer[:, None]).exp_()
     grad = grad.sub_((columns[None, :] == safe[:, None]).to(grad.dtype)).mul_(valid[:, None])
     return loss, grad.to(dtype)
+
+
+def chunk_softmax_ran(compiled: bool, softmax: str, device: torch.device) -> str:
+    """What ``chunk_function`` takes for these arguments, by name: "eager", "triton" or "compiled"."""
+    if not compiled:
+        return "eager"
+    return "triton" if softmax == "triton" and device.type == "cuda" else "compiled"
+
+
+def chunk_function(compiled: bool, softmax: str, device: torch.device) -> Callable:
+    """What computes one chunk's loss and logits gradient: the PyTorch function in eager runs; in
+    compiled training the Triton kernel on CUDA when ``softmax`` is "triton", else the function
+    compiled by inductor."""
+    ran = chunk_softmax_ran(compiled, softmax, device)
+    if ran == "eager":
+        return chunk_loss_and_grad
+    return triton_chunk_loss_and_grad if ran == "triton" else compiled_chunk_loss_and_grad()
+
+
+def triton_chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, dtype: torch.dtype):
+    """``chunk_loss_and_grad`` as one Triton kernel (``model.triton_cross_entropy``): the gradient
+    is written over ``logits``, which the caller made for this chunk alone."""
+    from model.triton_cross_entropy import loss_and_gradient_in_place  # Triton: CUDA builds of PyTorch only
+
+    loss = loss_and_gradient_in_place(logits, targets, vocab_size, IGNORE_INDEX)
+    return loss, logits.to(dtype)
 
 
 _compiled_chunk: Callable | None = None

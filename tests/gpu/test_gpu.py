@@ -181,6 +181,38 @@ def test_the_compiled_model_with_a_fused_loss_kernel_matches_the_plain_path(kern
     assert fast.loss_kernel == kernel and plain.loss_kernel == "chunked"
 
 
+def test_the_triton_chunk_kernel_matches_pytorchs_at_the_trainers_vocabulary():
+    """One chunk of 4,096 x 50,304 bf16 logits (50,257 real columns), with ignored targets: the
+    in-place Triton kernel's loss and gradient against the PyTorch function's, eager and compiled."""
+    from model.loss import chunk_loss_and_grad, compiled_chunk_loss_and_grad
+    from model.triton_cross_entropy import loss_and_gradient_in_place
+
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    logits = (3 * torch.randn(4096, 50304, device="cuda", generator=gen)).bfloat16()
+    logits[:, 50257:] = 0
+    targets = torch.randint(0, 50257, (4096,), device="cuda", generator=gen)
+    targets[::7] = IGNORE_INDEX
+    expected_loss, expected_grad = chunk_loss_and_grad(logits.clone(), targets, 50257, torch.bfloat16)
+    compiled_loss, compiled_grad = compiled_chunk_loss_and_grad()(logits.clone(), targets, 50257, torch.bfloat16)
+    got_loss = loss_and_gradient_in_place(logits, targets, 50257, IGNORE_INDEX)
+    assert relative_error(got_loss, expected_loss) < 1e-6 and relative_error(compiled_loss, expected_loss) < 1e-6
+    assert relative_error(logits, expected_grad) < 5e-3 and relative_error(compiled_grad, expected_grad) < 5e-3
+    assert (logits[:, 50257:] == 0).all() and (logits[::7] == 0).all()
+
+
+def test_the_compiled_model_takes_the_same_step_with_either_chunk_softmax():
+    torch.manual_seed(0)  # vocabulary 500: the head is padded to 512 columns inside the loss
+    base = dict(vocab_size=500, n_layer=3, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05, attention="sdpa",
+                loss_chunk_tokens=384)
+    triton_model = GPT(GPTConfig(**base, loss_softmax="triton")).cuda()
+    compiled_model = GPT(GPTConfig(**base, loss_softmax="compiled")).cuda()
+    compiled_model.load_state_dict(triton_model.state_dict())
+    for model in (triton_model, compiled_model):  # the chunk softmax is chosen in compiled training only
+        model.compile_trunk()
+    assert_same_loss_and_gradients(triton_model, compiled_model, packed_batch(rows=4, seq_len=256, vocab=500, seed=9))
+    assert (triton_model.loss_softmax, compiled_model.loss_softmax) == ("triton", "compiled")
+
+
 # ----------------------------------------------------------------------------- FlashAttention 4
 
 

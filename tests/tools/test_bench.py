@@ -118,3 +118,37 @@ def test_trace_summary_counts_overlapping_kernels_once_and_groups_them_by_family
     assert families == {"matmul", "attention", "compiled"}
     assert tools(["bench", "trace-summary", str(tmp_path / "cpu.json")]) == 0
     assert "no GPU kernels" in capsys.readouterr().out
+
+
+def step_run(tokens_per_second: float, peak_gib: float = 20.0) -> dict:
+    return {"tokens_per_second": tokens_per_second, "peak_allocated_gib": peak_gib}
+
+
+def test_step_variants_recommends_only_what_is_faster_learns_the_same_and_fits():
+    from tools.bench import step_variants
+
+    learning = {"chunked": 3.000, "chunked (again)": 3.001, "chunked-compiled": 3.0, "cce": 3.5}
+    result = {"loss_kernels": {"chunked": step_run(500_000), "chunked-compiled": step_run(490_000),
+                               "cce": step_run(600_000)},
+              "learning": {"runs": {k: {"held_out_loss": v} for k, v in learning.items()}},
+              "inductor_loss": "chunked",
+              "inductor": {"budget-1": step_run(520_000, peak_gib=43.0),  # 0.336 MiB per token: over 0.30
+                           "budget-0.9": step_run(507_000, peak_gib=36.0), "budget-0.8": step_run(502_000),
+                           "max-autotune-triton": step_run(530_000)}}
+    # cce is faster but learns worse; budget-1 is faster but too large; budget-0.9 pays; max-autotune is not a budget
+    assert step_variants.recommend(result, 32) == ["model.loss_kernel=chunked", "model.loss_softmax=triton",
+                                                   "model.activation_memory_budget=0.9"]
+    result["loss_kernels"]["chunked-compiled"] = step_run(510_000)
+    assert step_variants.recommend(result, 32)[:2] == ["model.loss_kernel=chunked", "model.loss_softmax=compiled"]
+
+
+@pytest.mark.parametrize("value, ok", [("budget-0.85", True), ("budget-1", True), ("max-autotune-triton", True),
+                                        ("budget-1.5", False), ("budget-x", False), ("autotune", False)])
+def test_step_variants_takes_inductor_variants_it_can_run(value, ok):
+    from tools.bench import step_variants
+
+    if ok:
+        assert step_variants.inductor_variant(value) == value
+    else:
+        with pytest.raises(ValueError, match="not an inductor variant"):
+            step_variants.inductor_variant(value)

@@ -117,3 +117,59 @@ def test_liger_gets_bf16_operands_the_sum_reduction_and_fp32_accumulation(monkey
     with torch.no_grad():  # validation never calls the package
         torch.testing.assert_close(token_loss_sum(hidden, weight, targets, chunk_tokens=8, kernel="liger"), plain)
     assert len(calls) == 1
+
+
+def test_the_chunk_function_is_pytorch_when_eager_and_the_triton_kernel_in_compiled_cuda_training():
+    cpu = torch.device("cpu")
+    assert loss.chunk_function(False, "triton", CUDA) is loss.chunk_loss_and_grad  # the probe, eager
+    assert loss.chunk_function(True, "triton", CUDA) is loss.triton_chunk_loss_and_grad
+    assert loss.chunk_function(True, "triton", cpu) is loss.compiled_chunk_loss_and_grad()  # Triton is CUDA's
+    assert loss.chunk_function(True, "compiled", CUDA) is loss.compiled_chunk_loss_and_grad()
+    assert [loss.chunk_softmax_ran(*case) for case in [(False, "triton", CUDA), (True, "triton", CUDA),
+                                                       (True, "triton", cpu), (True, "compiled", CUDA)]] == \
+        ["eager", "triton", "compiled", "compiled"]
+
+
+def test_the_config_names_the_softmax_choices_and_defaults_to_triton():
+    assert load_config("conf/smoke.yaml").model.loss_softmax == "triton"
+    with pytest.raises(ConfigError, match="model.loss_softmax must be one of triton, compiled, not 'cuda'"):
+        load_config("conf/smoke.yaml", ["model.loss_softmax=cuda"])
+
+
+TRITON_INTERPRETED_CHECK = r"""
+import torch
+from model.loss import IGNORE_INDEX, chunk_loss_and_grad
+from model.triton_cross_entropy import loss_and_gradient_in_place
+
+torch.manual_seed(3)
+rows, vocab, padded = 29, 1000, 1024  # several blocks of 256 columns, the last one part padding
+logits = 4 * torch.randn(rows, padded)
+logits[:, vocab:] = 0  # what the zero padding rows of the head give
+targets = torch.randint(0, vocab, (rows,))
+targets[::4] = IGNORE_INDEX
+targets[1] = vocab - 1  # the last real column, in the block that holds padding
+for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
+    chunk = logits.to(dtype)
+    expected_loss, expected_grad = chunk_loss_and_grad(chunk.clone(), targets, vocab, dtype)
+    got_loss = loss_and_gradient_in_place(chunk, targets, vocab, IGNORE_INDEX, block_columns=256, warps=4)
+    torch.testing.assert_close(got_loss, expected_loss, rtol=1e-6, atol=1e-4)
+    assert chunk.dtype == dtype and (chunk.float() - expected_grad.float()).abs().max() <= tolerance
+    assert (chunk[:, vocab:] == 0).all() and (chunk[::4] == 0).all()  # padding and ignored rows: no gradient
+print("same")
+"""
+
+
+def test_the_triton_chunk_kernel_matches_the_pytorch_chunk_function_in_tritons_interpreter():
+    """The kernel's arithmetic on the CPU, through Triton's interpreter (where Triton is installed;
+    tests/gpu runs it compiled on a GPU)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed (it comes with CUDA builds of PyTorch)")
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", TRITON_INTERPRETED_CHECK], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "same", done.stderr[-2000:]

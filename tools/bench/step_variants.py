@@ -3,16 +3,19 @@
 The trunk compiles once and every loss kernel runs on the same rows from the same initial weights:
 no process start, import or recompilation separates them, so their ratios are tight. Then:
   - each loss kernel alone (forward and backward of 32 x 4096 tokens), with its difference from
-    the chunked loss; quack's linear cross-entropy beside it at a vocabulary padded to 50,304, where
+    the chunked loss; the chunk's softmax and gradient alone (16,384 x 50,304 bf16 logits), the
+    Triton kernel at several block sizes against the compiled PyTorch function; quack's linear cross-entropy beside it at a vocabulary padded to 50,304, where
     it runs (timing only: it has no way to mask padding columns, so the model cannot use it);
   - the same rows of real text (data/sample.jsonl, GPT-2 tokens) trained with each kernel and twice
     with the chunked loss (the run-to-run noise): per-update losses and a held-out loss;
   - inductor settings that need a recompilation (max-autotune GEMMs, whose Triton templates can take
-    GELU into the fc product's epilogue; activation_memory_budget 1), each with its first update's
+    GELU into the fc product's epilogue; activation_memory_budget X), each with its first update's
     seconds (the compilation) beside its throughput.
+Loss variants: chunked (Triton softmax, the default), chunked-compiled (inductor's softmax), liger, cce.
 Writes step_variants.json under --out and prints a table last. Needs a CUDA GPU.
 
-Usage: python -m tools bench step-variants [--kernels chunked liger cce] [--inductor budget-1 max-autotune]
+Usage: python -m tools bench step-variants [--kernels chunked chunked-compiled liger cce]
+[--inductor budget-1 budget-0.9 max-autotune max-autotune-triton]
 [--config FILE] [--section.key VALUE ...]
 """
 
@@ -70,6 +73,28 @@ def collect_batches(cfg, microbatch: int, count: int, records: bytes | None) -> 
     if generator is not None:
         generator.kill()
     return batches
+
+
+LOSS_VARIANTS = ("chunked", "chunked-compiled", *[k for k in loss_module.CHOICES if k != "chunked"])
+
+
+def use_loss_variant(model_config, variant: str) -> None:
+    """Set ``model.loss_kernel`` and ``model.loss_softmax`` for a name of LOSS_VARIANTS."""
+    model_config.loss_kernel = "chunked" if variant == "chunked-compiled" else variant
+    model_config.loss_softmax = "compiled" if variant == "chunked-compiled" else "triton"
+
+
+def inductor_variant(name: str) -> str:
+    """An --inductor value: max-autotune, max-autotune-triton or budget-X with X in [0, 1]."""
+    if name in ("max-autotune", "max-autotune-triton"):
+        return name
+    if name.startswith("budget-"):
+        try:
+            if 0 <= float(name[len("budget-"):]) <= 1:
+                return name
+        except ValueError:
+            pass
+    raise ValueError(f"not an inductor variant: {name!r} (max-autotune, max-autotune-triton, budget-X)")
 
 
 def train_steps(lit, batches: list[dict], steps: int, warmup: int, grad_clip: float) -> dict:
@@ -132,11 +157,14 @@ def isolated_losses(kernels: list[str], tokens: int, vocab: int) -> dict:
     targets = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
     targets[::50] = loss_module.IGNORE_INDEX
     results, reference = {}, None
-    for kernel in kernels:
+    for variant in kernels:
+        kernel = "chunked" if variant == "chunked-compiled" else variant
+        softmax = "compiled" if variant == "chunked-compiled" else "triton"
+
         def run():
             hidden.grad = weight.grad = None
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                value = loss_module.token_loss_sum(hidden, weight, targets, 16384, kernel, compiled=True)
+                value = loss_module.token_loss_sum(hidden, weight, targets, 16384, kernel, compiled=True, softmax=softmax)
             value.backward()
             return value.detach()
         try:
@@ -152,8 +180,41 @@ def isolated_losses(kernels: list[str], tokens: int, vocab: int) -> dict:
                     "dweight_vs_chunked": relative(grads[1], reference[2])}
         except Exception as error:  # noqa: BLE001 - a kernel that fails is reported, the others still run
             row = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-        results[kernel] = row
-        print(f"isolated loss {kernel}: {row}", file=sys.stderr, flush=True)
+        results[variant] = row
+        print(f"isolated loss {variant}: {row}", file=sys.stderr, flush=True)
+    return results
+
+
+def isolated_softmax(vocab: int, rows: int = 16384) -> dict:
+    """One chunk's loss and logits gradient alone: the compiled PyTorch function against the Triton
+    kernel at several (columns per block, warps), with the Triton result's difference from PyTorch's."""
+    from model import triton_cross_entropy
+
+    padded = loss_module.padded_vocab_size(vocab)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    logits = (2 * torch.randn(rows, padded, device="cuda", generator=gen)).bfloat16()
+    logits[:, vocab:] = 0
+    targets = torch.randint(0, vocab, (rows,), device="cuda", generator=gen)
+    targets[::50] = loss_module.IGNORE_INDEX
+    compiled = loss_module.compiled_chunk_loss_and_grad()
+    reference_loss, reference_grad = compiled(logits, targets, vocab, torch.bfloat16)
+    work = logits.clone()
+    results = {"compiled_ms": time_cuda(lambda: compiled(logits, targets, vocab, torch.bfloat16))}
+    for block, warps in [(2048, 4), (4096, 8), (4096, 16), (8192, 8), (8192, 16), (16384, 16)]:
+        try:
+            work.copy_(logits)
+            value = triton_cross_entropy.loss_and_gradient_in_place(work, targets, vocab, loss_module.IGNORE_INDEX, block, warps)
+            row = {"loss_vs_compiled": relative(value, reference_loss), "grad_vs_compiled": relative(work, reference_grad)}
+            # timed on the overwritten buffer: the same memory traffic, values no longer matter
+            row["ms"] = time_cuda(lambda: triton_cross_entropy.loss_and_gradient_in_place(
+                work, targets, vocab, loss_module.IGNORE_INDEX, block, warps))
+        except Exception as error:  # noqa: BLE001
+            row = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        results[f"triton {block}x{warps}"] = row
+    gigabytes = 3 * logits.numel() * logits.element_size() / 1e9  # two reads and one write of the chunk
+    results["triton_bandwidth_tb_s"] = {k: gigabytes / r["ms"] for k, r in results.items()
+                                        if isinstance(r, dict) and "ms" in r}
+    print(f"isolated softmax ({rows} x {padded}): {results}", file=sys.stderr, flush=True)
     return results
 
 
@@ -199,9 +260,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--microbatch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--kernels", nargs="*", default=["chunked", "liger", "cce"], choices=loss_module.CHOICES)
-    parser.add_argument("--inductor", nargs="*", default=["budget-1", "max-autotune"],
-                        choices=["max-autotune", "max-autotune-triton", "budget-1"])
+    parser.add_argument("--kernels", nargs="*", default=["chunked", "chunked-compiled"], choices=LOSS_VARIANTS)
+    parser.add_argument("--inductor", nargs="*", default=["budget-1", "max-autotune-triton"], type=inductor_variant,
+                        help="max-autotune, max-autotune-triton (Triton templates only), budget-X (activation_memory_budget X)")
     parser.add_argument("--learning-updates", type=int, default=24, help="0: no learning comparison")
     parser.add_argument("--time-limit", type=float, default=540.0, help="seconds; later phases are skipped past it")
     args = bench.parse(parser, argv)
@@ -220,13 +281,15 @@ def main(argv: list[str]) -> int:
     batches = collect_batches(cfg, args.microbatch, 8, None)
     pairs = sum(b["attention_pairs"] for b in batches) / len(batches)
     flops = training_flops(cfg.model, args.microbatch * cfg.model.max_seq_len, pairs)
-    default_kernel = cfg.model.loss_kernel  # the inductor variants' loss (the loop below changes the config)
+    default_loss = (cfg.model.loss_kernel if cfg.model.loss_kernel != "chunked" or cfg.model.loss_softmax == "triton"
+                    else "chunked-compiled")  # the inductor variants' loss (the loop below changes the config)
+    result["inductor_loss"] = default_loss
     lit = device_policy.build_module(cfg, torch.device("cuda"))
     initial = {k: v.clone() for k, v in lit.state_dict().items()}
     lit.model.compile_trunk()
     for kernel in args.kernels:
         lit.load_state_dict(initial)
-        lit.model.config.loss_kernel = kernel
+        use_loss_variant(lit.model.config, kernel)
         try:
             row = train_steps(lit, batches, args.steps, args.warmup, cfg.trainer.gradient_clip_val)
             row["mfu"] = flops / (row["ms_per_update"] / 1000) / cfg.metrics.peak_flops
@@ -241,7 +304,9 @@ def main(argv: list[str]) -> int:
 
     if elapsed() < args.time_limit - 60:
         result["isolated"] = isolated_losses(args.kernels, args.microbatch * 4096, cfg.model.vocab_size)
-        result["isolated_quack"] = isolated_quack(args.microbatch * 4096)
+        result["isolated_softmax"] = isolated_softmax(cfg.model.vocab_size)
+        if any(k in args.kernels for k in ("liger", "cce")):
+            result["isolated_quack"] = isolated_quack(args.microbatch * 4096)
         save()
 
     if args.learning_updates and elapsed() < args.time_limit - 90:
@@ -251,7 +316,7 @@ def main(argv: list[str]) -> int:
         runs = {}
         for name in ["chunked", "chunked (again)", *[k for k in args.kernels if k != "chunked" and k in ran]]:
             lit.load_state_dict(initial)
-            lit.model.config.loss_kernel = name.split()[0]
+            use_loss_variant(lit.model.config, name.split()[0])
             row = train_steps(lit, train_rows, len(train_rows) - 1, 1, cfg.trainer.gradient_clip_val)
             runs[name] = {"losses": row["losses"], "held_out_loss": held_out_loss(lit, held_out), "kernel": row["kernel"]}
             print(f"[{elapsed():.0f} s] learning {name}: held-out {runs[name]['held_out_loss']:.4f}, "
@@ -273,10 +338,10 @@ def main(argv: list[str]) -> int:
             if variant == "max-autotune-triton":
                 inductor_config.max_autotune_gemm_backends = "TRITON"
         budget = lit.model.config.activation_memory_budget
-        if variant == "budget-1":
-            lit.model.config.activation_memory_budget = 1.0
+        if variant.startswith("budget-"):
+            lit.model.config.activation_memory_budget = float(variant[len("budget-"):])
         lit.load_state_dict(initial)
-        lit.model.config.loss_kernel = default_kernel
+        use_loss_variant(lit.model.config, default_loss)
         try:
             lit.model.compile_trunk()
             row = train_steps(lit, batches, args.steps, args.warmup, cfg.trainer.gradient_clip_val)
@@ -295,12 +360,20 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def variant_overrides(variant: str) -> list[str]:
+    """The config overrides that select a loss variant (LOSS_VARIANTS)."""
+    if variant == "chunked-compiled":
+        return ["model.loss_kernel=chunked", "model.loss_softmax=compiled"]
+    return [f"model.loss_kernel={variant}", "model.loss_softmax=triton"]
+
+
 def recommend(result: dict, microbatch: int) -> list[str]:
-    """The overrides that paid: a loss kernel at least 1 % faster than the chunked one whose held-out
-    loss is within three times the chunked runs' own difference (0.2 % at least); activation_memory_budget
-    1 if it is 1 % faster and stays within 0.30 MiB of peak memory per microbatch token."""
+    """The overrides that paid: a loss variant at least 1 % faster than the chunked loss (Triton softmax)
+    whose held-out loss is within three times the chunked runs' own difference (0.2 % at least); the
+    fastest activation_memory_budget X that is 1 % faster than the run it varies and stays within
+    0.30 MiB of peak memory per microbatch token."""
     kernels = {k: r for k, r in result["loss_kernels"].items() if "tokens_per_second" in r}
-    chosen = ["model.loss_kernel=chunked"]
+    chosen = variant_overrides("chunked")
     runs = result.get("learning", {}).get("runs", {})
     if "chunked" in kernels and "chunked" in runs:
         base, again = runs["chunked"]["held_out_loss"], runs["chunked (again)"]["held_out_loss"]
@@ -310,13 +383,15 @@ def recommend(result: dict, microbatch: int) -> list[str]:
                 break
             faster = kernels[kernel]["tokens_per_second"] > 1.01 * kernels["chunked"]["tokens_per_second"]
             if faster and kernel in runs and abs(runs[kernel]["held_out_loss"] - base) <= tolerance:
-                chosen = [f"model.loss_kernel={kernel}"]
+                chosen = variant_overrides(kernel)
                 break
-    budget = result["inductor"].get("budget-1", {})
-    if "tokens_per_second" in budget and "chunked" in kernels:
-        fits = budget["peak_allocated_gib"] * 1024 / (microbatch * 4096) <= 0.30
-        if fits and budget["tokens_per_second"] > 1.01 * kernels["chunked"]["tokens_per_second"]:
-            chosen.append("model.activation_memory_budget=1.0")
+    baseline = kernels.get(result.get("inductor_loss", "chunked"))
+    budgets = {k: r for k, r in result["inductor"].items() if k.startswith("budget-") and "tokens_per_second" in r
+               and r["peak_allocated_gib"] * 1024 / (microbatch * 4096) <= 0.30}
+    if baseline and budgets:
+        best = max(budgets, key=lambda k: budgets[k]["tokens_per_second"])
+        if budgets[best]["tokens_per_second"] > 1.01 * baseline["tokens_per_second"]:
+            chosen.append(f"model.activation_memory_budget={best[len('budget-'):]}")
     return chosen
 
 
@@ -336,6 +411,13 @@ def print_table(result: dict, args) -> None:
     for k, r in result.get("isolated", {}).items():
         print(f"isolated loss {k:<10} " + (f"{r['ms']:.2f} ms, peak {r['peak_allocated_gib']:.2f} GiB, loss/dh/dw vs chunked "
               f"{r['loss_vs_chunked']:.1e}/{r['dhidden_vs_chunked']:.1e}/{r['dweight_vs_chunked']:.1e}" if "ms" in r else r["error"]))
+    softmax = result.get("isolated_softmax", {})
+    for name, r in softmax.items():
+        if isinstance(r, dict) and name != "triton_bandwidth_tb_s":
+            print(f"chunk softmax {name:<16} " + (f"{r['ms']:.3f} ms ({softmax['triton_bandwidth_tb_s'][name]:.2f} TB/s), "
+                  f"loss/grad vs compiled {r['loss_vs_compiled']:.1e}/{r['grad_vs_compiled']:.1e}" if "ms" in r else r["error"]))
+    if "compiled_ms" in softmax:
+        print(f"chunk softmax compiled PyTorch  {softmax['compiled_ms']:.3f} ms")
     if "isolated_quack" in result:
         print(f"isolated quack vs chunked at vocabulary 50304: {result['isolated_quack']}")
     for name, r in result.get("learning", {}).get("runs", {}).items():
