@@ -86,18 +86,20 @@ class DocumentLayout:
         return self.cu_seqlens
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
-    """Causal attention over [B, T, H, hd] that never crosses a document boundary; returns [B, T, H, hd].
+def attend(qkv: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+    """Causal attention over ``qkv`` [B, T, 3, H, hd] (the projection's output, q, k, v packed) that
+    never crosses a document boundary; returns [B, T, H, hd].
 
     FlashAttention 4 or PyTorch's varlen kernel see the documents as separate sequences of the
-    flattened rows; SDPA sees one row per sequence, with the document mask.
+    flattened rows; SDPA sees one row per sequence, with the document mask. FA4 takes the packing as
+    it is and returns its gradient packed the same way.
     """
-    b, t, h, hd = q.shape
-    if layout.use_fa4(q):
+    b, t, _, h, hd = qkv.shape
+    if layout.use_fa4(qkv):
         if layout.positions is None:
-            return flash4.fa4_attention(q, k, v)
-        flat = [z.reshape(b * t, h, hd) for z in (q, k, v)]
-        return flash4.fa4_attention(*flat, layout.offsets(), t).view(b, t, h, hd)
+            return flash4.fa4_attention(qkv)
+        return flash4.fa4_attention(qkv.reshape(b * t, 3, h, hd), layout.offsets(), t).view(b, t, h, hd)
+    q, k, v = qkv.unbind(2)
     if layout.use_varlen(q):
         cu = layout.offsets()
         flat = [z.reshape(b * t, h, hd) for z in (q, k, v)]

@@ -131,71 +131,85 @@ def _fa4_forward_impl(q, k, v, cu_seqlens, max_seqlen):
     return result[0], result[1]
 
 
-def _fa4_backward_impl(dout, q, k, v, out, lse, cu_seqlens, max_seqlen):
+def _fa4_backward_impl(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dq, dk, dv):
+    """FA4's backward, writing the gradients into ``dq``, ``dk``, ``dv`` (views of one buffer)."""
     fa = fa4_interface()
     varlen = cu_seqlens is not None
-    dq, dk, dv = fa._flash_attn_bwd(
+    fa._flash_attn_bwd(
         q, k, v, out, dout, lse, causal=True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
         max_seqlen_q=max_seqlen if varlen else None, max_seqlen_k=max_seqlen if varlen else None,
-    )[:3]
+        dq=dq, dk=dk, dv=dv,
+    )
     return dq, dk, dv
 
 
 IMPLEMENTATION = {"forward": _fa4_forward_impl, "backward": _fa4_backward_impl}
 
 
-def _lse_shape(q: torch.Tensor, varlen: bool) -> tuple[int, ...]:
-    if varlen:  # q [total, H, hd] -> [H, total]
-        return (q.shape[1], q.shape[0])
-    return (q.shape[0], q.shape[2], q.shape[1])  # q [B, T, H, hd] -> [B, H, T]
+def _lse_shape(qkv: torch.Tensor, varlen: bool) -> tuple[int, ...]:
+    if varlen:  # qkv [total, 3, H, hd] -> [H, total]
+        return (qkv.shape[2], qkv.shape[0])
+    return (qkv.shape[0], qkv.shape[3], qkv.shape[1])  # qkv [B, T, 3, H, hd] -> [B, H, T]
+
+
+def _out_shape(qkv: torch.Tensor) -> tuple[int, ...]:
+    return (*qkv.shape[:-3], *qkv.shape[-2:])
+
+
+# The ops take q, k and v packed as the qkv projection leaves them ([..., 3, H, hd]) and return the
+# gradient in that same packing: FA4 reads q, k, v as strided views and writes dq, dk, dv into views
+# of one buffer, so no copy joins three separate gradients into the projection's gradient.
 
 
 @torch.library.custom_op("runfab::fa4_forward", mutates_args=())
-def fa4_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention and its log-sum-exp (fp32). Dense: q/k/v [B, T, H, hd], cu_seqlens None.
-    Varlen: [total, H, hd] with int32 document offsets ``cu_seqlens`` and the longest length bound."""
-    out, lse = IMPLEMENTATION["forward"](q, k, v, cu_seqlens, max_seqlen)
+def fa4_forward(qkv: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention and its log-sum-exp (fp32). Dense: qkv [B, T, 3, H, hd], cu_seqlens None.
+    Varlen: [total, 3, H, hd] with int32 document offsets ``cu_seqlens`` and the longest length bound."""
+    out, lse = IMPLEMENTATION["forward"](*qkv.unbind(-3), cu_seqlens, max_seqlen)
     return out.contiguous(), lse.contiguous()  # the layouts the fake implementation promises
 
 
 @fa4_forward.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen):
-    return q.new_empty(q.shape), q.new_empty(_lse_shape(q, cu_seqlens is not None), dtype=torch.float32)
+def _(qkv, cu_seqlens, max_seqlen):
+    return qkv.new_empty(_out_shape(qkv)), qkv.new_empty(_lse_shape(qkv, cu_seqlens is not None), dtype=torch.float32)
 
 
 @torch.library.custom_op("runfab::fa4_backward", mutates_args=())
 def fa4_backward(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    cu_seqlens: torch.Tensor | None, max_seqlen: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = IMPLEMENTATION["backward"](dout, q, k, v, out, lse, cu_seqlens, max_seqlen)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor | None,
+    max_seqlen: int,
+) -> torch.Tensor:
+    """The gradient of ``fa4_forward``'s output with respect to ``qkv``, packed as ``qkv``."""
+    dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
+    parts = dqkv.unbind(-3)
+    grads = IMPLEMENTATION["backward"](dout, *qkv.unbind(-3), out, lse, cu_seqlens, max_seqlen, *parts)
+    for part, grad in zip(parts, grads):
+        if grad.data_ptr() != part.data_ptr():  # an implementation that returned its own tensors
+            part.copy_(grad)
+    return dqkv
 
 
 @fa4_backward.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(dout, qkv, out, lse, cu_seqlens, max_seqlen):
+    return torch.empty_like(qkv, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, cu_seqlens, max_seqlen = inputs
+    qkv, cu_seqlens, max_seqlen = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.save_for_backward(qkv, out, lse, cu_seqlens)
     ctx.max_seqlen = max_seqlen
 
 
 def _backward(ctx, grad_out, grad_lse):  # the log-sum-exp is not differentiated: attention returns only out
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen)
-    return dq, dk, dv, None, None
+    qkv, out, lse, cu_seqlens = ctx.saved_tensors
+    return fa4_backward(grad_out, qkv, out, lse, cu_seqlens, ctx.max_seqlen), None, None
 
 
 fa4_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                  max_seqlen: int = 0) -> torch.Tensor:
-    """Causal FA4 attention: dense [B, T, H, hd] when ``cu_seqlens`` is None, else varlen [total, H, hd]."""
-    return fa4_forward(q, k, v, cu_seqlens, max_seqlen)[0]
+def fa4_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0) -> torch.Tensor:
+    """Causal FA4 attention of packed ``qkv``: dense [B, T, 3, H, hd] when ``cu_seqlens`` is None, else
+    varlen [total, 3, H, hd]; returns [B, T, H, hd] or [total, H, hd]."""
+    return fa4_forward(qkv, cu_seqlens, max_seqlen)[0]

@@ -108,9 +108,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.n_head, d // self.n_head) for z in (q, k, v))
-        return self.proj(attend(q, k, v, layout).reshape(b, t, d))
+        qkv = self.qkv(x).view(b, t, 3, self.n_head, d // self.n_head)  # q, k, v side by side, as split(d) gives
+        return self.proj(attend(qkv, layout).reshape(b, t, d))
 
 
 class MLP(nn.Module):

@@ -208,13 +208,19 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = torch.empty_like(hidden)
             grad_weight = torch.zeros(padded, width, dtype=exact, device=weight.device)
             loss = torch.zeros((), dtype=exact, device=hidden.device)
+            # CUDA takes half-precision products into an fp32 sum inside the GEMM (one kernel, no rounded
+            # partial); elsewhere the product is widened and added.
+            accumulate_in_gemm = w.is_cuda and dtype in (torch.bfloat16, torch.float16) and exact == torch.float32
             for start in range(0, hidden.shape[0], chunk_tokens):
                 h = hidden[start : start + chunk_tokens].to(dtype)
                 logits = h @ w.t()
                 chunk_loss, grad_logits = chunk_fn(logits, targets[start : start + chunk_tokens], vocab, dtype)
                 loss += chunk_loss
                 grad_hidden[start : start + chunk_tokens] = (grad_logits @ w).to(hidden.dtype)
-                grad_weight += (grad_logits.t() @ h).to(exact)
+                if accumulate_in_gemm:
+                    grad_weight = torch.addmm(grad_weight, grad_logits.t(), h, out_dtype=exact)
+                else:
+                    grad_weight += (grad_logits.t() @ h).to(exact)
         ctx.save_for_backward(grad_hidden, grad_weight[:vocab])
         ctx.weight_dtype = weight.dtype
         return loss

@@ -254,11 +254,10 @@ def test_fa4_matches_the_plain_path_forward_and_gradients_at_the_trainers_shapes
 
     def run(kernel):
         qkv.grad = None
-        q, k, v = (z.view(b, t, h, hd) for z in qkv.split(h * hd, dim=-1))
         if kernel == "plain":
-            out = plain_attention(q, k, v, cu)
+            out = plain_attention(*(z.view(b, t, h, hd) for z in qkv.split(h * hd, dim=-1)), cu)
         else:
-            out = attend(q, k, v, DocumentLayout(positions, cu if positions is not None else None, kernel))
+            out = attend(qkv.view(b, t, 3, h, hd), DocumentLayout(positions, cu if positions is not None else None, kernel))
         out.backward(grad.to(out.dtype))
         return [out.detach()] + list(qkv.grad.float().split(h * hd, dim=-1))
 

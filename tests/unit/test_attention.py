@@ -138,8 +138,9 @@ def reference_forward(q, k, v, cu_seqlens, max_seqlen):
     return (out.to(q.dtype), lse) if dense else (out[0].to(q.dtype), lse[0])
 
 
-def reference_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen):
-    """The textbook gradients (custom ops run below autograd, so no autograd here)."""
+def reference_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, *buffers):
+    """The textbook gradients (custom ops run below autograd, so no autograd here), as new tensors
+    rather than in ``buffers`` (FA4 writes into them; the op copies what an implementation returns)."""
     dense = cu_seqlens is None
     qs, ks, vs, dos = (z.float() if dense else z.float()[None] for z in (q, k, v, dout))
     dq, dk, dv = (torch.zeros_like(z) for z in (qs, ks, vs))
@@ -174,10 +175,10 @@ def packed_qkv(seed: int):
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_custom_op_passes_pytorchs_op_checks(reference_fa4, packed):
     generator = torch.Generator().manual_seed(0)
-    shape = (40, 2, 8) if packed else (2, 20, 2, 8)
-    q, k, v = (torch.randn(shape, generator=generator, requires_grad=True) for _ in range(3))
+    shape = (40, 3, 2, 8) if packed else (2, 20, 3, 2, 8)
+    qkv = torch.randn(shape, generator=generator, requires_grad=True)
     cu = torch.tensor([0, 13, 40], dtype=torch.int32) if packed else None
-    torch.library.opcheck(flash4.fa4_forward, (q, k, v, cu, 20 if packed else 0))
+    torch.library.opcheck(flash4.fa4_forward, (qkv, cu, 20 if packed else 0))
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -190,8 +191,7 @@ def test_attend_through_fa4_matches_the_plain_path_and_compiles_without_a_graph_
     grad = torch.randn(b, t, h, hd, generator=torch.Generator().manual_seed(2))
 
     def attend(qkv, cu, kernel):
-        q, k, v = (z.view(b, t, h, hd) for z in qkv.split(h * hd, dim=-1))
-        return attention.attend(q, k, v, attention.DocumentLayout(positions, cu, kernel))
+        return attention.attend(qkv.view(b, t, 3, h, hd), attention.DocumentLayout(positions, cu, kernel))
 
     torch._dynamo.reset()
     counters.clear()

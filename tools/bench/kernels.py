@@ -57,25 +57,30 @@ def report(name: str, ms: float, flops: float) -> None:
     print(f"{name:<48} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
 
 
-def cudnn_ragged(q, k, v, cu, max_len):
-    """aten's cuDNN attention over ragged sequences [total, H, hd], causal; differentiable through aten's formula."""
+# Every kernel takes q, k and v packed as the model's projection leaves them, qkv [total, 3, H, hd],
+# and returns [total, H, hd]; the ones that take them apart get strided views, as in the model.
+
+
+def cudnn_ragged(qkv, cu, max_len):
+    """aten's cuDNN attention over ragged sequences, causal; differentiable through aten's formula."""
+    q, k, v = qkv.unbind(1)
     return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True)[0]
 
 
-def fa2_varlen(q, k, v, cu, max_len):
+def fa2_varlen(qkv, cu, max_len):
+    q, k, v = qkv.unbind(1)
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))
 
 
-def fa4_varlen(q, k, v, cu, max_len):
+def fa4_varlen(qkv, cu, max_len):
     """FlashAttention 4 through the model's custom op (what training runs)."""
-    return flash4.fa4_attention(q, k, v, cu, max_len)
+    return flash4.fa4_attention(qkv, cu, max_len)
 
 
-def fa4_dense(q, k, v, cu, row_len):
+def fa4_dense(qkv, cu, row_len):
     """FlashAttention 4 dense causal over whole rows: right only for one document per row."""
-    total, h, hd = q.shape
-    rows = [z.view(total // row_len, row_len, h, hd) for z in (q, k, v)]
-    return flash4.fa4_attention(*rows).view(total, h, hd)
+    total, _, h, hd = qkv.shape
+    return flash4.fa4_attention(qkv.view(total // row_len, row_len, 3, h, hd)).view(total, h, hd)
 
 
 class FlexDocuments:
@@ -86,7 +91,8 @@ class FlexDocuments:
         self._masks: dict = {}
         self._attend = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
-    def __call__(self, q, k, v, cu, row_len):
+    def __call__(self, qkv, cu, row_len):
+        q, k, v = qkv.unbind(1)
         total, h, hd = q.shape
         rows = total // row_len
         key = (cu.data_ptr(), total)
@@ -131,8 +137,8 @@ def correctness(args) -> None:
     rows, t, h, hd = 2, 1024, 4, 64
     cu = realistic_offsets(rows, t, 300, seed=1).to(dev)
     gen = torch.Generator(device=dev).manual_seed(1)
-    q, k, v, grad = (torch.randn(rows * t, h, hd, device=dev, generator=gen) for _ in range(4))
-    leaves = [z.double().requires_grad_() for z in (q, k, v)]
+    qkv, grad = torch.randn(rows * t, 3, h, hd, device=dev, generator=gen), torch.randn(rows * t, h, hd, device=dev)
+    leaves = [z.double().requires_grad_() for z in qkv.unbind(1)]
     reference(*leaves, cu).backward(grad.double())
     expected = [reference(*(z.detach() for z in leaves), cu)] + [z.grad for z in leaves]
 
@@ -141,21 +147,21 @@ def correctness(args) -> None:
     print(f"\ncorrectness against fp64, {len(cu) - 1} documents in {rows} rows of {t}:")
     for name, fn in candidates(args.kernels).items():
         try:
-            inputs = [z.bfloat16().requires_grad_() for z in (q, k, v)]
-            out = fn(*inputs, cu, t)
+            packed = qkv.bfloat16().requires_grad_()
+            out = fn(packed, cu, t)
             out.backward(grad.bfloat16())
-            errors = [relative(a, b) for a, b in zip([out.detach()] + [z.grad for z in inputs], expected)]
+            errors = [relative(a, b) for a, b in zip([out.detach(), *packed.grad.unbind(1)], expected)]
             print(f"  {name:<14} relative error out/dq/dk/dv: " + " ".join(f"{e:.2e}" for e in errors))
         except Exception as error:  # noqa: BLE001 - a benchmark reports what the build lacks and goes on
             print(f"  {name}: {type(error).__name__}: {str(error)[:300]}")
     try:  # does the cuDNN ragged op compile, with the document count dynamic?
         compiled = torch.compile(cudnn_ragged, fullgraph=True)
-        inputs = [z.bfloat16().requires_grad_() for z in (q, k, v)]
+        packed = qkv.bfloat16().requires_grad_()
         for cu_try in (cu, realistic_offsets(rows, t, 200, seed=2).to(dev)):
             torch._dynamo.mark_dynamic(cu_try, 0)
-            out = compiled(*inputs, cu_try, t)
+            out = compiled(packed, cu_try, t)
             out.backward(grad.bfloat16())
-            eager = cudnn_ragged(*(z.detach() for z in inputs), cu_try, t)
+            eager = cudnn_ragged(packed.detach(), cu_try, t)
             print(f"  cuDNN ragged compiled, {len(cu_try) - 1} documents: max |compiled - eager| "
                   f"{float((out.detach() - eager).abs().max()):.2e}")
     except Exception as error:  # noqa: BLE001
@@ -166,7 +172,8 @@ def attention(args) -> None:
     b, t, h, hd = args.microbatch, 4096, 12, 64
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    q, k, v, grad = (torch.randn(b * t, h, hd, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    qkv = torch.randn(b * t, 3, h, hd, device=dev, dtype=torch.bfloat16, generator=gen)
+    grad = torch.randn(b * t, h, hd, device=dev, dtype=torch.bfloat16, generator=gen)
     layouts = {"one-doc": torch.arange(0, b * t + 1, t, dtype=torch.int32),
                "realistic": realistic_offsets(b, t, args.docs_mean)}
     for layout, cu_cpu in layouts.items():
@@ -174,26 +181,26 @@ def attention(args) -> None:
         pairs = attention_pairs(cu_cpu)
         fwd_flops, bwd_flops = 4 * pairs * h * hd, 10 * pairs * h * hd  # 2 and 5 matmuls over the causal pairs
         print(f"\n{layout}: {len(cu_cpu) - 1} documents in {b} rows, {pairs / (b * t):.0f} causal pairs per token")
-        inputs = [z.clone().requires_grad_() for z in (q, k, v)]
+        packed = qkv.clone().requires_grad_()
         kernels = candidates()
         if layout == "one-doc" and "FA4 varlen" in kernels:
             kernels["FA4 dense"] = fa4_dense
         if layout == "one-doc":
             for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
-                def sdpa(q, k, v, cu, max_len, backend=backend):
+                def sdpa(qkv, cu, max_len, backend=backend):
                     with sdpa_kernel([backend]):
-                        qs, ks, vs = (z.view(b, t, h, hd).transpose(1, 2) for z in (q, k, v))
+                        qs, ks, vs = (z.view(b, t, h, hd).transpose(1, 2) for z in qkv.unbind(1))
                         return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(1, 2).reshape(b * t, h, hd)
                 kernels[f"SDPA {backend.name}"] = sdpa
         kernels = {name: fn for name, fn in kernels.items() if not args.kernels or name in args.kernels}
         for name, fn in kernels.items():
             try:
                 started = time.perf_counter()
-                fn(*inputs, cu, t).backward(grad)  # the first call compiles (FA4: JIT), kept out of the timing
+                fn(packed, cu, t).backward(grad)  # the first call compiles (FA4: JIT), kept out of the timing
                 torch.cuda.synchronize()
                 print(f"{layout} {name}: first forward+backward {time.perf_counter() - started:.2f} s")
-                report(f"{layout} {name} forward", timed(lambda: fn(*inputs, cu, t)), fwd_flops)
-                report(f"{layout} {name} forward+backward", timed(lambda: fn(*inputs, cu, t).backward(grad)),
+                report(f"{layout} {name} forward", timed(lambda: fn(packed, cu, t)), fwd_flops)
+                report(f"{layout} {name} forward+backward", timed(lambda: fn(packed, cu, t).backward(grad)),
                        fwd_flops + bwd_flops)
             except Exception as error:  # noqa: BLE001
                 print(f"{layout} {name}: {type(error).__name__}: {str(error)[:300]}")
