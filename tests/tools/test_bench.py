@@ -152,3 +152,35 @@ def test_step_variants_takes_inductor_variants_it_can_run(value, ok):
     else:
         with pytest.raises(ValueError, match="not an inductor variant"):
             step_variants.inductor_variant(value)
+
+
+def test_trainer_against_a_folder_without_train_py_is_refused_before_anything_runs(no_gpu, capsys, tmp_path):
+    out = tmp_path / "bench-out"
+    with pytest.raises(SystemExit) as exit_status:
+        tools(["bench", "trainer", "--out", str(out), "--against", str(tmp_path)])
+    assert exit_status.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--against {tmp_path}: no train.py there" in err and "needs a CUDA GPU" not in err
+    assert not out.exists()
+
+
+def test_trainer_against_another_checkout_runs_its_train_py_on_the_same_records(monkeypatch, tmp_path):
+    from tools.bench import training
+
+    calls = []
+    monkeypatch.setattr(device_policy, "cuda_present", lambda: True)
+    monkeypatch.setattr(runs, "prepare", lambda args: None)
+    monkeypatch.setattr(runs, "run_plain", lambda layout, args: {"tokens_per_second": 1.0})
+    monkeypatch.setattr(runs, "save", lambda *a: None)
+    monkeypatch.setattr(runs, "print_table", lambda *a, **k: None)
+
+    def run_lightning(layout, args, name="lightning", extra=(), cold=False, tree=runs.ROOT):
+        calls.append((layout, name, tree))
+        return {"tokens_per_second": 1.0}
+
+    monkeypatch.setattr(runs, "run_lightning", run_lightning)
+    other = tmp_path / "before"
+    other.mkdir()
+    (other / "train.py").write_text("")
+    assert training.trainer(["--layouts", "realistic", "--out", str(tmp_path / "o"), "--against", str(other)]) == 0
+    assert calls == [("realistic", "lightning", runs.ROOT), ("realistic", "against0", other.resolve())]

@@ -155,9 +155,11 @@ def records_command(layout: str, docs: int, vocab: int) -> list[str]:
             *LAYOUTS[layout]]
 
 
-def run_lightning(layout: str, args, name: str = "lightning", extra: tuple[str, ...] = (), cold: bool = False) -> dict:
+def run_lightning(layout: str, args, name: str = "lightning", extra: tuple[str, ...] = (), cold: bool = False,
+                  tree: Path = ROOT) -> dict:
     """`python train.py` with the records on stdin; figures from its run record's summary. ``cold``: no
-    compile cache, as on RunFab (train.py then keeps one under its output)."""
+    compile cache, as on RunFab (train.py then keeps one under its output). ``tree``: the checkout
+    whose train.py runs (another revision, for a comparison in one job); the records stay this one's."""
     out = args.out
     output = out / f"{name}-{layout}"
     stages = out / f"{name}-{layout}-stages.jsonl"
@@ -178,7 +180,7 @@ def run_lightning(layout: str, args, name: str = "lightning", extra: tuple[str, 
         generator = processes.start(records_command(layout, args.docs, vocab), cwd=ROOT, stdout=subprocess.PIPE)
         source = generator.stdout
     started = time.perf_counter()
-    process = processes.start([sys.executable, str(ROOT / "train.py"), *options], stdin=source, env=env,
+    process = processes.start([sys.executable, str(tree / "train.py"), *options], stdin=source, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     sampler = processes.MemorySampler(process)
     sampler.start()

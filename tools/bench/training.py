@@ -1,7 +1,8 @@
 """The trainer's experiments, one function each (``python -m tools bench NAME``); each needs a CUDA GPU.
 
     trainer       train.py against the same work in a plain PyTorch loop, per document layout;
-                  --compare adds train.py runs with other settings
+                  --compare adds train.py runs with other settings, --against runs of another
+                  checkout's train.py (another revision) on the same records
     observe       a run with a profiler window and a memory snapshot against one without: its normal
                   region leaves the observed updates out, so both must show one pace
     reference     train.py against nanoGPT's recipe on one-document rows, on the same GPU
@@ -24,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import yaml
 
@@ -42,7 +44,13 @@ def trainer(argv: list[str]) -> int:
     parser.add_argument("--compare", nargs="+", action="append", default=[], metavar="KEY=VALUE",
                         help="add a train.py run with these settings (e.g. model.loss_chunk_tokens=32768); "
                              "repeat for more runs")
+    parser.add_argument("--against", type=Path, action="append", default=[], metavar="CHECKOUT",
+                        help="add a run of the train.py in CHECKOUT, another revision of this project (for example "
+                             "`git worktree add ../before REV`), on the same records in the same job; repeatable")
     args = runs.parse(parser, argv)
+    for checkout in args.against:
+        if not (checkout / "train.py").is_file():
+            parser.error(f"--against {checkout}: no train.py there (a checkout of this project is expected)")
     for variant in args.compare:
         try:
             runs.config(args, *variant)
@@ -57,6 +65,9 @@ def trainer(argv: list[str]) -> int:
         for number, variant in enumerate(args.compare):
             found["lightning " + " ".join(variant)] = runs.run_lightning(layout, args, f"compare{number}",
                                                                          tuple(runs.as_flags(variant)))
+        for number, checkout in enumerate(args.against):
+            found[f"lightning at {checkout}"] = runs.run_lightning(layout, args, f"against{number}",
+                                                                   tree=checkout.resolve())
         print(json.dumps({layout: found}), file=sys.stderr, flush=True)
     runs.save(args, "trainer", results)
     runs.print_table(results, args, baseline="plain")
