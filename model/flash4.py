@@ -131,16 +131,18 @@ def _fa4_forward_impl(q, k, v, cu_seqlens, max_seqlen):
     return result[0], result[1]
 
 
-def _fa4_backward_impl(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dq, dk, dv):
+def _fa4_backward_impl(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dq, dk, dv) -> None:
     """FA4's backward, writing the gradients into ``dq``, ``dk``, ``dv`` (views of one buffer)."""
     fa = fa4_interface()
     varlen = cu_seqlens is not None
-    fa._flash_attn_bwd(
+    written = fa._flash_attn_bwd(
         q, k, v, out, dout, lse, causal=True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
         max_seqlen_q=max_seqlen if varlen else None, max_seqlen_k=max_seqlen if varlen else None,
         dq=dq, dk=dk, dv=dv,
-    )
-    return dq, dk, dv
+    )[:3]
+    for result, buffer in zip(written, (dq, dk, dv)):
+        if result.data_ptr() != buffer.data_ptr():  # FA4 4.0.0b36 writes in place; a version that does not
+            buffer.copy_(result)
 
 
 IMPLEMENTATION = {"forward": _fa4_forward_impl, "backward": _fa4_backward_impl}
@@ -181,11 +183,7 @@ def fa4_backward(
 ) -> torch.Tensor:
     """The gradient of ``fa4_forward``'s output with respect to ``qkv``, packed as ``qkv``."""
     dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
-    parts = dqkv.unbind(-3)
-    grads = IMPLEMENTATION["backward"](dout, *qkv.unbind(-3), out, lse, cu_seqlens, max_seqlen, *parts)
-    for part, grad in zip(parts, grads):
-        if grad.data_ptr() != part.data_ptr():  # an implementation that returned its own tensors
-            part.copy_(grad)
+    IMPLEMENTATION["backward"](dout, *qkv.unbind(-3), out, lse, cu_seqlens, max_seqlen, *dqkv.unbind(-3))
     return dqkv
 
 

@@ -138,9 +138,9 @@ def reference_forward(q, k, v, cu_seqlens, max_seqlen):
     return (out.to(q.dtype), lse) if dense else (out[0].to(q.dtype), lse[0])
 
 
-def reference_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, *buffers):
-    """The textbook gradients (custom ops run below autograd, so no autograd here), as new tensors
-    rather than in ``buffers`` (FA4 writes into them; the op copies what an implementation returns)."""
+def reference_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dq_out, dk_out, dv_out):
+    """The textbook gradients (custom ops run below autograd, so no autograd here), written into
+    the ``*_out`` views of one buffer, as FA4 writes them."""
     dense = cu_seqlens is None
     qs, ks, vs, dos = (z.float() if dense else z.float()[None] for z in (q, k, v, dout))
     dq, dk, dv = (torch.zeros_like(z) for z in (qs, ks, vs))
@@ -154,7 +154,8 @@ def reference_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, *buffers
         dq[row, a:b] = torch.einsum("hts,shd->thd", ds, ks[row, a:b])
         dk[row, a:b] = torch.einsum("hts,thd->shd", ds, qs[row, a:b])
     grads = (dq, dk, dv) if dense else (dq[0], dk[0], dv[0])
-    return tuple(g.to(z.dtype) for g, z in zip(grads, (q, k, v)))
+    for buffer, grad in zip((dq_out, dk_out, dv_out), grads):
+        buffer.copy_(grad)
 
 
 @pytest.fixture

@@ -78,10 +78,13 @@ def collect_batches(cfg, microbatch: int, count: int, records: bytes | None) -> 
 LOSS_VARIANTS = ("chunked", "chunked-compiled", *[k for k in loss_module.CHOICES if k != "chunked"])
 
 
+def loss_settings(variant: str) -> tuple[str, str]:
+    """``model.loss_kernel`` and ``model.loss_softmax`` for a name of LOSS_VARIANTS."""
+    return ("chunked", "compiled") if variant == "chunked-compiled" else (variant, "triton")
+
+
 def use_loss_variant(model_config, variant: str) -> None:
-    """Set ``model.loss_kernel`` and ``model.loss_softmax`` for a name of LOSS_VARIANTS."""
-    model_config.loss_kernel = "chunked" if variant == "chunked-compiled" else variant
-    model_config.loss_softmax = "compiled" if variant == "chunked-compiled" else "triton"
+    model_config.loss_kernel, model_config.loss_softmax = loss_settings(variant)
 
 
 def inductor_variant(name: str) -> str:
@@ -158,8 +161,7 @@ def isolated_losses(kernels: list[str], tokens: int, vocab: int) -> dict:
     targets[::50] = loss_module.IGNORE_INDEX
     results, reference = {}, None
     for variant in kernels:
-        kernel = "chunked" if variant == "chunked-compiled" else variant
-        softmax = "compiled" if variant == "chunked-compiled" else "triton"
+        kernel, softmax = loss_settings(variant)
 
         def run():
             hidden.grad = weight.grad = None
@@ -281,8 +283,8 @@ def main(argv: list[str]) -> int:
     batches = collect_batches(cfg, args.microbatch, 8, None)
     pairs = sum(b["attention_pairs"] for b in batches) / len(batches)
     flops = training_flops(cfg.model, args.microbatch * cfg.model.max_seq_len, pairs)
-    default_loss = (cfg.model.loss_kernel if cfg.model.loss_kernel != "chunked" or cfg.model.loss_softmax == "triton"
-                    else "chunked-compiled")  # the inductor variants' loss (the loop below changes the config)
+    configured = (cfg.model.loss_kernel, cfg.model.loss_softmax)  # the inductor variants' loss (the loop below changes it)
+    default_loss = "chunked-compiled" if configured == loss_settings("chunked-compiled") else cfg.model.loss_kernel
     result["inductor_loss"] = default_loss
     lit = device_policy.build_module(cfg, torch.device("cuda"))
     initial = {k: v.clone() for k, v in lit.state_dict().items()}
@@ -362,9 +364,8 @@ def main(argv: list[str]) -> int:
 
 def variant_overrides(variant: str) -> list[str]:
     """The config overrides that select a loss variant (LOSS_VARIANTS)."""
-    if variant == "chunked-compiled":
-        return ["model.loss_kernel=chunked", "model.loss_softmax=compiled"]
-    return [f"model.loss_kernel={variant}", "model.loss_softmax=triton"]
+    kernel, softmax = loss_settings(variant)
+    return [f"model.loss_kernel={kernel}", f"model.loss_softmax={softmax}"]
 
 
 def recommend(result: dict, microbatch: int) -> list[str]:
