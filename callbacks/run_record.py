@@ -28,7 +28,7 @@ from runtime.shipping import folder_bytes, shipped_files, source_commit
 log = logging.getLogger(__name__)
 
 LIBRARIES = ("torch", "lightning", "transformers", "tokenizers", "tiktoken", "safetensors", "torchmetrics", "omegaconf",
-             "numpy", "flash-attn-4", "nvidia-cutlass-dsl")
+             "numpy", "flash-attn-4", "quack-kernels", "nvidia-cutlass-dsl")
 
 
 def library_versions() -> dict[str, str | None]:
@@ -114,6 +114,7 @@ class RunRecord(L.Callback):
             "attention": {"requested": pl_module.model.config.attention, "kernels": dict(pl_module.model.attention_kernels)},
             "loss": {"requested": pl_module.model.config.loss_kernel, "kernel": pl_module.model.loss_kernel,
                      "softmax": {"requested": pl_module.model.config.loss_softmax, "ran": pl_module.model.loss_softmax}},
+            "mlp": {"requested": pl_module.model.config.mlp_kernel, "ran": pl_module.model.mlp_kernel},
             "fp8": pl_module.model.config.fp8,
             "input": self.input_summary() if self.input_summary else None,
             "dataset": dataset_descriptor(self.bundle_root),

@@ -28,10 +28,11 @@ FA4_PACKAGE = "flash-attn-4"
 FA4_COMPUTE_CAPABILITIES = (9, 10)  # Hopper and Blackwell data-centre parts
 FA4_HEAD_DIMS = range(8, 129, 8)  # what FA4 compiles on both: multiples of 8 up to 128
 
-# The caches' environment variables, read once when flash_attn.cute and the CuTe DSL are imported.
+# The caches' environment variables, read once when flash_attn.cute, quack and the CuTe DSL are imported.
 CACHE_VARIABLES = {
     "flash-attn": "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",  # FA4's compiled kernels (.o), when enabled
     "cute-dsl": "CUTE_DSL_CACHE_DIR",  # the CuTe DSL's own IR cache (default /tmp/<user>/cutlass_python_cache)
+    "quack": "QUACK_CACHE_DIR",  # quack's compiled GEMMs (.o; default /tmp/<user>/quack_cache, on by default)
 }
 _cache_folder: Path | None = None
 _fa4: object | None = None  # flash_attn.cute.interface once imported
@@ -49,8 +50,8 @@ def use_cache_folder(folder: Path | None) -> None:
 
 
 def prepare_environment() -> None:
-    """Point the CuTe DSL (FA4's compiler) at this process's caches, or at none. Read when the DSL
-    is imported, so it is called first."""
+    """Point the CuTe DSL (FA4's and quack's compiler) and quack at this process's caches, or at none.
+    Read when they are imported, so it is called first."""
     if _cache_folder is not None:  # training: compiled kernels persist under the output
         for name, variable in CACHE_VARIABLES.items():
             os.environ.setdefault(variable, str(_cache_folder / name))
@@ -59,6 +60,7 @@ def prepare_environment() -> None:
         # its cache folder, so naming one spares the /tmp folder it would otherwise make on import.
         os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
         os.environ.setdefault("CUTE_DSL_CACHE_DIR", os.devnull)
+        os.environ.setdefault("QUACK_CACHE_ENABLED", "0")
 
 
 def fa4_interface():

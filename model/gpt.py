@@ -9,6 +9,7 @@ crosses that boundary (``model.attention``). The LM head and the loss are ``mode
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,8 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from model import attention, loss
+from model import attention, fused_mlp, loss
 from model.attention import DocumentLayout, attend
+
+log = logging.getLogger(__name__)
 
 CompileScope = Literal["trunk", "blocks"]
 COMPILE_SCOPES = get_args(CompileScope)
@@ -52,6 +55,10 @@ class GPTConfig:
     """Attention kernel: fa4 (FlashAttention 4; an error on a GPU where it cannot run), varlen (PyTorch's CUDA kernels:
     varlen flash for packed rows, fused causal SDPA for one-document rows), sdpa (SDPA with a document mask); auto: fa4
     where it is installed and the GPU supports it, else varlen. CPU and fp32 always take sdpa"""
+    mlp_kernel: fused_mlp.Kernel = "auto"
+    """Compiled CUDA training in bf16: quack (the GELU inside the MLP's GEMM epilogues, quack-kernels; an error where it
+    cannot run), torch (cuBLAS products and a separate GELU); auto: quack where it imports and the GPU supports it, else
+    torch. Eager runs always take torch; run_record.json names what ran"""
     fp8: bool = False
     """Train the blocks' Linear layers with torchao's float8 tensorwise scaling (CUDA compute capability 8.9+ and
     torchao, refused otherwise); the LM head and embeddings stay bf16"""
@@ -90,6 +97,8 @@ class GPTConfig:
             found.append(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
         if self.attention not in attention.CHOICES:
             found.append(f"model.attention must be one of {', '.join(attention.CHOICES)}, not {self.attention!r}")
+        if self.mlp_kernel not in fused_mlp.CHOICES:
+            found.append(f"model.mlp_kernel must be one of {', '.join(fused_mlp.CHOICES)}, not {self.mlp_kernel!r}")
         if self.loss_kernel not in loss.CHOICES:
             found.append(f"model.loss_kernel must be one of {', '.join(loss.CHOICES)}, not {self.loss_kernel!r}")
         if self.loss_softmax not in loss.SOFTMAX_CHOICES:
@@ -118,8 +127,8 @@ class MLP(nn.Module):
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+    def forward(self, x: torch.Tensor, kernel: str = "torch") -> torch.Tensor:
+        return fused_mlp.gelu_mlp(x, self.fc.weight, self.proj.weight, kernel)
 
 
 class Block(nn.Module):
@@ -130,9 +139,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: DocumentLayout, mlp_kernel: str = "torch") -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), layout)
-        x = x + self.mlp(self.ln_2(x))
+        x = x + self.mlp(self.ln_2(x), mlp_kernel)
         return x
 
 
@@ -146,6 +155,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
         self._compiled_trunk: Callable | None = None  # what training calls instead of _trunk
         self.attention_kernels: dict[str, str] = {}  # batch kind -> the kernel that ran it (run record, log)
+        self.mlp_kernel: str | None = None  # what ran the MLP in the last training batch (run record, log)
         self.loss_kernel: str | None = None  # the loss kernel of the last training batch (run record)
         self.loss_softmax: str | None = None  # and, with the chunked loss, what ran its chunk softmax
         self.reset_parameters()
@@ -186,18 +196,23 @@ class GPT(nn.Module):
         kernel = attention.choose_and_record(self.config.attention, input_ids.device, self.compute_dtype(input_ids.device),
                                              self.config.n_embd // self.config.n_head, positions is not None,
                                              self.attention_kernels)
-        if self._compiled_trunk is not None and self.training:
+        compiled = self._compiled_trunk is not None and self.training
+        mlp = fused_mlp.choose(self.config.mlp_kernel, input_ids.device, self.compute_dtype(input_ids.device), compiled)
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling() and self.mlp_kernel != mlp:
+            self.mlp_kernel = mlp
+            log.info("mlp: %s", fused_mlp.describe(mlp))
+        if compiled:
             if cu_seqlens is not None:
                 torch._dynamo.mark_dynamic(cu_seqlens, 0)  # document counts vary: one graph for all
-            return self._compiled_trunk(input_ids, positions, cu_seqlens, kernel)
-        return self._trunk(input_ids, positions, cu_seqlens, kernel)
+            return self._compiled_trunk(input_ids, positions, cu_seqlens, kernel, mlp)
+        return self._trunk(input_ids, positions, cu_seqlens, kernel, mlp)
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.wte.weight.dtype
 
     def _trunk(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-        kernel: str = "sdpa", blocks: list[nn.Module] | None = None,
+        kernel: str = "sdpa", mlp: str = "torch", blocks: list[nn.Module] | None = None,
     ) -> torch.Tensor:
         b, t = input_ids.shape
         layout = DocumentLayout(positions, cu_seqlens, kernel)
@@ -206,9 +221,9 @@ class GPT(nn.Module):
         x = self.wte(input_ids) + self.wpe(positions)
         for block in blocks or self.blocks:
             if self.config.activation_checkpointing and self.training:
-                x = checkpoint(block, x, layout, use_reentrant=False)
+                x = checkpoint(block, x, layout, mlp, use_reentrant=False)
             else:
-                x = block(x, layout)
+                x = block(x, layout, mlp)
         return self.ln_f(x)
 
     def compile_trunk(self) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import flash4
+from model import flash4, fused_mlp
 from model.attention import DocumentLayout, attend, document_offsets, varlen_attn
 from model.gpt import GPT, GPTConfig
 from model.loss import IGNORE_INDEX, token_loss_sum
@@ -295,6 +295,54 @@ def test_the_compiled_trunk_runs_fa4_without_a_graph_break_and_matches_eager():
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] <= 2  # the trunk and the loss chunk
 
+
+
+# ----------------------------------------------------------------------------- quack's fused GELU GEMMs
+
+QUACK_MISSING = fused_mlp.quack_unavailable_reason(torch.device("cuda"), torch.bfloat16) if torch.cuda.is_available() \
+    else "no GPU"
+needs_quack = pytest.mark.skipif(QUACK_MISSING is not None, reason=f"quack: {QUACK_MISSING}")
+
+
+@needs_quack
+@pytest.mark.parametrize("compiled", [False, True])
+def test_quacks_mlp_matches_pytorchs_forward_and_gradients_at_the_trainers_width(compiled):
+    """8,192 tokens through fc 768 -> 3,072, exact GELU, proj 3,072 -> 768, fp32 weights under bf16 autocast as in
+    training: quack's output and all three gradients against an fp32 reference are as close as PyTorch's bf16
+    path's are (within 1.5x of its error), and the two agree with each other within bf16 rounding."""
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    x = torch.randn(4, 2048, 768, device="cuda", generator=gen).bfloat16().requires_grad_()
+    fc = (0.02 * torch.randn(3072, 768, device="cuda", generator=gen)).requires_grad_()
+    proj = (0.004 * torch.randn(768, 3072, device="cuda", generator=gen)).requires_grad_()
+    dout = torch.randn(4, 2048, 768, device="cuda", generator=gen).bfloat16()
+    reference = fused_mlp.torch_mlp(x.float(), fc, proj)
+    expected = (reference, *torch.autograd.grad(reference, (x, fc, proj), dout.float()))
+    results = {}
+    for kernel in ("quack", "torch"):
+        fn = fused_mlp.IMPLEMENTATION[kernel]
+        fn = torch.compile(fn) if compiled else fn
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fn(x, fc, proj)
+        results[kernel] = (out, *torch.autograd.grad(out, (x, fc, proj), dout))
+    for what, got, plain, exact in zip(("out", "dx", "dfc", "dproj"), results["quack"], results["torch"], expected):
+        assert got.shape == exact.shape and got.dtype == plain.dtype, what
+        assert relative_error(got, exact) <= 1.5 * relative_error(plain, exact) + 1e-4, what
+        assert relative_error(got, plain) < 1e-2, what
+
+
+@needs_quack
+def test_the_compiled_model_with_quacks_mlp_matches_the_plain_path_without_a_graph_break():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    fast, plain = twin_models(n_layer=3)
+    fast.config.mlp_kernel, plain.config.mlp_kernel = "quack", "torch"
+    fast.compile_trunk()
+    for seed in (11, 12):
+        assert_same_loss_and_gradients(fast, plain, packed_batch(rows=4, seq_len=256, vocab=512, seed=seed))
+    assert fast.mlp_kernel == "quack" and plain.mlp_kernel == "torch"
+    assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 # ----------------------------------------------------------------------------- FP8

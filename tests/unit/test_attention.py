@@ -71,21 +71,23 @@ def test_the_model_records_and_describes_the_kernel_each_batch_kind_used():
 
 def test_fa4_caches_go_under_the_output_in_training_and_nowhere_otherwise(monkeypatch, tmp_path):
     for variable in (*flash4.CACHE_VARIABLES.values(), "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",
-                     "CUTE_DSL_DISABLE_FILE_CACHING"):
+                     "CUTE_DSL_DISABLE_FILE_CACHING", "QUACK_CACHE_ENABLED"):
         monkeypatch.delenv(variable, raising=False)
     flash4.use_cache_folder(None)
     flash4.prepare_environment()  # the probe, tests: memory only, no folder made anywhere
     assert os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] == "1" and os.environ["CUTE_DSL_CACHE_DIR"] == os.devnull
+    assert os.environ["QUACK_CACHE_ENABLED"] == "0"  # quack's .o cache would default to /tmp
     assert flash4.cache_usage_folders() == {}
 
-    for variable in ("CUTE_DSL_DISABLE_FILE_CACHING", "CUTE_DSL_CACHE_DIR"):
+    for variable in ("CUTE_DSL_DISABLE_FILE_CACHING", "CUTE_DSL_CACHE_DIR", "QUACK_CACHE_ENABLED"):
         monkeypatch.delenv(variable)
     monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(tmp_path / "mine"))  # a folder someone chose stays
     flash4.use_cache_folder(tmp_path / "data/compile-cache")  # what device_policy.prepare_compile does
     flash4.prepare_environment()
     assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
     assert flash4.cache_usage_folders() == {
-        "flash-attn": tmp_path / "mine", "cute-dsl": tmp_path / "data/compile-cache/cute-dsl"}
+        "flash-attn": tmp_path / "mine", "cute-dsl": tmp_path / "data/compile-cache/cute-dsl",
+        "quack": tmp_path / "data/compile-cache/quack"}
     flash4.use_cache_folder(None)
 
 
@@ -93,7 +95,7 @@ def test_prepare_compile_hands_its_folder_to_fa4(monkeypatch, tmp_path):
     from runtime import device_policy
 
     for variable in (*flash4.CACHE_VARIABLES.values(), "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",
-                     "CUTE_DSL_DISABLE_FILE_CACHING"):
+                     "CUTE_DSL_DISABLE_FILE_CACHING", "QUACK_CACHE_ENABLED"):
         monkeypatch.delenv(variable, raising=False)
     flash4.use_cache_folder(None)
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # leave inductor's settings alone

@@ -5,6 +5,7 @@ kernel runs at the trainer's shapes (microbatch 32 x 4096, 12 heads of 64, d 768
 candidates agree, so a choice between them rests on figures. Prints one line per measurement.
 
 Usage (GPU): python -m tools bench kernels [--microbatch 32] [--docs-mean 1000] [--kernels 'varlen FA2' 'FA4 varlen']
+             python -m tools bench kernels --mlp     (the MLP block: PyTorch against quack's fused GELU GEMMs)
 FlashAttention 4 (varlen, and dense for one-document rows) is a candidate when flash_attn.cute imports.
 """
 
@@ -295,6 +296,98 @@ def fused(args) -> None:
             print(f"gemm {name} fp8: {type(error).__name__}: {str(error)[:300]}")
 
 
+def mlp(args) -> None:
+    """The MLP block (fc, exact GELU, proj) forward and backward at the trainer's shape, as training runs it
+    (fp32 weights under bf16 autocast, compiled): PyTorch (cuBLAS, inductor's GELU) against quack's GEMMs with
+    the GELU in their epilogues (``model.fused_mlp``), each with its error against an fp32 reference; then
+    quack's plain GEMM against cuBLAS at the MLP's product shapes, which says where a difference comes from."""
+    from model import fused_mlp
+
+    dev = torch.device("cuda")
+    n, d = args.microbatch * 4096, 768
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(n, d, device=dev, generator=gen).bfloat16().requires_grad_()
+    fc = (0.02 * torch.randn(4 * d, d, device=dev, generator=gen)).requires_grad_()
+    proj = (0.02 / math.sqrt(24) * torch.randn(d, 4 * d, device=dev, generator=gen)).requires_grad_()
+    g = torch.randn(n, d, device=dev, generator=gen).bfloat16()
+    flops = 3 * 2 * 2 * n * d * 4 * d  # two products, forward and two backward GEMMs each
+    reference_out = fused_mlp.torch_mlp(x.float(), fc, proj)
+    reference = (reference_out, *torch.autograd.grad(reference_out, (x, fc, proj), g.float()))
+
+    def step(fn):
+        with torch.autocast("cuda", torch.bfloat16):
+            out = fn(x, fc, proj)
+        return (out, *torch.autograd.grad(out, (x, fc, proj), g))
+
+    def relative(a, b):
+        return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
+
+    def quack_all_six(x, fc, proj):  # quack's own MLP: its GEMMs for the four products cuBLAS does in ours
+        from quack.mlp import mlp_func
+
+        return mlp_func(x, fc, proj, fused_mlp.ACTIVATION, tuned=False)
+
+    variants = {"PyTorch compiled (as the trunk)": torch.compile(fused_mlp.torch_mlp),
+                "quack GELU epilogues + cuBLAS (model.mlp_kernel quack), compiled": torch.compile(fused_mlp.quack_mlp),
+                "quack GELU epilogues + cuBLAS, eager": fused_mlp.quack_mlp,
+                "quack's mlp_func (all six products quack's), compiled": torch.compile(quack_all_six)}
+    print(f"\nMLP block, {n} tokens x {d} -> {4 * d} -> {d}, forward + backward")
+    for name, fn in variants.items():
+        try:
+            start = time.perf_counter()
+            results = step(fn)
+            torch.cuda.synchronize()
+            first = time.perf_counter() - start
+            errors = " ".join(f"{what} {relative(r, ref):.1e}" for what, r, ref in zip(("out", "dx", "dfc", "dproj"),
+                                                                                       results, reference))
+            report(f"mlp {name}", timed(lambda: step(fn)), flops)
+            print(f"  first call {first:.1f} s; relative error against fp32: {errors}", flush=True)
+        except Exception as error:  # noqa: BLE001
+            print(f"mlp {name}: {type(error).__name__}: {str(error)[:400]}", flush=True)
+    try:  # the fused products alone against what they replace
+        from quack.gemm_interface import gemm, gemm_act, gemm_dact
+
+        xb, fcb, projb = x.detach(), fc.detach().bfloat16(), proj.detach().bfloat16()
+        gelu = torch.compile(F.gelu)
+        gelu_backward = torch.compile(lambda dg, h: torch.ops.aten.gelu_backward(dg, h))
+        preact = xb @ fcb.t()
+        dgelu = g @ projb
+        product = 2 * n * d * 4 * d  # FLOPs of each of these products
+        for name, ours, theirs in [
+                ("fc + GELU forward", lambda: gelu(xb @ fcb.t()),
+                 lambda: gemm_act(xb, fcb.t(), activation=fused_mlp.ACTIVATION, tuned=False)),
+                ("proj input gradient + GELU derivative", lambda: gelu_backward(g @ projb, preact),
+                 lambda: gemm_dact(g, projb, preact, activation=fused_mlp.ACTIVATION, tuned=False)),
+                ("fc weight gradient", lambda: dgelu.t() @ xb, lambda: gemm(dgelu.t(), xb, tuned=False))]:
+            a, b = timed(ours), timed(theirs)
+            print(f"{name}: cuBLAS+inductor {a:.3f} ms ({product / a / 1e9:.0f} TFLOP/s), quack {b:.3f} ms "
+                  f"({product / b / 1e9:.0f})", flush=True)
+        autotuned = [("fc + GELU forward", gemm_act, (xb, fcb.t())),
+                     ("proj input gradient + GELU derivative", gemm_dact, (g, projb, preact))]
+        for name, fn, operands in autotuned if args.tune else []:  # quack's autotuner: minutes of compilation
+            start = time.perf_counter()
+            fn(*operands, activation=fused_mlp.ACTIVATION, tuned=True)
+            torch.cuda.synchronize()
+            tuning = time.perf_counter() - start
+            ms = timed(lambda: fn(*operands, activation=fused_mlp.ACTIVATION, tuned=True))
+            print(f"{name}, quack autotuned: {ms:.3f} ms after {tuning:.1f} s of tuning", flush=True)
+    except Exception as error:  # noqa: BLE001
+        print(f"quack fused products: {type(error).__name__}: {str(error)[:400]}", flush=True)
+    try:
+        from quack.gemm_interface import gemm
+
+        for name, m, kdim, ndim in [("mlp fc", n, d, 4 * d), ("mlp proj", n, 4 * d, d), ("qkv", n, d, 3 * d)]:
+            a = torch.randn(m, kdim, device=dev, generator=gen).bfloat16()
+            w = torch.randn(ndim, kdim, device=dev, generator=gen).bfloat16()
+            cublas = timed(lambda: a @ w.t())
+            quack = timed(lambda: gemm(a, w.t(), tuned=False))
+            print(f"gemm {name} forward [{m}x{kdim}]@[{kdim}x{ndim}]: cuBLAS {cublas:.3f} ms "
+                  f"({2 * m * kdim * ndim / cublas / 1e9:.0f} TFLOP/s), quack {quack:.3f} ms "
+                  f"({2 * m * kdim * ndim / quack / 1e9:.0f})", flush=True)
+    except Exception as error:  # noqa: BLE001
+        print(f"quack gemm: {type(error).__name__}: {str(error)[:400]}", flush=True)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools bench kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--microbatch", type=int, default=32)
@@ -302,6 +395,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--gemms", action="store_true", help="also time the model's matrix-product shapes")
     parser.add_argument("--fused", action="store_true",
                         help="only the fused-kernel candidates: quack cross-entropy, FP8 GEMMs")
+    parser.add_argument("--mlp", action="store_true",
+                        help="only the MLP block: PyTorch against quack's GEMMs with the GELU in their epilogues")
+    parser.add_argument("--tune", action="store_true", help="with --mlp: also quack's autotuned fused GEMMs (minutes)")
     parser.add_argument("--kernels", nargs="*", default=None, help="only these candidates (e.g. 'varlen FA2' 'FA4 varlen')")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -310,6 +406,9 @@ def main(argv: list[str]) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     if args.fused:
         fused(args)
+        return 0
+    if args.mlp:
+        mlp(args)
         return 0
     correctness(args)
     attention(args)

@@ -6,15 +6,17 @@ no process start, import or recompilation separates them, so their ratios are ti
     the chunked loss; the chunk's softmax and gradient alone (16,384 x 50,304 bf16 logits), the
     Triton kernel at several block sizes against the compiled PyTorch function; quack's linear cross-entropy beside it at a vocabulary padded to 50,304, where
     it runs (timing only: it has no way to mask padding columns, so the model cannot use it);
+  - with --mlp, the step with each MLP kernel (``model.mlp_kernel``; the loss as configured);
   - the same rows of real text (data/sample.jsonl, GPT-2 tokens) trained with each kernel and twice
-    with the chunked loss (the run-to-run noise): per-update losses and a held-out loss;
+    with the chunked loss (the run-to-run noise), and with each MLP kernel: per-update losses and a
+    held-out loss;
   - inductor settings that need a recompilation (max-autotune GEMMs, whose Triton templates can take
     GELU into the fc product's epilogue; activation_memory_budget X), each with its first update's
     seconds (the compilation) beside its throughput.
 Loss variants: chunked (Triton softmax, the default), chunked-compiled (inductor's softmax), liger, cce.
 Writes step_variants.json under --out and prints a table last. Needs a CUDA GPU.
 
-Usage: python -m tools bench step-variants [--kernels chunked chunked-compiled liger cce]
+Usage: python -m tools bench step-variants [--kernels chunked chunked-compiled liger cce] [--mlp quack torch]
 [--inductor budget-1 budget-0.9 max-autotune max-autotune-triton]
 [--config FILE] [--section.key VALUE ...]
 """
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from model import fused_mlp
 from model import loss as loss_module
 from model.flops import training_flops
 from pipeline.feeder import UpdateFeeder
@@ -128,7 +131,7 @@ def train_steps(lit, batches: list[dict], steps: int, warmup: int, grad_clip: fl
     seconds = time.perf_counter() - start
     return {"first_update_seconds": first, "tokens_per_second": tokens / seconds,
             "ms_per_update": 1000 * seconds / steps, "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "losses": [float(x) for x in losses], "kernel": lit.model.loss_kernel}
+            "losses": [float(x) for x in losses], "kernel": lit.model.loss_kernel, "mlp": lit.model.mlp_kernel}
 
 
 def held_out_loss(lit, batches: list[dict]) -> float:
@@ -265,6 +268,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kernels", nargs="*", default=["chunked", "chunked-compiled"], choices=LOSS_VARIANTS)
     parser.add_argument("--inductor", nargs="*", default=["budget-1", "max-autotune-triton"], type=inductor_variant,
                         help="max-autotune, max-autotune-triton (Triton templates only), budget-X (activation_memory_budget X)")
+    parser.add_argument("--mlp", nargs="*", default=[], choices=fused_mlp.CHOICES[1:],
+                        help="also run the step with model.mlp_kernel set to each (quack: GELU in the GEMM epilogues), "
+                             "and train the real-text rows with it")
     parser.add_argument("--learning-updates", type=int, default=24, help="0: no learning comparison")
     parser.add_argument("--time-limit", type=float, default=540.0, help="seconds; later phases are skipped past it")
     args = bench.parse(parser, argv)
@@ -300,6 +306,21 @@ def main(argv: list[str]) -> int:
         result["loss_kernels"][kernel] = row
         print(f"[{elapsed():.0f} s] loss kernel {kernel}: {row}", file=sys.stderr, flush=True)
         save()
+    configured_mlp = lit.model.config.mlp_kernel
+    result["mlp_kernels"] = {}
+    for kernel in args.mlp:
+        lit.load_state_dict(initial)
+        use_loss_variant(lit.model.config, default_loss)
+        lit.model.config.mlp_kernel = kernel
+        try:
+            row = train_steps(lit, batches, args.steps, args.warmup, cfg.trainer.gradient_clip_val)
+            row["mfu"] = flops / (row["ms_per_update"] / 1000) / cfg.metrics.peak_flops
+        except Exception as error:  # noqa: BLE001
+            row = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        lit.model.config.mlp_kernel = configured_mlp
+        result["mlp_kernels"][kernel] = row
+        print(f"[{elapsed():.0f} s] mlp kernel {kernel}: {row}", file=sys.stderr, flush=True)
+        save()
     ran = {k: r for k, r in result["loss_kernels"].items() if "tokens_per_second" in r}
     fastest = max(ran, key=lambda k: ran[k]["tokens_per_second"]) if ran else "chunked"
     result["fastest_loss_kernel"] = fastest
@@ -316,11 +337,15 @@ def main(argv: list[str]) -> int:
         real = collect_batches(cfg, args.microbatch, args.learning_updates + 2, text)
         train_rows, held_out = real[:-2], real[-2:]
         runs = {}
-        for name in ["chunked", "chunked (again)", *[k for k in args.kernels if k != "chunked" and k in ran]]:
+        mlp_runs = [f"mlp {k}" for k, r in result["mlp_kernels"].items() if "tokens_per_second" in r]
+        for name in ["chunked", "chunked (again)", *[k for k in args.kernels if k != "chunked" and k in ran], *mlp_runs]:
             lit.load_state_dict(initial)
-            use_loss_variant(lit.model.config, name.split()[0])
+            use_loss_variant(lit.model.config, "chunked" if name.startswith("mlp ") else name.split()[0])
+            lit.model.config.mlp_kernel = name.split()[1] if name.startswith("mlp ") else configured_mlp
             row = train_steps(lit, train_rows, len(train_rows) - 1, 1, cfg.trainer.gradient_clip_val)
-            runs[name] = {"losses": row["losses"], "held_out_loss": held_out_loss(lit, held_out), "kernel": row["kernel"]}
+            lit.model.config.mlp_kernel = configured_mlp
+            runs[name] = {"losses": row["losses"], "held_out_loss": held_out_loss(lit, held_out), "kernel": row["kernel"],
+                          "mlp": row["mlp"]}
             print(f"[{elapsed():.0f} s] learning {name}: held-out {runs[name]['held_out_loss']:.4f}, "
                   f"last train {row['losses'][-1] * 1:.4f}", file=sys.stderr, flush=True)
         result["learning"] = {"updates": len(train_rows), "real_text_tokens_per_update": sum(b["target_tokens"] for b in train_rows) / len(train_rows),
@@ -401,6 +426,7 @@ def print_table(result: dict, args) -> None:
     print(f"\n{result['gpu']}, torch {result['torch']}, microbatch {args.microbatch} x 4096, realistic documents")
     print(f"{'run':<34} {'tokens/s':>10} {'ms/update':>10} {'MFU':>6} {'first s':>8} {'peak GiB':>9} {'MiB/token':>9}")
     rows = [(f"loss {k}", r) for k, r in result["loss_kernels"].items()]
+    rows += [(f"mlp {k} (loss {r.get('kernel', '-')})", r) for k, r in result.get("mlp_kernels", {}).items()]
     rows += [(f"inductor {k} (loss {r.get('kernel', '-')})", r) for k, r in result["inductor"].items()]
     for name, r in rows:
         if "tokens_per_second" not in r:

@@ -1,0 +1,150 @@
+"""The MLP with its GELU inside the matrix products (``model.mlp_kernel``), through quack's GEMMs.
+
+PyTorch runs the MLP as cuBLAS products with the GELU between them as its own kernels: the
+forward reads the pre-activation back to apply the GELU, and the backward reads the product's
+gradient and the pre-activation again to apply the GELU's derivative. quack (the optional
+``quack-kernels`` package, CuTe-DSL GEMMs for Hopper and Blackwell) does the GELU in the fc
+product's epilogue, writing the pre-activation and the activation at once, and the derivative in the
+epilogue of proj's input-gradient product: the MLP's elementwise passes are gone. The GELU is the
+exact (erf) one, as ``F.gelu`` computes it; the products accumulate in fp32 as cuBLAS's do.
+
+Compiled CUDA training in bf16 or fp16 only: eager runs (the probe, evaluation, CPU) keep PyTorch's
+MLP, so quack's two kernels compile (once per shape; persisted under the output's compile cache)
+inside the first update alone. The choice is made outside the compiled graph and recorded in
+run_record.json.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import Literal, get_args
+
+import torch
+import torch.nn.functional as F
+
+from model import flash4
+
+log = logging.getLogger(__name__)
+
+Kernel = Literal["auto", "quack", "torch"]  # model.mlp_kernel
+CHOICES = get_args(Kernel)
+QUACK_PACKAGE = "quack-kernels"
+QUACK_COMPUTE_CAPABILITIES = (9, 10)  # Hopper and Blackwell data-centre parts: quack's GEMMs with epilogues
+ACTIVATION = "gelu_erf"  # quack's name for F.gelu's exact GELU
+
+
+def torch_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor) -> torch.Tensor:
+    """The MLP as PyTorch computes it: fc, exact GELU, proj (no biases)."""
+    return F.linear(F.gelu(F.linear(x, fc_weight)), proj_weight)
+
+
+class _GeluEpilogueMLP(torch.autograd.Function):
+    """The MLP on rows [tokens, d] in the compute dtype: quack's fc product with the GELU in its epilogue, and
+    quack's input-gradient product of proj with the GELU's derivative in its epilogue (which also gives the
+    activation back for proj's weight gradient). The other four products are cuBLAS's: they measured faster than
+    quack's at these shapes (the weight gradients sum over all tokens into small outputs)."""
+
+    @staticmethod
+    def forward(ctx, x, fc_weight, proj_weight):
+        from quack.gemm_interface import gemm_act
+
+        preact, postact = gemm_act(x, fc_weight.t(), activation=ACTIVATION, tuned=False)
+        ctx.save_for_backward(x, preact, fc_weight, proj_weight)  # the activation is recomputed, as inductor would
+        return postact @ proj_weight.t()
+
+    @staticmethod
+    def backward(ctx, dout):
+        from quack.gemm_interface import gemm_dact
+
+        x, preact, fc_weight, proj_weight = ctx.saved_tensors
+        dout = dout.contiguous()
+        dpreact, postact = gemm_dact(dout, proj_weight, preact, activation=ACTIVATION, tuned=False)
+        return dpreact @ fc_weight, dpreact.t() @ x, dout.t() @ postact
+
+
+def quack_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor) -> torch.Tensor:
+    """``torch_mlp`` with the GELU and its derivative in quack's GEMM epilogues. Casts to the autocast dtype as
+    ``F.linear`` does under autocast (the fp32 weights get their gradients through the casts); each quack GEMM
+    runs its default tile, since autotuning measured no faster after minutes of compilation."""
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    rows = x.to(dtype).reshape(-1, x.shape[-1])
+    out = _GeluEpilogueMLP.apply(rows, fc_weight.to(dtype), proj_weight.to(dtype))
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+IMPLEMENTATION = {"quack": quack_mlp, "torch": torch_mlp}  # tests swap in references where quack is absent
+
+
+def gelu_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor, kernel: str) -> torch.Tensor:
+    """proj(gelu(fc(x))) by ``kernel`` ("quack" or "torch", from ``choose``)."""
+    return IMPLEMENTATION[kernel](x, fc_weight, proj_weight)
+
+
+_quack_error: list[str] = []  # why quack's GEMMs did not import ("" if they did), once tried
+
+
+def quack_imports() -> str | None:
+    """None when quack's GEMMs import, else why not (tried once; the CuTe DSL takes seconds to load)."""
+    if not _quack_error:
+        flash4.prepare_environment()  # the CuTe DSL's and quack's caches: output folder, or memory only
+        try:
+            importlib.import_module("quack.gemm_interface")
+            import cutlass
+        except Exception as error:  # noqa: BLE001 - missing package, missing CUDA libraries, wrong Python
+            _quack_error.append(f"quack.gemm_interface does not import ({type(error).__name__}: {str(error)[:200]})")
+        else:
+            _quack_error.append(dsl_location_problem(cutlass.__file__) or "")
+    return _quack_error[0] or None
+
+
+def dsl_location_problem(cutlass_file: str) -> str | None:
+    """Why quack's epilogue GEMMs would fail with the CuTe DSL at ``cutlass_file``, or None. quack fingerprints an
+    epilogue's functions and everything they reach, except code under a site-packages (or dist-packages) folder;
+    a DSL installed elsewhere (pip --target into another folder) is reached, and 4.8.1 holds a value quack refuses
+    (a ContextVar): every such GEMM raises TypeError at its first call (measured, quack-kernels 0.6.5)."""
+    if any(f"{os.sep}{folder}{os.sep}" in cutlass_file for folder in ("site-packages", "dist-packages")):
+        return None
+    return (f"the CuTe DSL lies outside a site-packages folder ({os.path.dirname(cutlass_file)}), where quack's "
+            f"epilogue GEMMs fail; install it with pip into the environment, or into a --target folder named "
+            f"site-packages")
+
+
+def quack_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when quack's MLP can run in ``dtype`` on ``device``, else why not."""
+    if device.type != "cuda":
+        return f"it needs a CUDA device, not {device.type}"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"it computes in bf16 or fp16, not {dtype}"
+    major, minor = flash4.compute_capability(device)
+    if major not in QUACK_COMPUTE_CAPABILITIES:
+        return f"compute capability {major}.{minor} is not one quack's GEMMs support here (9.x, 10.x)"
+    return quack_imports()
+
+
+_reported: set = set()
+
+
+def choose(requested: str, device: torch.device, dtype: torch.dtype, compiled: bool) -> str:
+    """"quack" or "torch" for ``model.mlp_kernel`` = ``requested`` in a run that is ``compiled`` or not.
+    "quack" where it cannot run is an error in compiled training; "auto" falls back with one log line."""
+    if requested == "torch" or not compiled:
+        return "torch"
+    reason = quack_unavailable_reason(device, dtype)
+    if reason is None:
+        return "quack"
+    if requested == "quack":
+        raise RuntimeError(f"model.mlp_kernel is 'quack' but quack's GEMMs cannot run: {reason}. "
+                           f"Install it (README: Optional kernels) or use 'auto' or 'torch'.")
+    if reason not in _reported:
+        _reported.add(reason)
+        log.info("mlp: quack's fused GELU GEMMs not used (%s); PyTorch's instead", reason)
+    return "torch"
+
+
+def describe(kernel: str) -> str:
+    """What ran the MLP, for the log and the run record."""
+    if kernel == "quack":
+        return f"quack GEMMs with the GELU in their epilogues (quack-kernels {flash4.installed_version(QUACK_PACKAGE) or '?'})"
+    return "PyTorch (cuBLAS products, GELU by inductor or eager)"

@@ -1,0 +1,117 @@
+"""Which MLP kernel runs (``model.mlp_kernel``), and that the model routes through it.
+
+quack's GEMMs need a Hopper or Blackwell GPU; tests/gpu compares them with the plain path there.
+Here the choice runs against fakes of its availability, and the quack slot of the implementation
+table against a recording stand-in.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from config import ConfigError, load_config
+from model import flash4, fused_mlp
+from model.gpt import GPT, GPTConfig
+
+CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
+
+
+@pytest.fixture
+def quack_runs_here(monkeypatch):
+    monkeypatch.setattr(fused_mlp, "quack_unavailable_reason", lambda device, dtype: None)
+
+
+def test_eager_runs_and_the_torch_setting_take_pytorch_whatever_is_installed(quack_runs_here):
+    for requested in fused_mlp.CHOICES:
+        assert fused_mlp.choose(requested, CUDA, torch.bfloat16, compiled=False) == "torch"  # the probe, evaluation
+    assert fused_mlp.choose("torch", CUDA, torch.bfloat16, compiled=True) == "torch"
+    assert fused_mlp.choose("auto", CUDA, torch.bfloat16, compiled=True) == "quack"
+    assert fused_mlp.choose("quack", CUDA, torch.bfloat16, compiled=True) == "quack"
+
+
+def test_auto_falls_back_to_pytorch_and_quack_is_an_error_where_it_cannot_run(monkeypatch):
+    assert fused_mlp.choose("auto", torch.device("cpu"), torch.float32, compiled=True) == "torch"
+    with pytest.raises(RuntimeError, match="model.mlp_kernel is 'quack' but quack's GEMMs cannot run: it needs a CUDA "
+                                           "device, not cpu"):
+        fused_mlp.choose("quack", torch.device("cpu"), torch.bfloat16, compiled=True)
+    monkeypatch.setattr(flash4, "compute_capability", lambda device: (8, 0))
+    assert "compute capability 8.0" in fused_mlp.quack_unavailable_reason(CUDA, torch.bfloat16)
+    assert "bf16 or fp16, not torch.float32" in fused_mlp.quack_unavailable_reason(CUDA, torch.float32)
+    monkeypatch.setattr(flash4, "compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(fused_mlp, "_quack_error", ["quack.gemm_interface does not import (ModuleNotFoundError: x)"])
+    assert fused_mlp.quack_unavailable_reason(CUDA, torch.bfloat16) == "quack.gemm_interface does not import (ModuleNotFoundError: x)"
+    assert fused_mlp.choose("auto", CUDA, torch.bfloat16, compiled=True) == "torch"
+
+
+def test_a_cute_dsl_outside_site_packages_is_named_as_the_reason_quack_cannot_run():
+    assert fused_mlp.dsl_location_problem("/venv/lib/python3.12/site-packages/cutlass/__init__.py") is None
+    assert fused_mlp.dsl_location_problem("/usr/lib/python3/dist-packages/cutlass/__init__.py") is None
+    problem = fused_mlp.dsl_location_problem("/tmp/fa4site/cutlass/__init__.py")
+    assert "outside a site-packages folder (/tmp/fa4site/cutlass)" in problem and "--target folder named" in problem
+
+
+def test_the_config_names_the_mlp_choices():
+    assert load_config("conf/smoke.yaml").model.mlp_kernel in fused_mlp.CHOICES
+    with pytest.raises(ConfigError, match="model.mlp_kernel must be one of auto, quack, torch, not 'cutlass'"):
+        load_config("conf/smoke.yaml", ["model.mlp_kernel=cutlass"])
+
+
+def test_compiled_training_routes_every_block_through_the_chosen_kernel_and_records_it(quack_runs_here, monkeypatch):
+    calls = []
+
+    def recording(x, fc_weight, proj_weight):
+        calls.append(x.shape)
+        return fused_mlp.torch_mlp(x, fc_weight, proj_weight)
+
+    monkeypatch.setitem(fused_mlp.IMPLEMENTATION, "quack", recording)
+    monkeypatch.setattr(GPT, "compute_dtype", lambda self, device: torch.bfloat16)  # as under CUDA autocast
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, n_layer=3, n_head=2, n_embd=16, max_seq_len=8))
+    plain = GPT(GPTConfig(vocab_size=64, n_layer=3, n_head=2, n_embd=16, max_seq_len=8, mlp_kernel="torch"))
+    plain.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 64, (2, 8))
+    model._compiled_trunk = model._trunk  # compiled training's route, without compiling (the GPU tests compile)
+    plain._compiled_trunk = plain._trunk
+    hidden = model.hidden_states(ids)
+    assert calls == [(2, 8, 16)] * 3 and model.mlp_kernel == "quack"
+    torch.testing.assert_close(hidden, plain.hidden_states(ids))  # the stand-in is PyTorch's MLP: the same function
+    assert plain.mlp_kernel == "torch" and len(calls) == 3
+    model.eval()
+    with torch.no_grad():
+        model.hidden_states(ids)  # evaluation is eager: PyTorch's MLP, and the record keeps what training ran
+    assert len(calls) == 3 and model.mlp_kernel == "quack"
+
+
+def test_the_epilogue_mlp_gives_pytorchs_output_and_gradients_with_a_reference_for_quacks_gemms(monkeypatch):
+    """quack's two fused products replaced by what they compute (fp64 on the CPU): the autograd function around
+    them, which saves, casts and multiplies the rest, must give the plain MLP's output and all three gradients."""
+    import sys
+    import types
+
+    def gemm_act(a, b, activation):
+        assert activation == "gelu_erf"
+        preact = a @ b
+        return preact, torch.nn.functional.gelu(preact)
+
+    def gemm_dact(a, b, preact, activation):
+        assert activation == "gelu_erf"
+        return torch.ops.aten.gelu_backward(a @ b, preact), torch.nn.functional.gelu(preact)
+
+    fake = types.ModuleType("quack.gemm_interface")
+    fake.gemm_act = lambda a, b, activation, tuned: gemm_act(a, b, activation)
+    fake.gemm_dact = lambda a, b, preact, activation, tuned: gemm_dact(a, b, preact, activation)
+    monkeypatch.setitem(sys.modules, "quack", types.ModuleType("quack"))
+    monkeypatch.setitem(sys.modules, "quack.gemm_interface", fake)
+    torch.manual_seed(4)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    fc = torch.randn(32, 8, dtype=torch.float64, requires_grad=True)
+    proj = torch.randn(8, 32, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(2, 5, 8, dtype=torch.float64)
+    results = []
+    for fn in (fused_mlp.IMPLEMENTATION["quack"], fused_mlp.torch_mlp):
+        out = fn(x, fc, proj)
+        results.append((out, *torch.autograd.grad(out, (x, fc, proj), dout)))
+    for got, expected in zip(*results):
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected)
