@@ -111,12 +111,14 @@ def dsl_location_problem(cutlass_file: str) -> str | None:
             f"site-packages")
 
 
-def quack_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    """None when quack's MLP can run in ``dtype`` on ``device``, else why not."""
+def quack_unavailable_reason(device: torch.device, dtype: torch.dtype, width: int) -> str | None:
+    """None when quack's MLP can run in ``dtype`` on ``device`` for a model of ``width`` (n_embd), else why not."""
     if device.type != "cuda":
         return f"it needs a CUDA device, not {device.type}"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"it computes in bf16 or fp16, not {dtype}"
+    if width % 8:  # the operands' rows are width or 4 * width elements of 2 bytes
+        return f"the model's width {width} is not a multiple of 8, and quack's GEMMs need rows of whole 16 bytes"
     major, minor = flash4.compute_capability(device)
     if major not in QUACK_COMPUTE_CAPABILITIES:
         return f"compute capability {major}.{minor} is not one quack's GEMMs support here (9.x, 10.x)"
@@ -126,12 +128,13 @@ def quack_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | 
 _reported: set = set()
 
 
-def choose(requested: str, device: torch.device, dtype: torch.dtype, compiled: bool) -> str:
-    """"quack" or "torch" for ``model.mlp_kernel`` = ``requested`` in a run that is ``compiled`` or not.
-    "quack" where it cannot run is an error in compiled training; "auto" falls back with one log line."""
+def choose(requested: str, device: torch.device, dtype: torch.dtype, compiled: bool, width: int) -> str:
+    """"quack" or "torch" for ``model.mlp_kernel`` = ``requested`` in a run that is ``compiled`` or not, of a model
+    ``width`` wide. "quack" where it cannot run is an error in compiled training; "auto" falls back with one log
+    line."""
     if requested == "torch" or not compiled:
         return "torch"
-    reason = quack_unavailable_reason(device, dtype)
+    reason = quack_unavailable_reason(device, dtype, width)
     if reason is None:
         return "quack"
     if requested == "quack":

@@ -197,7 +197,8 @@ class GPT(nn.Module):
                                              self.config.n_embd // self.config.n_head, positions is not None,
                                              self.attention_kernels)
         compiled = self._compiled_trunk is not None and self.training
-        mlp = fused_mlp.choose(self.config.mlp_kernel, input_ids.device, self.compute_dtype(input_ids.device), compiled)
+        mlp = fused_mlp.choose(self.config.mlp_kernel, input_ids.device, self.compute_dtype(input_ids.device), compiled,
+                               self.config.n_embd)
         if torch.is_grad_enabled() and not torch.compiler.is_compiling() and self.mlp_kernel != mlp:
             self.mlp_kernel = mlp
             log.info("mlp: %s", fused_mlp.describe(mlp))

@@ -299,8 +299,8 @@ def test_the_compiled_trunk_runs_fa4_without_a_graph_break_and_matches_eager():
 
 # ----------------------------------------------------------------------------- quack's fused GELU GEMMs
 
-QUACK_MISSING = fused_mlp.quack_unavailable_reason(torch.device("cuda"), torch.bfloat16) if torch.cuda.is_available() \
-    else "no GPU"
+QUACK_MISSING = fused_mlp.quack_unavailable_reason(torch.device("cuda"), torch.bfloat16, 768) \
+    if torch.cuda.is_available() else "no GPU"
 needs_quack = pytest.mark.skipif(QUACK_MISSING is not None, reason=f"quack: {QUACK_MISSING}")
 
 

@@ -19,29 +19,31 @@ CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a G
 
 @pytest.fixture
 def quack_runs_here(monkeypatch):
-    monkeypatch.setattr(fused_mlp, "quack_unavailable_reason", lambda device, dtype: None)
+    monkeypatch.setattr(fused_mlp, "quack_unavailable_reason", lambda device, dtype, width: None)
 
 
 def test_eager_runs_and_the_torch_setting_take_pytorch_whatever_is_installed(quack_runs_here):
     for requested in fused_mlp.CHOICES:
-        assert fused_mlp.choose(requested, CUDA, torch.bfloat16, compiled=False) == "torch"  # the probe, evaluation
-    assert fused_mlp.choose("torch", CUDA, torch.bfloat16, compiled=True) == "torch"
-    assert fused_mlp.choose("auto", CUDA, torch.bfloat16, compiled=True) == "quack"
-    assert fused_mlp.choose("quack", CUDA, torch.bfloat16, compiled=True) == "quack"
+        assert fused_mlp.choose(requested, CUDA, torch.bfloat16, False, 768) == "torch"  # the probe, evaluation
+    assert fused_mlp.choose("torch", CUDA, torch.bfloat16, True, 768) == "torch"
+    assert fused_mlp.choose("auto", CUDA, torch.bfloat16, True, 768) == "quack"
+    assert fused_mlp.choose("quack", CUDA, torch.bfloat16, True, 768) == "quack"
 
 
 def test_auto_falls_back_to_pytorch_and_quack_is_an_error_where_it_cannot_run(monkeypatch):
-    assert fused_mlp.choose("auto", torch.device("cpu"), torch.float32, compiled=True) == "torch"
+    assert fused_mlp.choose("auto", torch.device("cpu"), torch.float32, True, 768) == "torch"
     with pytest.raises(RuntimeError, match="model.mlp_kernel is 'quack' but quack's GEMMs cannot run: it needs a CUDA "
                                            "device, not cpu"):
-        fused_mlp.choose("quack", torch.device("cpu"), torch.bfloat16, compiled=True)
+        fused_mlp.choose("quack", torch.device("cpu"), torch.bfloat16, True, 768)
     monkeypatch.setattr(flash4, "compute_capability", lambda device: (8, 0))
-    assert "compute capability 8.0" in fused_mlp.quack_unavailable_reason(CUDA, torch.bfloat16)
-    assert "bf16 or fp16, not torch.float32" in fused_mlp.quack_unavailable_reason(CUDA, torch.float32)
+    assert "compute capability 8.0" in fused_mlp.quack_unavailable_reason(CUDA, torch.bfloat16, 768)
+    assert "bf16 or fp16, not torch.float32" in fused_mlp.quack_unavailable_reason(CUDA, torch.float32, 768)
+    assert "width 100 is not a multiple of 8" in fused_mlp.quack_unavailable_reason(CUDA, torch.bfloat16, 100)
     monkeypatch.setattr(flash4, "compute_capability", lambda device: (9, 0))
     monkeypatch.setattr(fused_mlp, "_quack_error", ["quack.gemm_interface does not import (ModuleNotFoundError: x)"])
-    assert fused_mlp.quack_unavailable_reason(CUDA, torch.bfloat16) == "quack.gemm_interface does not import (ModuleNotFoundError: x)"
-    assert fused_mlp.choose("auto", CUDA, torch.bfloat16, compiled=True) == "torch"
+    assert fused_mlp.quack_unavailable_reason(CUDA, torch.bfloat16, 768) == \
+        "quack.gemm_interface does not import (ModuleNotFoundError: x)"
+    assert fused_mlp.choose("auto", CUDA, torch.bfloat16, True, 768) == "torch"
 
 
 def test_a_cute_dsl_outside_site_packages_is_named_as_the_reason_quack_cannot_run():
