@@ -139,7 +139,7 @@ def choose(requested: str, device: torch.device, dtype: torch.dtype, compiled: b
         return "quack"
     if requested == "quack":
         raise RuntimeError(f"model.mlp_kernel is 'quack' but quack's GEMMs cannot run: {reason}. "
-                           f"Install it (README: Optional kernels) or use 'auto' or 'torch'.")
+                           f"Install it (docs/configuration.md: the MLP's GELU inside quack's GEMMs) or use 'auto' or 'torch'.")
     if reason not in _reported:
         _reported.add(reason)
         log.info("mlp: quack's fused GELU GEMMs not used (%s); PyTorch's instead", reason)
