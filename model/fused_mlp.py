@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from functools import lru_cache
 from typing import Literal, get_args
 
 import torch
@@ -82,21 +83,16 @@ def gelu_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor
     return IMPLEMENTATION[kernel](x, fc_weight, proj_weight)
 
 
-_quack_error: list[str] = []  # why quack's GEMMs did not import ("" if they did), once tried
-
-
+@lru_cache(maxsize=None)
 def quack_imports() -> str | None:
     """None when quack's GEMMs import, else why not (tried once; the CuTe DSL takes seconds to load)."""
-    if not _quack_error:
-        flash4.prepare_environment()  # the CuTe DSL's and quack's caches: output folder, or memory only
-        try:
-            importlib.import_module("quack.gemm_interface")
-            import cutlass
-        except Exception as error:  # noqa: BLE001 - missing package, missing CUDA libraries, wrong Python
-            _quack_error.append(f"quack.gemm_interface does not import ({type(error).__name__}: {str(error)[:200]})")
-        else:
-            _quack_error.append(dsl_location_problem(cutlass.__file__) or "")
-    return _quack_error[0] or None
+    flash4.prepare_environment()  # the CuTe DSL's and quack's caches: output folder, or memory only
+    try:
+        importlib.import_module("quack.gemm_interface")
+        import cutlass
+    except Exception as error:  # noqa: BLE001 - missing package, missing CUDA libraries, wrong Python
+        return f"quack.gemm_interface does not import ({type(error).__name__}: {str(error)[:200]})"
+    return dsl_location_problem(cutlass.__file__)
 
 
 def dsl_location_problem(cutlass_file: str) -> str | None:

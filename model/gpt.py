@@ -193,12 +193,12 @@ class GPT(nn.Module):
             # with positions 0..T-1, plain causal attention, which dense causal kernels do fastest.
             positions = cu_seqlens = None
         # Decided here, outside any compiled graph: the graph sees the choice as a constant.
-        kernel = attention.choose_and_record(self.config.attention, input_ids.device, self.compute_dtype(input_ids.device),
+        dtype = self.compute_dtype(input_ids.device)
+        kernel = attention.choose_and_record(self.config.attention, input_ids.device, dtype,
                                              self.config.n_embd // self.config.n_head, positions is not None,
                                              self.attention_kernels)
         compiled = self._compiled_trunk is not None and self.training
-        mlp = fused_mlp.choose(self.config.mlp_kernel, input_ids.device, self.compute_dtype(input_ids.device), compiled,
-                               self.config.n_embd)
+        mlp = fused_mlp.choose(self.config.mlp_kernel, input_ids.device, dtype, compiled, self.config.n_embd)
         if torch.is_grad_enabled() and not torch.compiler.is_compiling() and self.mlp_kernel != mlp:
             self.mlp_kernel = mlp
             log.info("mlp: %s", fused_mlp.describe(mlp))

@@ -40,7 +40,7 @@ def test_auto_falls_back_to_pytorch_and_quack_is_an_error_where_it_cannot_run(mo
     assert "bf16 or fp16, not torch.float32" in fused_mlp.quack_unavailable_reason(CUDA, torch.float32, 768)
     assert "width 100 is not a multiple of 8" in fused_mlp.quack_unavailable_reason(CUDA, torch.bfloat16, 100)
     monkeypatch.setattr(flash4, "compute_capability", lambda device: (9, 0))
-    monkeypatch.setattr(fused_mlp, "_quack_error", ["quack.gemm_interface does not import (ModuleNotFoundError: x)"])
+    monkeypatch.setattr(fused_mlp, "quack_imports", lambda: "quack.gemm_interface does not import (ModuleNotFoundError: x)")
     assert fused_mlp.quack_unavailable_reason(CUDA, torch.bfloat16, 768) == \
         "quack.gemm_interface does not import (ModuleNotFoundError: x)"
     assert fused_mlp.choose("auto", CUDA, torch.bfloat16, True, 768) == "torch"

@@ -295,30 +295,32 @@ def main(argv: list[str]) -> int:
     lit = device_policy.build_module(cfg, torch.device("cuda"))
     initial = {k: v.clone() for k, v in lit.state_dict().items()}
     lit.model.compile_trunk()
-    for kernel in args.kernels:
+
+    def timed_row(compile_first: bool = False) -> dict:
+        """The step on the benchmark's rows from the initial weights, with its MFU; or the error that stopped it
+        (a variant that fails is reported, the others still run)."""
         lit.load_state_dict(initial)
-        use_loss_variant(lit.model.config, kernel)
         try:
+            if compile_first:
+                lit.model.compile_trunk()
             row = train_steps(lit, batches, args.steps, args.warmup, cfg.trainer.gradient_clip_val)
             row["mfu"] = flops / (row["ms_per_update"] / 1000) / cfg.metrics.peak_flops
         except Exception as error:  # noqa: BLE001
             row = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-        result["loss_kernels"][kernel] = row
+        return row
+
+    for kernel in args.kernels:
+        use_loss_variant(lit.model.config, kernel)
+        row = result["loss_kernels"][kernel] = timed_row()
         print(f"[{elapsed():.0f} s] loss kernel {kernel}: {row}", file=sys.stderr, flush=True)
         save()
     configured_mlp = lit.model.config.mlp_kernel
     result["mlp_kernels"] = {}
     for kernel in args.mlp:
-        lit.load_state_dict(initial)
         use_loss_variant(lit.model.config, default_loss)
         lit.model.config.mlp_kernel = kernel
-        try:
-            row = train_steps(lit, batches, args.steps, args.warmup, cfg.trainer.gradient_clip_val)
-            row["mfu"] = flops / (row["ms_per_update"] / 1000) / cfg.metrics.peak_flops
-        except Exception as error:  # noqa: BLE001
-            row = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        row = result["mlp_kernels"][kernel] = timed_row()
         lit.model.config.mlp_kernel = configured_mlp
-        result["mlp_kernels"][kernel] = row
         print(f"[{elapsed():.0f} s] mlp kernel {kernel}: {row}", file=sys.stderr, flush=True)
         save()
     ran = {k: r for k, r in result["loss_kernels"].items() if "tokens_per_second" in r}
@@ -367,18 +369,11 @@ def main(argv: list[str]) -> int:
         budget = lit.model.config.activation_memory_budget
         if variant.startswith("budget-"):
             lit.model.config.activation_memory_budget = float(variant[len("budget-"):])
-        lit.load_state_dict(initial)
         use_loss_variant(lit.model.config, default_loss)
-        try:
-            lit.model.compile_trunk()
-            row = train_steps(lit, batches, args.steps, args.warmup, cfg.trainer.gradient_clip_val)
-            row["mfu"] = flops / (row["ms_per_update"] / 1000) / cfg.metrics.peak_flops
-        except Exception as error:  # noqa: BLE001
-            row = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        row = result["inductor"][variant] = timed_row(compile_first=True)
         for k, v in saved.items():
             setattr(inductor_config, k, v)
         lit.model.config.activation_memory_budget = budget
-        result["inductor"][variant] = row
         print(f"[{elapsed():.0f} s] inductor {variant}: {row}", file=sys.stderr, flush=True)
         save()
 
