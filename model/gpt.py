@@ -49,8 +49,9 @@ class GPTConfig:
     """Standard deviation of the normal weight init (residual projections are scaled down by depth)"""
     activation_checkpointing: bool = False
     """Recompute each block in the backward pass: less activation memory for more compute"""
-    activation_memory_budget: float = 0.75
-    """Compiled trunk only: below 1, the partitioner recomputes cheap ops to keep fewer activations"""
+    activation_memory_budget: float = 1.0
+    """Compiled trunk only: below 1, the partitioner recomputes more (even the attention and the MLP's first product)
+    to keep fewer activations"""
     attention: attention.Kernel = "auto"
     """Attention kernel: fa4 (FlashAttention 4; an error on a GPU where it cannot run), varlen (PyTorch's CUDA kernels:
     varlen flash for packed rows, fused causal SDPA for one-document rows), sdpa (SDPA with a document mask); auto: fa4
@@ -59,6 +60,11 @@ class GPTConfig:
     """Compiled CUDA training in bf16: quack (the GELU inside the MLP's GEMM epilogues, quack-kernels; an error where it
     cannot run), torch (cuBLAS products and a separate GELU); auto: quack where it imports and the GPU supports it, else
     torch. Eager runs always take torch; run_record.json names what ran"""
+    residual_in_fp32: bool = False
+    """true: keep the residual stream (the embeddings and every block's sum) in fp32 under autocast, as autocast
+    alone leaves it; false: in the compute dtype (bf16), as Megatron-LM does by default: half the bytes for the
+    LayerNorms, residual adds and saved activations, the same losses within run-to-run noise (docs/PERFORMANCE.md).
+    Runs without autocast (fp32, CPU) are unaffected"""
     fp8: bool = False
     """Train the blocks' Linear layers with torchao's float8 tensorwise scaling (CUDA compute capability 8.9+ and
     torchao, refused otherwise); the LM head and embeddings stay bf16"""
@@ -202,24 +208,29 @@ class GPT(nn.Module):
         if torch.is_grad_enabled() and not torch.compiler.is_compiling() and self.mlp_kernel != mlp:
             self.mlp_kernel = mlp
             log.info("mlp: %s", fused_mlp.describe(mlp))
+        # fp32 keeps the embeddings' dtype (fp32 weights); a half dtype makes every residual add half too.
+        residual = None if self.config.residual_in_fp32 or dtype == self.wte.weight.dtype else dtype
         if compiled:
             if cu_seqlens is not None:
                 torch._dynamo.mark_dynamic(cu_seqlens, 0)  # document counts vary: one graph for all
-            return self._compiled_trunk(input_ids, positions, cu_seqlens, kernel, mlp)
-        return self._trunk(input_ids, positions, cu_seqlens, kernel, mlp)
+            return self._compiled_trunk(input_ids, positions, cu_seqlens, kernel, mlp, residual)
+        return self._trunk(input_ids, positions, cu_seqlens, kernel, mlp, residual)
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.wte.weight.dtype
 
     def _trunk(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-        kernel: str = "sdpa", mlp: str = "torch", blocks: list[nn.Module] | None = None,
+        kernel: str = "sdpa", mlp: str = "torch", residual: torch.dtype | None = None,
+        blocks: list[nn.Module] | None = None,
     ) -> torch.Tensor:
         b, t = input_ids.shape
         layout = DocumentLayout(positions, cu_seqlens, kernel)
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
         x = self.wte(input_ids) + self.wpe(positions)
+        if residual is not None:
+            x = x.to(residual)
         for block in blocks or self.blocks:
             if self.config.activation_checkpointing and self.training:
                 x = checkpoint(block, x, layout, mlp, use_reentrant=False)

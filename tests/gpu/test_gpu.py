@@ -147,6 +147,20 @@ def test_the_compiled_trunk_and_loss_match_eager_forward_and_backward(scope):
         assert fast.attention_kernels["packed rows"].startswith("FlashAttention 4 varlen")
 
 
+def test_a_bf16_residual_stream_compiled_gives_the_fp32_stream_loss_and_gradients_within_bf16_tolerance():
+    torch._dynamo.reset()
+    fast, eager = twin_models(n_layer=3)
+    eager.config.attention = fast.config.attention = "auto"
+    fast.config.residual_in_fp32, eager.config.residual_in_fp32 = False, True
+    fast.config.compile_scope = "blocks"  # the final norm runs outside the graphs: its hook sees the stream's dtype
+    fast.compile_trunk()
+    seen = set()
+    hook = fast.ln_f.register_forward_pre_hook(lambda _, args: seen.add(args[0].dtype))
+    assert_same_loss_and_gradients(fast, eager, packed_batch(rows=4, seq_len=256, vocab=512, seed=6))
+    hook.remove()
+    assert seen == {torch.bfloat16}
+
+
 LOSS_PACKAGES = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
 GRADIENT_TOLERANCE = {"liger": 1e-2, "cce": 3e-2}  # cce adds its gradient tiles into bf16 buffers
 

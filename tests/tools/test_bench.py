@@ -184,3 +184,18 @@ def test_trainer_against_another_checkout_runs_its_train_py_on_the_same_records(
     (other / "train.py").write_text("")
     assert training.trainer(["--layouts", "realistic", "--out", str(tmp_path / "o"), "--against", str(other)]) == 0
     assert calls == [("realistic", "lightning", runs.ROOT), ("realistic", "against0", other.resolve())]
+
+
+def test_step_variants_compares_the_model_settings_a_variant_changes_and_restores_them():
+    from config import load_config
+    from tools.bench import step_variants
+
+    cfg = load_config("conf/smoke.yaml")
+    variant = load_config("conf/smoke.yaml", ["model.residual_in_fp32=false", "model.mlp_kernel=torch"])
+    settings = step_variants.model_differences(cfg.model, variant.model)
+    assert settings == {"residual_in_fp32": False, "mlp_kernel": "torch"}
+    with pytest.raises(RuntimeError, match="step failed"):
+        with step_variants.model_settings(cfg.model, settings):
+            assert cfg.model.residual_in_fp32 is False and cfg.model.mlp_kernel == "torch"
+            raise RuntimeError("step failed")
+    assert cfg.model.residual_in_fp32 is True and cfg.model.mlp_kernel == "auto"

@@ -165,3 +165,38 @@ def test_each_compiled_model_sets_its_own_activation_memory_budget():
         assert torch._functorch.config.activation_memory_budget == 1.0
     finally:
         torch._functorch.config.activation_memory_budget = saved
+
+
+def block_input_dtypes(model: GPT, row: torch.Tensor) -> tuple[set, torch.Tensor]:
+    """The dtypes the blocks receive (the residual stream) in a bf16-autocast training forward, and its loss."""
+    seen = set()
+    hooks = [b.register_forward_pre_hook(lambda _, args: seen.add(args[0].dtype)) for b in model.blocks]
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(row).float().pow(2).mean()
+    for hook in hooks:
+        hook.remove()
+    return seen, loss
+
+
+def test_the_residual_stream_takes_the_compute_dtype_under_autocast_unless_kept_in_fp32():
+    row = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(4))
+    wide, narrow = tiny_model(), tiny_model()
+    wide.config.residual_in_fp32 = True
+    assert narrow.config.residual_in_fp32 is False  # the default
+    seen_wide, loss_wide = block_input_dtypes(wide, row)
+    seen_narrow, loss_narrow = block_input_dtypes(narrow, row)
+    assert seen_wide == {torch.float32} and seen_narrow == {torch.bfloat16}
+    loss_narrow.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in narrow.parameters())
+    # The same model, rounded differently: close (bf16 has 8 bits of mantissa), not equal.
+    assert loss_narrow != loss_wide
+    torch.testing.assert_close(loss_narrow, loss_wide, rtol=2e-2, atol=0)
+
+
+def test_residual_in_fp32_changes_nothing_without_autocast():
+    row = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(5))
+    wide, narrow = tiny_model(), tiny_model()
+    wide.config.residual_in_fp32 = True
+    with torch.no_grad():
+        assert torch.equal(wide(row), narrow(row))

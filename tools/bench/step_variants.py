@@ -6,10 +6,11 @@ no process start, import or recompilation separates them, so their ratios are ti
     the chunked loss; the chunk's softmax and gradient alone (16,384 x 50,304 bf16 logits), the
     Triton kernel at several block sizes against the compiled PyTorch function; quack's linear cross-entropy beside it at a vocabulary padded to 50,304, where
     it runs (timing only: it has no way to mask padding columns, so the model cannot use it);
-  - with --mlp, the step with each MLP kernel (``model.mlp_kernel``; the loss as configured);
+  - with --compare (or --mlp K, short for --compare model.mlp_kernel=K), the step with those model
+    settings (the loss as configured);
   - the same rows of real text (data/sample.jsonl, GPT-2 tokens) trained with each kernel and twice
-    with the chunked loss (the run-to-run noise), and with each MLP kernel: per-update losses and a
-    held-out loss;
+    with the chunked loss (the run-to-run noise), and with each compared setting: per-update losses
+    and a held-out loss;
   - inductor settings that need a recompilation (max-autotune GEMMs, whose Triton templates can take
     GELU into the fc product's epilogue; activation_memory_budget X), each with its first update's
     seconds (the compilation) beside its throughput.
@@ -17,12 +18,15 @@ Loss variants: chunked (Triton softmax, the default), chunked-compiled (inductor
 Writes step_variants.json under --out and prints a table last. Needs a CUDA GPU.
 
 Usage: python -m tools bench step-variants [--kernels chunked chunked-compiled liger cce] [--mlp quack torch]
+[--compare model.KEY=VALUE ...] [--compare ...]
 [--inductor budget-1 budget-0.9 max-autotune max-autotune-triton]
 [--config FILE] [--section.key VALUE ...]
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import io
 import json
 import subprocess
@@ -101,6 +105,25 @@ def inductor_variant(name: str) -> str:
         except ValueError:
             pass
     raise ValueError(f"not an inductor variant: {name!r} (max-autotune, max-autotune-triton, budget-X)")
+
+
+def model_differences(configured, variant) -> dict:
+    """The model settings (name -> value) in which ``variant`` differs from ``configured``."""
+    return {f.name: getattr(variant, f.name) for f in dataclasses.fields(variant)
+            if getattr(variant, f.name) != getattr(configured, f.name)}
+
+
+@contextlib.contextmanager
+def model_settings(model_config, settings: dict):
+    """``settings`` on the built model's config for the duration, then the configured values again."""
+    saved = {name: getattr(model_config, name) for name in settings}
+    for name, value in settings.items():
+        setattr(model_config, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(model_config, name, value)
 
 
 def train_steps(lit, batches: list[dict], steps: int, warmup: int, grad_clip: float) -> dict:
@@ -269,8 +292,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--inductor", nargs="*", default=["budget-1", "max-autotune-triton"], type=inductor_variant,
                         help="max-autotune, max-autotune-triton (Triton templates only), budget-X (activation_memory_budget X)")
     parser.add_argument("--mlp", nargs="*", default=[], choices=fused_mlp.CHOICES[1:],
-                        help="also run the step with model.mlp_kernel set to each (quack: GELU in the GEMM epilogues), "
-                             "and train the real-text rows with it")
+                        help="short for --compare model.mlp_kernel=K for each K (quack: GELU in the GEMM epilogues)")
+    parser.add_argument("--compare", nargs="+", action="append", default=[], metavar="model.KEY=VALUE",
+                        help="also run the step with these model settings, and train the real-text rows with them; "
+                             "repeat for more")
     parser.add_argument("--learning-updates", type=int, default=24, help="0: no learning comparison")
     parser.add_argument("--time-limit", type=float, default=540.0, help="seconds; later phases are skipped past it")
     args = bench.parse(parser, argv)
@@ -278,6 +303,11 @@ def main(argv: list[str]) -> int:
         return 2
     bench.prepare(args)
     cfg = bench.config(args, "data.val_fraction=0")
+    compared = {}  # name -> the model settings it changes
+    for variant in [*args.compare, *[[f"model.mlp_kernel={k}"] for k in args.mlp]]:
+        if any(not assignment.startswith("model.") for assignment in variant):
+            parser.error(f"--compare {' '.join(variant)}: only model.* settings (the module is built once)")
+        compared[" ".join(variant)] = model_differences(cfg.model, bench.config(args, "data.val_fraction=0", *variant).model)
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "microbatch": args.microbatch,
                     "loss_kernels": {}, "inductor": {}}
 
@@ -314,14 +344,12 @@ def main(argv: list[str]) -> int:
         row = result["loss_kernels"][kernel] = timed_row()
         print(f"[{elapsed():.0f} s] loss kernel {kernel}: {row}", file=sys.stderr, flush=True)
         save()
-    configured_mlp = lit.model.config.mlp_kernel
-    result["mlp_kernels"] = {}
-    for kernel in args.mlp:
+    result["compared"] = {}
+    for name, settings in compared.items():
         use_loss_variant(lit.model.config, default_loss)
-        lit.model.config.mlp_kernel = kernel
-        row = result["mlp_kernels"][kernel] = timed_row()
-        lit.model.config.mlp_kernel = configured_mlp
-        print(f"[{elapsed():.0f} s] mlp kernel {kernel}: {row}", file=sys.stderr, flush=True)
+        with model_settings(lit.model.config, settings):
+            row = result["compared"][name] = timed_row()
+        print(f"[{elapsed():.0f} s] {name}: {row}", file=sys.stderr, flush=True)
         save()
     ran = {k: r for k, r in result["loss_kernels"].items() if "tokens_per_second" in r}
     fastest = max(ran, key=lambda k: ran[k]["tokens_per_second"]) if ran else "chunked"
@@ -335,19 +363,20 @@ def main(argv: list[str]) -> int:
         save()
 
     if args.learning_updates and elapsed() < args.time_limit - 90:
-        text = (ROOT / "data/sample.jsonl").read_bytes() * 12
+        # About two updates of packed rows per copy of the sample (445,000 tokens) at microbatch 32, with room to spare.
+        text = (ROOT / "data/sample.jsonl").read_bytes() * max(12, -(-(args.learning_updates + 2) * args.microbatch // 64))
         real = collect_batches(cfg, args.microbatch, args.learning_updates + 2, text)
-        train_rows, held_out = real[:-2], real[-2:]
+        train_rows, held_out_rows = real[:-2], real[-2:]
         runs = {}
-        mlp_runs = [f"mlp {k}" for k, r in result["mlp_kernels"].items() if "tokens_per_second" in r]
-        for name in ["chunked", "chunked (again)", *[k for k in args.kernels if k != "chunked" and k in ran], *mlp_runs]:
+        compared_runs = {name: compared[name] for name, r in result["compared"].items() if "tokens_per_second" in r}
+        loss_runs = {name: {} for name in ["chunked", "chunked (again)", *[k for k in args.kernels if k != "chunked" and k in ran]]}
+        for name, settings in (loss_runs | compared_runs).items():
             lit.load_state_dict(initial)
-            use_loss_variant(lit.model.config, "chunked" if name.startswith("mlp ") else name.split()[0])
-            lit.model.config.mlp_kernel = name.split()[1] if name.startswith("mlp ") else configured_mlp
-            row = train_steps(lit, train_rows, len(train_rows) - 1, 1, cfg.trainer.gradient_clip_val)
-            lit.model.config.mlp_kernel = configured_mlp
-            runs[name] = {"losses": row["losses"], "held_out_loss": held_out_loss(lit, held_out), "kernel": row["kernel"],
-                          "mlp": row["mlp"]}
+            use_loss_variant(lit.model.config, "chunked" if name in compared_runs else name.split()[0])
+            with model_settings(lit.model.config, settings):
+                row = train_steps(lit, train_rows, len(train_rows) - 1, 1, cfg.trainer.gradient_clip_val)
+                held_out = held_out_loss(lit, held_out_rows)
+            runs[name] = {"losses": row["losses"], "held_out_loss": held_out, "kernel": row["kernel"], "mlp": row["mlp"]}
             print(f"[{elapsed():.0f} s] learning {name}: held-out {runs[name]['held_out_loss']:.4f}, "
                   f"last train {row['losses'][-1] * 1:.4f}", file=sys.stderr, flush=True)
         result["learning"] = {"updates": len(train_rows), "real_text_tokens_per_update": sum(b["target_tokens"] for b in train_rows) / len(train_rows),
@@ -421,7 +450,7 @@ def print_table(result: dict, args) -> None:
     print(f"\n{result['gpu']}, torch {result['torch']}, microbatch {args.microbatch} x 4096, realistic documents")
     print(f"{'run':<34} {'tokens/s':>10} {'ms/update':>10} {'MFU':>6} {'first s':>8} {'peak GiB':>9} {'MiB/token':>9}")
     rows = [(f"loss {k}", r) for k, r in result["loss_kernels"].items()]
-    rows += [(f"mlp {k} (loss {r.get('kernel', '-')})", r) for k, r in result.get("mlp_kernels", {}).items()]
+    rows += [(f"{k} (loss {r.get('kernel', '-')})", r) for k, r in result.get("compared", {}).items()]
     rows += [(f"inductor {k} (loss {r.get('kernel', '-')})", r) for k, r in result["inductor"].items()]
     for name, r in rows:
         if "tokens_per_second" not in r:
