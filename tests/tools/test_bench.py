@@ -191,11 +191,20 @@ def test_step_variants_compares_the_model_settings_a_variant_changes_and_restore
     from tools.bench import step_variants
 
     cfg = load_config("conf/smoke.yaml")
-    variant = load_config("conf/smoke.yaml", ["model.residual_in_fp32=false", "model.mlp_kernel=torch"])
+    variant = load_config("conf/smoke.yaml", ["model.residual_in_fp32=true", "model.mlp_kernel=torch"])
     settings = step_variants.model_differences(cfg.model, variant.model)
-    assert settings == {"residual_in_fp32": False, "mlp_kernel": "torch"}
+    assert settings == {"residual_in_fp32": True, "mlp_kernel": "torch"}
     with pytest.raises(RuntimeError, match="step failed"):
         with step_variants.model_settings(cfg.model, settings):
-            assert cfg.model.residual_in_fp32 is False and cfg.model.mlp_kernel == "torch"
+            assert cfg.model.residual_in_fp32 is True and cfg.model.mlp_kernel == "torch"
             raise RuntimeError("step failed")
-    assert cfg.model.residual_in_fp32 is True and cfg.model.mlp_kernel == "auto"
+    assert cfg.model.residual_in_fp32 is False and cfg.model.mlp_kernel == "auto"
+
+
+def test_step_variants_refuses_to_compare_a_setting_read_only_when_the_model_is_compiled(capsys):
+    from tools.bench import step_variants
+
+    with pytest.raises(SystemExit) as stopped:
+        step_variants.main(["--compare", "model.activation_memory_budget=0.5", "--config", "conf/smoke.yaml"])
+    assert stopped.value.code == 2
+    assert "model.activation_memory_budget take effect when the model is built or compiled" in capsys.readouterr().err

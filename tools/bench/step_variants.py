@@ -107,6 +107,11 @@ def inductor_variant(name: str) -> str:
     raise ValueError(f"not an inductor variant: {name!r} (max-autotune, max-autotune-triton, budget-X)")
 
 
+# Model settings read when the module is built or the trunk compiled, which --compare cannot vary on the built module.
+FIXED_WHEN_BUILT = {"vocab_size", "n_layer", "n_head", "n_embd", "max_seq_len", "init_std", "fp8",
+                    "activation_memory_budget", "compile_scope"}
+
+
 def model_differences(configured, variant) -> dict:
     """The model settings (name -> value) in which ``variant`` differs from ``configured``."""
     return {f.name: getattr(variant, f.name) for f in dataclasses.fields(variant)
@@ -299,15 +304,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--learning-updates", type=int, default=24, help="0: no learning comparison")
     parser.add_argument("--time-limit", type=float, default=540.0, help="seconds; later phases are skipped past it")
     args = bench.parse(parser, argv)
-    if not bench.require_gpu("step-variants"):
-        return 2
-    bench.prepare(args)
     cfg = bench.config(args, "data.val_fraction=0")
     compared = {}  # name -> the model settings it changes
     for variant in [*args.compare, *[[f"model.mlp_kernel={k}"] for k in args.mlp]]:
         if any(not assignment.startswith("model.") for assignment in variant):
             parser.error(f"--compare {' '.join(variant)}: only model.* settings (the module is built once)")
-        compared[" ".join(variant)] = model_differences(cfg.model, bench.config(args, "data.val_fraction=0", *variant).model)
+        settings = model_differences(cfg.model, bench.config(args, "data.val_fraction=0", *variant).model)
+        if fixed := sorted(set(settings) & FIXED_WHEN_BUILT):
+            parser.error(f"--compare {' '.join(variant)}: model.{', model.'.join(fixed)} take effect when the model is built "
+                         f"or compiled, once per run here (budgets: --inductor budget-X; others: another run)")
+        compared[" ".join(variant)] = settings
+    if not bench.require_gpu("step-variants"):
+        return 2
+    bench.prepare(args)
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "microbatch": args.microbatch,
                     "loss_kernels": {}, "inductor": {}}
 
