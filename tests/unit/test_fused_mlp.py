@@ -69,8 +69,10 @@ def test_compiled_training_routes_every_block_through_the_chosen_kernel_and_reco
     monkeypatch.setitem(fused_mlp.IMPLEMENTATION, "quack", recording)
     monkeypatch.setattr(GPT, "compute_dtype", lambda self, device: torch.bfloat16)  # as under CUDA autocast
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, n_layer=3, n_head=2, n_embd=16, max_seq_len=8))
-    plain = GPT(GPTConfig(vocab_size=64, n_layer=3, n_head=2, n_embd=16, max_seq_len=8, mlp_kernel="torch"))
+    # fp32 stream: the compute dtype is patched without autocast, so a bf16 stream would meet fp32 weights
+    shape = dict(vocab_size=64, n_layer=3, n_head=2, n_embd=16, max_seq_len=8, residual_in_fp32=True)
+    model = GPT(GPTConfig(**shape))
+    plain = GPT(GPTConfig(**shape, mlp_kernel="torch"))
     plain.load_state_dict(model.state_dict())
     ids = torch.randint(0, 64, (2, 8))
     model._compiled_trunk = model._trunk  # compiled training's route, without compiling (the GPU tests compile)
