@@ -208,3 +208,12 @@ def test_step_variants_refuses_to_compare_a_setting_read_only_when_the_model_is_
         step_variants.main(["--compare", "model.activation_memory_budget=0.5", "--config", "conf/smoke.yaml"])
     assert stopped.value.code == 2
     assert "model.activation_memory_budget take effect when the model is built or compiled" in capsys.readouterr().err
+
+
+def test_step_variants_refuses_a_compared_value_the_config_refuses(capsys):
+    from tools.bench import step_variants
+
+    with pytest.raises(SystemExit) as stopped:
+        step_variants.main(["--compare", "model.mlp_kernel=fast", "--config", "conf/smoke.yaml"])
+    assert stopped.value.code == 2
+    assert "--compare model.mlp_kernel=fast: " in capsys.readouterr().err

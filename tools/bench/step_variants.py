@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import math
 import subprocess
 import sys
 import time
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from config import ConfigError
 from model import fused_mlp
 from model import loss as loss_module
 from model.flops import training_flops
@@ -108,7 +110,7 @@ def inductor_variant(name: str) -> str:
 
 
 # Model settings read when the module is built or the trunk compiled, which --compare cannot vary on the built module.
-FIXED_WHEN_BUILT = {"vocab_size", "n_layer", "n_head", "n_embd", "max_seq_len", "init_std", "fp8",
+FIXED_WHEN_BUILT = {"vocab_size", "n_layer", "n_head", "n_embd", "max_seq_len", "layer_norm_eps", "init_std", "fp8",
                     "activation_memory_budget", "compile_scope"}
 
 
@@ -309,7 +311,10 @@ def main(argv: list[str]) -> int:
     for variant in [*args.compare, *[[f"model.mlp_kernel={k}"] for k in args.mlp]]:
         if any(not assignment.startswith("model.") for assignment in variant):
             parser.error(f"--compare {' '.join(variant)}: only model.* settings (the module is built once)")
-        settings = model_differences(cfg.model, bench.config(args, "data.val_fraction=0", *variant).model)
+        try:
+            settings = model_differences(cfg.model, bench.config(args, "data.val_fraction=0", *variant).model)
+        except ConfigError as error:
+            parser.error(f"--compare {' '.join(variant)}: {bench.one_line(error)}")
         if fixed := sorted(set(settings) & FIXED_WHEN_BUILT):
             parser.error(f"--compare {' '.join(variant)}: model.{', model.'.join(fixed)} take effect when the model is built "
                          f"or compiled, once per run here (budgets: --inductor budget-X; others: another run)")
@@ -373,7 +378,7 @@ def main(argv: list[str]) -> int:
 
     if args.learning_updates and elapsed() < args.time_limit - 90:
         # About two updates of packed rows per copy of the sample (445,000 tokens) at microbatch 32, with room to spare.
-        text = (ROOT / "data/sample.jsonl").read_bytes() * max(12, -(-(args.learning_updates + 2) * args.microbatch // 64))
+        text = (ROOT / "data/sample.jsonl").read_bytes() * max(12, math.ceil((args.learning_updates + 2) * args.microbatch / 64))
         real = collect_batches(cfg, args.microbatch, args.learning_updates + 2, text)
         train_rows, held_out_rows = real[:-2], real[-2:]
         runs = {}
