@@ -57,18 +57,50 @@ class _GeluEpilogueMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        from quack.gemm_interface import gemm_dact
-
         x, preact, fc_weight, proj_weight = ctx.saved_tensors
-        dout = dout.contiguous()
-        dpreact, postact = gemm_dact(dout, proj_weight, preact, activation=ACTIVATION, tuned=False)
+        dpreact, postact = gelu_dact(dout.contiguous(), proj_weight, preact)
         return dpreact @ fc_weight, dpreact.t() @ x, dout.t() @ postact
+
+
+# proj's input-gradient product with the GELU derivative in its epilogue. quack gives every Hopper GEMM one default
+# tile (128 x 192); for this product, whose epilogue (reading the pre-activation, writing two outputs) outweighs its
+# short K = width loop, 128 x 128 measured 1.19x faster at the trainer's shape (`python -m tools bench tiles --mlp`,
+# docs/PERFORMANCE.md), and the other products measured best at their defaults. quack takes a pinned tile only
+# outside torch.compile, so the product is a custom op: the compiled backward calls it as it is. Registered for every
+# device so that tests on machines without quack can swap in a reference for quack's GEMMs.
+DACT_TILE_SM90 = (128, 128)
+
+
+def dact_config(device: torch.device):
+    """The pinned tile for ``gelu_dact`` on ``device``: a quack GemmConfig on Hopper, else None (quack's default)."""
+    if device.type != "cuda" or flash4.compute_capability(device)[0] != 9:
+        return None
+    from quack.gemm_config import GemmConfig
+
+    return GemmConfig(tile_m=DACT_TILE_SM90[0], tile_n=DACT_TILE_SM90[1], pingpong=True, cluster_m=2, cluster_n=1,
+                      is_dynamic_persistent=False, device_capacity=9)
+
+
+@torch.library.custom_op("runfab::quack_gelu_dact", mutates_args=())
+def gelu_dact(dout: torch.Tensor, proj_weight: torch.Tensor, preact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dout @ proj_weight) * gelu'(preact) and gelu(preact), rows [tokens, 4 * width], by one quack GEMM."""
+    from quack.gemm_interface import gemm_dact
+
+    dpreact, postact = gemm_dact(dout, proj_weight, preact, activation=ACTIVATION, tuned=False,
+                                 config=dact_config(dout.device))
+    return dpreact, postact
+
+
+@gelu_dact.register_fake
+def _(dout, proj_weight, preact):
+    return torch.empty_like(preact), torch.empty_like(preact)
 
 
 def quack_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor) -> torch.Tensor:
     """``torch_mlp`` with the GELU and its derivative in quack's GEMM epilogues. Casts to the autocast dtype as
     ``F.linear`` does under autocast (the fp32 weights get their gradients through the casts); each quack GEMM
-    runs its default tile, since autotuning measured no faster after minutes of compilation."""
+    runs a fixed tile (quack's default, or ``DACT_TILE_SM90``), since autotuning measured no faster after minutes of
+    compilation."""
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
     rows = x.to(dtype).reshape(-1, x.shape[-1])
     out = _GeluEpilogueMLP.apply(rows, fc_weight.to(dtype), proj_weight.to(dtype))

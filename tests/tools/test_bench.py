@@ -217,3 +217,12 @@ def test_step_variants_refuses_a_compared_value_the_config_refuses(capsys):
         step_variants.main(["--compare", "model.mlp_kernel=fast", "--config", "conf/smoke.yaml"])
     assert stopped.value.code == 2
     assert "--compare model.mlp_kernel=fast: " in capsys.readouterr().err
+
+
+def test_tiles_asks_what_to_sweep_and_needs_a_gpu(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exit_status:
+        tools(["bench", "tiles"])
+    assert exit_status.value.code == 2 and "say what to sweep" in capsys.readouterr().err
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert tools(["bench", "tiles", "--mlp"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err

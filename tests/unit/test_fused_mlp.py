@@ -87,9 +87,11 @@ def test_compiled_training_routes_every_block_through_the_chosen_kernel_and_reco
     assert len(calls) == 3 and model.mlp_kernel == "quack"
 
 
-def test_the_epilogue_mlp_gives_pytorchs_output_and_gradients_with_a_reference_for_quacks_gemms(monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_epilogue_mlp_gives_pytorchs_output_and_gradients_with_a_reference_for_quacks_gemms(monkeypatch, compiled):
     """quack's two fused products replaced by what they compute (fp64 on the CPU): the autograd function around
-    them, which saves, casts and multiplies the rest, must give the plain MLP's output and all three gradients."""
+    them, which saves, casts and multiplies the rest, must give the plain MLP's output and all three gradients,
+    also traced by torch.compile, where the backward's product is a custom op seen through its shape function."""
     import sys
     import types
 
@@ -104,7 +106,7 @@ def test_the_epilogue_mlp_gives_pytorchs_output_and_gradients_with_a_reference_f
 
     fake = types.ModuleType("quack.gemm_interface")
     fake.gemm_act = lambda a, b, activation, tuned: gemm_act(a, b, activation)
-    fake.gemm_dact = lambda a, b, preact, activation, tuned: gemm_dact(a, b, preact, activation)
+    fake.gemm_dact = lambda a, b, preact, activation, tuned, config: gemm_dact(a, b, preact, activation)
     monkeypatch.setitem(sys.modules, "quack", types.ModuleType("quack"))
     monkeypatch.setitem(sys.modules, "quack.gemm_interface", fake)
     torch.manual_seed(4)
@@ -113,9 +115,28 @@ def test_the_epilogue_mlp_gives_pytorchs_output_and_gradients_with_a_reference_f
     proj = torch.randn(8, 32, dtype=torch.float64, requires_grad=True)
     dout = torch.randn(2, 5, 8, dtype=torch.float64)
     results = []
-    for fn in (fused_mlp.IMPLEMENTATION["quack"], fused_mlp.torch_mlp):
+    quack = fused_mlp.IMPLEMENTATION["quack"]
+    for fn in (torch.compile(quack, backend="aot_eager", fullgraph=True) if compiled else quack, fused_mlp.torch_mlp):
         out = fn(x, fc, proj)
         results.append((out, *torch.autograd.grad(out, (x, fc, proj), dout)))
     for got, expected in zip(*results):
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected)
+
+
+def test_the_backward_product_pins_its_measured_tile_on_hopper_only(monkeypatch):
+    """The 128 x 128 tile was measured on an H200; Blackwell and the CPU keep quack's own default (None)."""
+    import sys
+    import types
+
+    fake = types.ModuleType("quack.gemm_config")
+    fake.GemmConfig = types.SimpleNamespace
+    monkeypatch.setitem(sys.modules, "quack", types.ModuleType("quack"))
+    monkeypatch.setitem(sys.modules, "quack.gemm_config", fake)
+    assert fused_mlp.dact_config(torch.device("cpu")) is None
+    for capability, pinned in (((9, 0), True), ((10, 0), False)):
+        monkeypatch.setattr(flash4, "compute_capability", lambda device, capability=capability: capability)
+        config = fused_mlp.dact_config(torch.device("cuda"))
+        assert (config is not None) == pinned
+        if pinned:
+            assert (config.tile_m, config.tile_n, config.pingpong, config.device_capacity) == (128, 128, True, 9)

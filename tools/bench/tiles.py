@@ -1,0 +1,226 @@
+"""Sweep the launch shapes of the step's own and optional kernels at the trainer's shapes: quack's GELU epilogue
+GEMMs, FA4's SM90 attention and the Triton chunk softmax, each candidate against the default.
+
+Both packages choose their tiles by a fixed rule (quack: one default config per architecture; FA4: FA3's choices
+for head dimension 64, benchmarked on H100 with long sequences). The trainer's shapes are narrow products
+(K = 768) with heavy epilogues and short packed documents, so another tile may be faster; this says by how much,
+and whether the results agree with the default's. Prints one line per candidate; a candidate that fails to compile
+prints its error and the sweep goes on.
+
+Usage (GPU, with quack-kernels and flash-attn-4 installed):
+    python -m tools bench tiles --mlp                    the fc + GELU product and proj's input gradient + GELU derivative
+    python -m tools bench tiles --attention [--only NAME] FA4's forward tiles and backward configurations
+    python -m tools bench tiles --softmax                the chunk softmax's columns per block, warps, programs
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+
+import torch
+
+from model import flash4, fused_mlp
+from tools.bench.kernels import attention_pairs, realistic_offsets
+from tools.bench.runs import cuda_median_ms
+
+WIDTH, HEADS, HEAD_DIM, ROW = 768, 12, 64, 4096
+
+
+def quack_configs() -> dict[str, object]:
+    """Candidate SM90 configs (None: quack's default). The autotuner's space, less the cluster and swap
+    combinations that measured nowhere near in quack's own sweeps, plus the default's neighbours."""
+    from quack.gemm_config import GemmConfig
+
+    def config(m, n, pingpong, cluster=(2, 1), swap_ab=False):
+        return GemmConfig(tile_m=m, tile_n=n, pingpong=pingpong, cluster_m=cluster[0], cluster_n=cluster[1],
+                          swap_ab=swap_ab, is_dynamic_persistent=False, device_capacity=9)
+
+    return {"default": None,
+            "pingpong 128x192 cluster 1x2": config(128, 192, True, (1, 2)),
+            "pingpong 128x128": config(128, 128, True),
+            "pingpong 128x160": config(128, 160, True),
+            "pingpong 192x128": config(192, 128, True),
+            "cooperative 128x256": config(128, 256, False),
+            "cooperative 256x128": config(256, 128, False),
+            "cooperative 256x192": config(256, 192, False),
+            "cooperative 256x192 cluster 1x2": config(256, 192, False, (1, 2)),
+            "pingpong 128x192 swap_ab": config(128, 192, True, swap_ab=True),
+            "cooperative 256x128 swap_ab": config(256, 128, False, swap_ab=True)}
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+def mlp(args) -> None:
+    """quack's two GELU epilogue products under each candidate config, and each with the other scheduler."""
+    dev = torch.device("cuda")
+    reason = fused_mlp.quack_unavailable_reason(dev, torch.bfloat16, WIDTH)
+    if reason is not None:
+        print(f"python -m tools bench tiles --mlp: quack's GEMMs cannot run: {reason}", file=sys.stderr)
+        return
+    from quack.gemm_interface import gemm_act, gemm_dact
+
+    n = args.microbatch * ROW
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(n, WIDTH, device=dev, generator=gen).bfloat16()
+    fc = (0.02 * torch.randn(4 * WIDTH, WIDTH, device=dev, generator=gen)).bfloat16()
+    proj = (0.02 * torch.randn(WIDTH, 4 * WIDTH, device=dev, generator=gen)).bfloat16()
+    dout = torch.randn(n, WIDTH, device=dev, generator=gen).bfloat16()
+    preact = x @ fc.t()
+    flops = 2 * n * WIDTH * 4 * WIDTH
+    products = {  # name -> (call(config, dynamic_scheduler), quack's default dynamic_scheduler)
+        "fc + GELU (gemm_act)": (lambda cfg, ds: gemm_act(x, fc.t(), activation=fused_mlp.ACTIVATION, tuned=False,
+                                                         config=cfg, dynamic_scheduler=ds), False),
+        "proj input gradient + GELU derivative (gemm_dact)": (
+            lambda cfg, ds: gemm_dact(dout, proj, preact, activation=fused_mlp.ACTIVATION, tuned=False, config=cfg,
+                                      dynamic_scheduler=ds)[:2], True)}
+    for product, (call, default_scheduler) in products.items():
+        print(f"\n{product}: [{n}x{WIDTH}] -> {4 * WIDTH}, {flops / 1e9:.0f} GFLOP", flush=True)
+        baseline = None
+        for name, cfg in quack_configs().items():
+            for scheduler in (default_scheduler, not default_scheduler) if cfg is None else (default_scheduler,):
+                label = f"{name}{'' if scheduler == default_scheduler else f', dynamic_scheduler={scheduler}'}"
+                try:
+                    outputs = call(cfg, scheduler)
+                    torch.cuda.synchronize()
+                    ms = cuda_median_ms(lambda: call(cfg, scheduler), args.repeats)
+                except Exception as error:  # noqa: BLE001 - a config the kernel cannot build: say so, go on
+                    print(f"  {label:<48} failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}",
+                          flush=True)
+                    continue
+                if baseline is None:
+                    baseline = (ms, outputs)
+                agreement = " ".join(f"{relative(o, b):.1e}" for o, b in zip(outputs, baseline[1]))
+                print(f"  {label:<48} {ms:7.3f} ms {flops / ms / 1e9:5.0f} TFLOP/s  x{baseline[0] / ms:.3f}  "
+                      f"outputs against the default: {agreement}", flush=True)
+
+
+def attention_inputs(layout: str, microbatch: int):
+    """Packed qkv [total, 3, H, hd], the document offsets (None for one-doc rows) and the longest document."""
+    dev = torch.device("cuda")
+    total = microbatch * ROW
+    gen = torch.Generator(device=dev).manual_seed(0)
+    qkv = torch.randn(total, 3, HEADS, HEAD_DIM, device=dev, generator=gen).bfloat16()
+    if layout == "one-doc":
+        cu = torch.arange(0, total + 1, ROW, dtype=torch.int32)
+    else:
+        cu = realistic_offsets(microbatch, ROW, 1000.0)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    return qkv, cu.to(dev), max_len, attention_pairs(cu)
+
+
+FORWARD_TILES = {  # name -> _flash_attn_fwd keyword arguments (none: FA4's choice, 192 x 128 RS + overlap)
+    "forward default": {},
+    "forward 128x128": {"tile_mn": (128, 128)},
+    "forward 192x192": {"tile_mn": (192, 192)},
+    "forward 128x192": {"tile_mn": (128, 192)},
+    "forward 192x128 P in shared memory": {"tile_mn": (192, 128), "mma_pv_is_rs": False},
+}
+
+
+def backward_configs(interface) -> dict[str, object]:
+    """Candidates for FA4's SM90 backward at head dimension 64 (None: FA4's, FA3's 128 x 128)."""
+    default = interface._tile_size_bwd_sm90(HEAD_DIM, HEAD_DIM, True, False)
+    return {"backward default": None,
+            "backward 64x128 (FA3's hdim-128 causal layout)": replace(default, m_block_size=64, AtomLayoutMdQ=1),
+            "backward 64x128 dQ in one warp group": replace(default, m_block_size=64, AtomLayoutMdQ=1,
+                                                           dQ_single_wg=True),
+            "backward 128x128 no SdP swap": replace(default, SdP_swapAB=False, AtomLayoutMSdP=2),
+            "backward 128x64": replace(default, n_block_size=64, AtomLayoutNdKV=1)}
+
+
+def attention(args) -> None:
+    """FA4's forward under each tile and its backward under each configuration, realistic and one-doc rows."""
+    interface = flash4.fa4_interface()
+    if interface is None:
+        print("python -m tools bench tiles --attention: flash_attn.cute does not import", file=sys.stderr)
+        return
+    chosen = interface._tile_size_bwd_sm90
+    for layout in args.layouts:
+        qkv, cu, max_len, pairs = attention_inputs(layout, args.microbatch)
+        fwd_flops = 4 * pairs * HEADS * HEAD_DIM  # QK^T and PV over the causal pairs
+        q, k, v = qkv.unbind(1)
+        print(f"\nFA4 attention, {layout}: {len(cu) - 1} documents, longest {max_len}", flush=True)
+        reference = None
+        for name, extra in FORWARD_TILES.items():
+            if args.only and name not in args.only:
+                continue
+            def forward():
+                return interface._flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
+                                                 max_seqlen_k=max_len, causal=True, return_lse=True, **extra)[:2]
+            try:
+                out = forward()
+                ms = cuda_median_ms(forward, args.repeats)
+            except Exception as error:  # noqa: BLE001
+                print(f"  {name:<48} failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
+                continue
+            reference = reference or out
+            print(f"  {name:<48} {ms:7.3f} ms {fwd_flops / ms / 1e9:5.0f} TFLOP/s  out against the default "
+                  f"{relative(out[0], reference[0]):.1e}", flush=True)
+        out, lse = interface._flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
+                                             max_seqlen_k=max_len, causal=True, return_lse=True)[:2]
+        dout = torch.randn_like(out)
+        grads = None
+        for name, cfg in backward_configs(interface).items():
+            if args.only and name not in args.only:
+                continue
+            interface._tile_size_bwd_sm90 = chosen if cfg is None else (lambda *a, cfg=cfg, **kw: cfg)
+            def backward():
+                return interface._flash_attn_bwd(q, k, v, out, dout, lse, causal=True, cu_seqlens_q=cu,
+                                                 cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len)[:3]
+            try:
+                result = backward()
+                ms = cuda_median_ms(backward, args.repeats)
+            except Exception as error:  # noqa: BLE001
+                print(f"  {name:<48} failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
+                continue
+            finally:
+                interface._tile_size_bwd_sm90 = chosen
+            grads = grads or [g.clone() for g in result]
+            agreement = " ".join(f"{relative(g, r):.1e}" for g, r in zip(result, grads))
+            print(f"  {name:<48} {ms:7.3f} ms {2.5 * fwd_flops / ms / 1e9:5.0f} TFLOP/s  dq dk dv against the "
+                  f"default {agreement}", flush=True)
+
+
+def softmax(args) -> None:
+    """The Triton chunk kernel (one chunk of 16,384 rows x the padded GPT-2 vocabulary) under each launch."""
+    from tools.bench.step_variants import isolated_softmax
+
+    results = isolated_softmax(50257)
+    bandwidth = results.pop("triton_bandwidth_tb_s")
+    print(f"\nchunk softmax + gradient, 16384 x 50304 bf16: compiled PyTorch {results.pop('compiled_ms'):.3f} ms")
+    for name, row in results.items():
+        if "error" in row:
+            print(f"  {name:<28} failed: {row['error']}")
+            continue
+        print(f"  {name:<28} {row['ms']:7.3f} ms  {bandwidth[name]:5.2f} TB/s if read twice  loss, gradient against "
+              f"compiled {row['loss_vs_compiled']:.1e} {row['grad_vs_compiled']:.1e}", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools bench tiles", description=__doc__.splitlines()[0])
+    parser.add_argument("--mlp", action="store_true", help="quack's GELU epilogue products")
+    parser.add_argument("--attention", action="store_true", help="FA4's SM90 forward tiles and backward configs")
+    parser.add_argument("--softmax", action="store_true", help="the Triton chunk softmax's launch shapes")
+    parser.add_argument("--layouts", nargs="+", default=["realistic", "one-doc"], choices=["realistic", "one-doc"])
+    parser.add_argument("--only", nargs="*", default=None, help="with --attention: only these candidates by name")
+    parser.add_argument("--microbatch", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    if not (args.mlp or args.attention or args.softmax):
+        parser.error("say what to sweep: --mlp, --attention, --softmax")
+    if not torch.cuda.is_available():
+        print("python -m tools bench tiles: needs a CUDA device", file=sys.stderr)
+        return 2
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, quack-kernels "
+          f"{flash4.installed_version(fused_mlp.QUACK_PACKAGE)}, flash-attn-4 {flash4.installed_version(flash4.FA4_PACKAGE)}")
+    if args.mlp:
+        mlp(args)
+    if args.attention:
+        attention(args)
+    if args.softmax:
+        softmax(args)
+    return 0
