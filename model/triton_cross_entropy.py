@@ -22,52 +22,46 @@ import triton.language as tl
 # (`python -m tools bench step-variants`, docs/PERFORMANCE.md).
 BLOCK_COLUMNS = 2048
 WARPS = 4
-PROGRAMS = None  # one program per row
 
 
 @triton.jit
-def _loss_and_gradient_rows(logits, row_loss, targets, rows, row_stride, vocab, padded, ignore_index,
+def _loss_and_gradient_rows(logits, row_loss, targets, row_stride, vocab, padded, ignore_index,
                             BLOCK: tl.constexpr):
-    # Each program takes rows program_id, program_id + programs, ...: one row each when launched with a program
-    # per row; with fewer programs, fewer rows are between their two passes at once.
-    for row in tl.range(tl.program_id(0), rows, tl.num_programs(0)):
-        start_of_row = logits + tl.cast(row, tl.int64) * row_stride
-        target = tl.load(targets + row)
-        valid = target != ignore_index
-        # Read before this row is written: pass 1's block reductions order every warp's read before pass 2.
-        target_logit = tl.load(start_of_row + tl.where(valid, target, 0)).to(tl.float32)
+    row = tl.program_id(0).to(tl.int64)
+    start_of_row = logits + row * row_stride
+    target = tl.load(targets + row)
+    valid = target != ignore_index
+    # Read before any program writes: pass 1's block reductions order every warp's read before pass 2.
+    target_logit = tl.load(start_of_row + tl.where(valid, target, 0)).to(tl.float32)
 
-        running_max = float("-inf")
-        exp_sum = 0.0
-        for start in tl.range(0, vocab, BLOCK):
-            columns = start + tl.arange(0, BLOCK)
-            x = tl.load(start_of_row + columns, mask=columns < vocab, other=float("-inf")).to(tl.float32)
-            new_max = tl.maximum(running_max, tl.max(x, axis=0))
-            exp_sum = exp_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-            running_max = new_max
-        log_normalizer = running_max + tl.log(exp_sum)
-        tl.store(row_loss + row, tl.where(valid, log_normalizer - target_logit, 0.0))
+    running_max = float("-inf")
+    exp_sum = 0.0
+    for start in tl.range(0, vocab, BLOCK):
+        columns = start + tl.arange(0, BLOCK)
+        x = tl.load(start_of_row + columns, mask=columns < vocab, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        exp_sum = exp_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        running_max = new_max
+    log_normalizer = running_max + tl.log(exp_sum)
+    tl.store(row_loss + row, tl.where(valid, log_normalizer - target_logit, 0.0))
 
-        scale = tl.where(valid, 1.0, 0.0)
-        for start in tl.range(0, padded, BLOCK):
-            columns = start + tl.arange(0, BLOCK)
-            x = tl.load(start_of_row + columns, mask=columns < vocab, other=float("-inf")).to(tl.float32)
-            gradient = (tl.exp(x - log_normalizer) - tl.where(columns == target, 1.0, 0.0)) * scale
-            tl.store(start_of_row + columns, gradient.to(start_of_row.dtype.element_ty), mask=columns < padded)
+    scale = tl.where(valid, 1.0, 0.0)
+    for start in tl.range(0, padded, BLOCK):
+        columns = start + tl.arange(0, BLOCK)
+        x = tl.load(start_of_row + columns, mask=columns < vocab, other=float("-inf")).to(tl.float32)
+        gradient = (tl.exp(x - log_normalizer) - tl.where(columns == target, 1.0, 0.0)) * scale
+        tl.store(start_of_row + columns, gradient.to(start_of_row.dtype.element_ty), mask=columns < padded)
 
 
 def loss_and_gradient_in_place(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, ignore_index: int,
-                               block_columns: int = BLOCK_COLUMNS, warps: int = WARPS,
-                               programs: int | None = PROGRAMS) -> torch.Tensor:
+                               block_columns: int = BLOCK_COLUMNS, warps: int = WARPS) -> torch.Tensor:
     """The summed loss (fp32) of ``logits`` [rows, padded vocabulary] against ``targets`` [rows];
-    ``logits`` is overwritten with d(loss)/d(logits) in its own dtype. ``programs``: how many programs share the
-    rows (None: one per row)."""
+    ``logits`` is overwritten with d(loss)/d(logits) in its own dtype."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError("the Triton cross-entropy takes logits [rows, columns] with contiguous rows")
     rows, padded = logits.shape
     row_loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
-        grid = (rows if programs is None else min(rows, programs),)
-        _loss_and_gradient_rows[grid](logits, row_loss, targets.contiguous(), rows, logits.stride(0), vocab_size,
-                                      padded, ignore_index, BLOCK=block_columns, num_warps=warps)
+        _loss_and_gradient_rows[(rows,)](logits, row_loss, targets.contiguous(), logits.stride(0), vocab_size,
+                                         padded, ignore_index, BLOCK=block_columns, num_warps=warps)
     return row_loss.sum()

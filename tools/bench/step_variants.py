@@ -220,17 +220,9 @@ def isolated_losses(kernels: list[str], tokens: int, vocab: int) -> dict:
     return results
 
 
-# (columns per block, warps, programs per SM; None: one program per row) for the Triton chunk kernel
-SOFTMAX_LAUNCHES = [(2048, 4, None), (4096, 8, None), (4096, 16, None), (8192, 8, None), (8192, 16, None),
-                    (16384, 16, None), (2048, 4, 2), (2048, 4, 4), (2048, 4, 8), (2048, 4, 16), (2048, 8, 2),
-                    (2048, 8, 4), (4096, 8, 1), (4096, 8, 2), (4096, 8, 4), (8192, 16, 1), (8192, 16, 2)]
-
-
 def isolated_softmax(vocab: int, rows: int = 16384) -> dict:
     """One chunk's loss and logits gradient alone: the compiled PyTorch function against the Triton
-    kernel at several (columns per block, warps, programs), with the Triton result's difference from PyTorch's.
-    With fewer programs than rows, fewer rows are between their two reads at once, so the second read may come
-    from L2 rather than memory."""
+    kernel at several (columns per block, warps), with the Triton result's difference from PyTorch's."""
     from model import triton_cross_entropy
 
     padded = loss_module.padded_vocab_size(vocab)
@@ -243,20 +235,17 @@ def isolated_softmax(vocab: int, rows: int = 16384) -> dict:
     reference_loss, reference_grad = compiled(logits, targets, vocab, torch.bfloat16)
     work = logits.clone()
     results = {"compiled_ms": time_cuda(lambda: compiled(logits, targets, vocab, torch.bfloat16))}
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for block, warps, per_sm in SOFTMAX_LAUNCHES:
-        programs = None if per_sm is None else per_sm * sms
+    for block, warps in [(2048, 4), (4096, 8), (4096, 16), (8192, 8), (8192, 16), (16384, 16)]:
         try:
             work.copy_(logits)
-            value = triton_cross_entropy.loss_and_gradient_in_place(work, targets, vocab, loss_module.IGNORE_INDEX,
-                                                                    block, warps, programs)
+            value = triton_cross_entropy.loss_and_gradient_in_place(work, targets, vocab, loss_module.IGNORE_INDEX, block, warps)
             row = {"loss_vs_compiled": relative(value, reference_loss), "grad_vs_compiled": relative(work, reference_grad)}
             # timed on the overwritten buffer: the same memory traffic, values no longer matter
             row["ms"] = time_cuda(lambda: triton_cross_entropy.loss_and_gradient_in_place(
-                work, targets, vocab, loss_module.IGNORE_INDEX, block, warps, programs))
+                work, targets, vocab, loss_module.IGNORE_INDEX, block, warps))
         except Exception as error:  # noqa: BLE001
             row = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-        results[f"triton {block}x{warps}" + ("" if per_sm is None else f" {per_sm}/SM")] = row
+        results[f"triton {block}x{warps}"] = row
     gigabytes = 3 * logits.numel() * logits.element_size() / 1e9  # two reads and one write of the chunk
     results["triton_bandwidth_tb_s"] = {k: gigabytes / r["ms"] for k, r in results.items()
                                         if isinstance(r, dict) and "ms" in r}
