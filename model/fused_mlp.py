@@ -73,7 +73,14 @@ DACT_TILE_SM90 = (128, 128)
 
 def dact_config(device: torch.device):
     """The pinned tile for ``gelu_dact`` on ``device``: a quack GemmConfig on Hopper, else None (quack's default)."""
-    if device.type != "cuda" or flash4.compute_capability(device)[0] != 9:
+    return None if device.type != "cuda" else _pinned_dact_config(flash4.compute_capability(device)[0])
+
+
+@lru_cache(maxsize=None)
+def _pinned_dact_config(major: int):
+    """One config object per architecture: quack caches a launch per pinned config by the object's identity, so a
+    new (equal) object at every call would take its slow path each time and grow that cache without bound."""
+    if major != 9:
         return None
     from quack.gemm_config import GemmConfig
 

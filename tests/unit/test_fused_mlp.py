@@ -124,8 +124,10 @@ def test_the_epilogue_mlp_gives_pytorchs_output_and_gradients_with_a_reference_f
         torch.testing.assert_close(got, expected)
 
 
-def test_the_backward_product_pins_its_measured_tile_on_hopper_only(monkeypatch):
-    """The 128 x 128 tile was measured on an H200; Blackwell and the CPU keep quack's own default (None)."""
+@pytest.fixture
+def fake_gemm_config(monkeypatch):
+    """quack.gemm_config with a GemmConfig that records its arguments; the pinned configs made from it are dropped
+    after the test."""
     import sys
     import types
 
@@ -133,6 +135,14 @@ def test_the_backward_product_pins_its_measured_tile_on_hopper_only(monkeypatch)
     fake.GemmConfig = types.SimpleNamespace
     monkeypatch.setitem(sys.modules, "quack", types.ModuleType("quack"))
     monkeypatch.setitem(sys.modules, "quack.gemm_config", fake)
+    fused_mlp._pinned_dact_config.cache_clear()
+    yield
+    fused_mlp._pinned_dact_config.cache_clear()
+
+
+def test_the_backward_product_pins_its_measured_tile_on_hopper_only(monkeypatch, fake_gemm_config):
+    """The 128 x 128 tile was measured on an H200; Blackwell and the CPU keep quack's own default (None). Every call
+    gets the same config object: quack keys its cached launch by the pinned config's identity."""
     assert fused_mlp.dact_config(torch.device("cpu")) is None
     for capability, pinned in (((9, 0), True), ((10, 0), False)):
         monkeypatch.setattr(flash4, "compute_capability", lambda device, capability=capability: capability)
@@ -140,3 +150,4 @@ def test_the_backward_product_pins_its_measured_tile_on_hopper_only(monkeypatch)
         assert (config is not None) == pinned
         if pinned:
             assert (config.tile_m, config.tile_n, config.pingpong, config.device_capacity) == (128, 128, True, 9)
+            assert fused_mlp.dact_config(torch.device("cuda")) is config

@@ -10,7 +10,7 @@ prints its error and the sweep goes on.
 Usage (GPU, with quack-kernels and flash-attn-4 installed):
     python -m tools bench tiles --mlp                    the fc + GELU product and proj's input gradient + GELU derivative
     python -m tools bench tiles --attention [--only NAME] FA4's forward tiles and backward configurations
-    python -m tools bench tiles --softmax                the chunk softmax's columns per block, warps, programs
+    python -m tools bench tiles --softmax                the chunk softmax's columns per block and warps
 """
 
 from __future__ import annotations
