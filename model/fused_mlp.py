@@ -65,7 +65,7 @@ class _GeluEpilogueMLP(torch.autograd.Function):
 # proj's input-gradient product with the GELU derivative in its epilogue. quack gives every Hopper GEMM one default
 # tile (128 x 192); for this product, whose epilogue (reading the pre-activation, writing two outputs) outweighs its
 # short K = width loop, 128 x 128 measured 1.19x faster at the trainer's shape (`python -m tools bench tiles --mlp`,
-# docs/PERFORMANCE.md), and the other products measured best at their defaults. quack takes a pinned tile only
+# docs/PERFORMANCE.md), while fc's product with the GELU measured fastest at the default. quack takes a pinned tile only
 # outside torch.compile, so the product is a custom op: the compiled backward calls it as it is. Registered for every
 # device so that tests on machines without quack can swap in a reference for quack's GEMMs.
 DACT_TILE_SM90 = (128, 128)

@@ -4,7 +4,7 @@
     step_variants.py      the compiled step under each loss kernel and inductor setting, in one process
     host_pipeline.py      the data pipeline alone, on the CPU
     kernels.py            attention kernels and the model's GEMMs at the trainer's shapes
-    tiles.py              quack's and FA4's kernels under other tiles than their defaults
+    tiles.py              quack's, FA4's and the chunk softmax's kernels under other tiles than their defaults
     allreduce.py          all-reduce bandwidth between this machine's GPUs
     trace_summary.py      where the GPU time of a profiled window went
     rank_balance.py       how evenly data-parallel ranks share attention work
@@ -31,7 +31,7 @@ EXPERIMENTS = {
     "step-variants": ("tools.bench.step_variants", "the compiled step under each loss kernel and inductor setting, one process (GPU)"),
     "host-pipeline": ("tools.bench.host_pipeline", "the data pipeline alone, stdin to updates: tokens/s (CPU)"),
     "kernels": ("tools.bench.kernels", "attention kernels and the model's GEMMs at the trainer's shapes (GPU)"),
-    "tiles": ("tools.bench.tiles", "quack's GELU epilogue GEMMs and FA4's attention under each candidate tile (GPU)"),
+    "tiles": ("tools.bench.tiles", "quack's GELU epilogue GEMMs, FA4's attention and the chunk softmax under each candidate tile (GPU)"),
     "allreduce": ("tools.bench.allreduce", "all-reduce of the gradients' size between this machine's GPUs (2+ GPUs)"),
     "trace-summary": ("tools.bench.trace_summary", "where the GPU time of a profiled window went (a trace file)"),
     "rank-balance": ("tools.bench.rank_balance", "how evenly data-parallel ranks share attention work (CPU)"),

@@ -1,14 +1,14 @@
 """Sweep the launch shapes of the step's own and optional kernels at the trainer's shapes: quack's GELU epilogue
 GEMMs, FA4's SM90 attention and the Triton chunk softmax, each candidate against the default.
 
-Both packages choose their tiles by a fixed rule (quack: one default config per architecture; FA4: FA3's choices
+quack and FA4 choose their tiles by a fixed rule (quack: one default config per architecture; FA4: FA3's choices
 for head dimension 64, benchmarked on H100 with long sequences). The trainer's shapes are narrow products
 (K = 768) with heavy epilogues and short packed documents, so another tile may be faster; this says by how much,
 and whether the results agree with the default's. Prints one line per candidate; a candidate that fails to compile
 prints its error and the sweep goes on.
 
 Usage (GPU, with quack-kernels and flash-attn-4 installed):
-    python -m tools bench tiles --mlp                    the fc + GELU product and proj's input gradient + GELU derivative
+    python -m tools bench tiles --mlp                    fc + GELU, and proj's input gradient + GELU derivative
     python -m tools bench tiles --attention [--only NAME] FA4's forward tiles and backward configurations
     python -m tools bench tiles --softmax                the chunk softmax's columns per block and warps
 """
@@ -99,7 +99,7 @@ def mlp(args) -> None:
 
 
 def attention_inputs(layout: str, microbatch: int):
-    """Packed qkv [total, 3, H, hd], the document offsets (None for one-doc rows) and the longest document."""
+    """Packed qkv [total, 3, H, hd], the document offsets (one-doc: one document per row) and the longest one."""
     dev = torch.device("cuda")
     total = microbatch * ROW
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -215,8 +215,9 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("python -m tools bench tiles: needs a CUDA device", file=sys.stderr)
         return 2
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, quack-kernels "
-          f"{flash4.installed_version(fused_mlp.QUACK_PACKAGE)}, flash-attn-4 {flash4.installed_version(flash4.FA4_PACKAGE)}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"quack-kernels {flash4.installed_version(fused_mlp.QUACK_PACKAGE)}, "
+          f"flash-attn-4 {flash4.installed_version(flash4.FA4_PACKAGE)}")
     if args.mlp:
         mlp(args)
     if args.attention:
