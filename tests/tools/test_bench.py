@@ -226,3 +226,58 @@ def test_tiles_asks_what_to_sweep_and_needs_a_gpu(monkeypatch, capsys):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert tools(["bench", "tiles", "--mlp"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_tiles_attention_sweep_restores_fa4s_backward_chooser_and_goes_on_past_a_failing_tile(monkeypatch, capsys):
+    """The backward candidates replace FA4's private tile chooser one at a time: each call sees its own candidate,
+    FA4's own chooser is back after the sweep, and a candidate that fails is one line, not the end of the sweep.
+    FA4 and CUDA are stood in for on the CPU."""
+    import argparse
+    import dataclasses
+    import types
+
+    import torch
+
+    from model import flash4
+    from tools.bench import tiles
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:  # the fields of FA4's BwdConfig that the candidates change
+        m_block_size: int = 128
+        n_block_size: int = 128
+        SdP_swapAB: bool = True
+        AtomLayoutMSdP: int = 1
+        AtomLayoutNdKV: int = 2
+        AtomLayoutMdQ: int = 2
+        dQ_single_wg: bool = False
+
+    def chooser(*args, **kwargs):
+        return Config()
+
+    seen = []
+
+    def forward(q, k, v, tile_mn=None, mma_pv_is_rs=None, **kwargs):
+        if tile_mn == (192, 192):
+            raise ValueError("too much shared memory")
+        return q * 2, q.sum(-1)
+
+    def backward(q, k, v, out, dout, lse, **kwargs):
+        config = fa._tile_size_bwd_sm90(64, 64, True, False)
+        seen.append(config)
+        if config.n_block_size == 64:
+            raise RuntimeError("does not launch")
+        return q * config.m_block_size, k, v
+
+    fa = types.SimpleNamespace(_tile_size_bwd_sm90=chooser, _flash_attn_fwd=forward, _flash_attn_bwd=backward)
+    monkeypatch.setattr(flash4, "fa4_interface", lambda: fa)
+    monkeypatch.setattr(tiles, "cuda_median_ms", lambda fn, repeats: 1.0)
+    monkeypatch.setattr("torch.cuda.synchronize", lambda *args: None)
+    qkv = torch.randn(8, 3, 2, 4)
+    monkeypatch.setattr(tiles, "attention_inputs", lambda layout, microbatch: (qkv, torch.tensor([0, 8]), 8, 36))
+    tiles.attention(argparse.Namespace(layouts=["realistic"], microbatch=1, repeats=1, only=None))
+    out = capsys.readouterr().out
+    assert fa._tile_size_bwd_sm90 is chooser
+    assert [c.m_block_size for c in seen] == [128, 64, 64, 128, 128]  # default, the two 64-row ones, no swap, 128x64
+    assert "forward 192x192" in out and "failed: ValueError: too much shared memory" in out
+    assert "backward 128x64" in out and "failed: RuntimeError: does not launch" in out
+    assert re.search(r"backward 64x128 dQ in one warp group\s+1\.000 ms", out)

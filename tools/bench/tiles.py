@@ -50,6 +50,18 @@ def quack_configs() -> dict[str, object]:
             "cooperative 256x128 swap_ab": config(256, 128, False, swap_ab=True)}
 
 
+def measured(name: str, fn, repeats: int):
+    """(fn()'s result, its median milliseconds), or None after one line saying why the candidate failed (a tile
+    the kernel cannot build): the sweep goes on."""
+    try:
+        result = fn()
+        torch.cuda.synchronize()
+        return result, cuda_median_ms(fn, repeats)
+    except Exception as error:  # noqa: BLE001
+        print(f"  {name:<48} failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
+        return None
+
+
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
 
@@ -83,14 +95,10 @@ def mlp(args) -> None:
         for name, cfg in quack_configs().items():
             for scheduler in (default_scheduler, not default_scheduler) if cfg is None else (default_scheduler,):
                 label = f"{name}{'' if scheduler == default_scheduler else f', dynamic_scheduler={scheduler}'}"
-                try:
-                    outputs = call(cfg, scheduler)
-                    torch.cuda.synchronize()
-                    ms = cuda_median_ms(lambda: call(cfg, scheduler), args.repeats)
-                except Exception as error:  # noqa: BLE001 - a config the kernel cannot build: say so, go on
-                    print(f"  {label:<48} failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}",
-                          flush=True)
+                found = measured(label, lambda: call(cfg, scheduler), args.repeats)
+                if found is None:
                     continue
+                outputs, ms = found
                 if baseline is None:
                     baseline = (ms, outputs)
                 agreement = " ".join(f"{relative(o, b):.1e}" for o, b in zip(outputs, baseline[1]))
@@ -151,12 +159,10 @@ def attention(args) -> None:
             def forward():
                 return interface._flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
                                                  max_seqlen_k=max_len, causal=True, return_lse=True, **extra)[:2]
-            try:
-                out = forward()
-                ms = cuda_median_ms(forward, args.repeats)
-            except Exception as error:  # noqa: BLE001
-                print(f"  {name:<48} failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
+            found = measured(name, forward, args.repeats)
+            if found is None:
                 continue
+            out, ms = found
             reference = reference or out
             print(f"  {name:<48} {ms:7.3f} ms {fwd_flops / ms / 1e9:5.0f} TFLOP/s  out against the default "
                   f"{relative(out[0], reference[0]):.1e}", flush=True)
@@ -172,13 +178,12 @@ def attention(args) -> None:
                 return interface._flash_attn_bwd(q, k, v, out, dout, lse, causal=True, cu_seqlens_q=cu,
                                                  cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len)[:3]
             try:
-                result = backward()
-                ms = cuda_median_ms(backward, args.repeats)
-            except Exception as error:  # noqa: BLE001
-                print(f"  {name:<48} failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
-                continue
+                found = measured(name, backward, args.repeats)
             finally:
                 interface._tile_size_bwd_sm90 = chosen
+            if found is None:
+                continue
+            result, ms = found
             grads = grads or [g.clone() for g in result]
             agreement = " ".join(f"{relative(g, r):.1e}" for g, r in zip(result, grads))
             print(f"  {name:<48} {ms:7.3f} ms {2.5 * fwd_flops / ms / 1e9:5.0f} TFLOP/s  dq dk dv against the "
