@@ -49,6 +49,13 @@ def realistic_offsets(rows: int, t: int, mean: float, seed: int = 0) -> torch.Te
     return torch.tensor(starts + [rows * t], dtype=torch.int32)
 
 
+def document_offsets(layout: str, rows: int, t: int, mean: float = 1000.0) -> torch.Tensor:
+    """cu_seqlens of ``rows`` rows of ``t`` tokens: one document per row ("one-doc"), or "realistic" documents."""
+    if layout == "one-doc":
+        return torch.arange(0, rows * t + 1, t, dtype=torch.int32)
+    return realistic_offsets(rows, t, mean)
+
+
 def attention_pairs(cu: torch.Tensor) -> int:
     lengths = (cu[1:] - cu[:-1]).long()
     return int((lengths * (lengths + 1) // 2).sum())
@@ -175,8 +182,7 @@ def attention(args) -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
     qkv = torch.randn(b * t, 3, h, hd, device=dev, dtype=torch.bfloat16, generator=gen)
     grad = torch.randn(b * t, h, hd, device=dev, dtype=torch.bfloat16, generator=gen)
-    layouts = {"one-doc": torch.arange(0, b * t + 1, t, dtype=torch.int32),
-               "realistic": realistic_offsets(b, t, args.docs_mean)}
+    layouts = {layout: document_offsets(layout, b, t, args.docs_mean) for layout in ("one-doc", "realistic")}
     for layout, cu_cpu in layouts.items():
         cu = cu_cpu.to(dev)
         pairs = attention_pairs(cu_cpu)

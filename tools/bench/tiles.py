@@ -22,8 +22,9 @@ from dataclasses import replace
 import torch
 
 from model import flash4, fused_mlp
-from tools.bench.kernels import attention_pairs, realistic_offsets
+from tools.bench.kernels import attention_pairs, document_offsets
 from tools.bench.runs import cuda_median_ms
+from tools.bench.step_variants import isolated_softmax, relative
 
 WIDTH, HEADS, HEAD_DIM, ROW = 768, 12, 64, 4096
 
@@ -60,10 +61,6 @@ def measured(name: str, fn, repeats: int):
     except Exception as error:  # noqa: BLE001
         print(f"  {name:<48} failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
         return None
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
 
 
 def mlp(args) -> None:
@@ -112,10 +109,7 @@ def attention_inputs(layout: str, microbatch: int):
     total = microbatch * ROW
     gen = torch.Generator(device=dev).manual_seed(0)
     qkv = torch.randn(total, 3, HEADS, HEAD_DIM, device=dev, generator=gen).bfloat16()
-    if layout == "one-doc":
-        cu = torch.arange(0, total + 1, ROW, dtype=torch.int32)
-    else:
-        cu = realistic_offsets(microbatch, ROW, 1000.0)
+    cu = document_offsets(layout, microbatch, ROW)
     max_len = int((cu[1:] - cu[:-1]).max())
     return qkv, cu.to(dev), max_len, attention_pairs(cu)
 
@@ -192,8 +186,6 @@ def attention(args) -> None:
 
 def softmax(args) -> None:
     """The Triton chunk kernel (one chunk of 16,384 rows x the padded GPT-2 vocabulary) under each launch."""
-    from tools.bench.step_variants import isolated_softmax
-
     results = isolated_softmax(50257)
     bandwidth = results.pop("triton_bandwidth_tb_s")
     print(f"\nchunk softmax + gradient, 16384 x 50304 bf16: compiled PyTorch {results.pop('compiled_ms'):.3f} ms")
