@@ -7,6 +7,7 @@ error propagates so RunFab can reject the microbatch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import numbers
 import sys
@@ -21,6 +22,7 @@ from runtime import launcher
 from runtime.batch_split import probe_accumulation
 from callbacks.runfab_metrics import peak_memory
 from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict
+from model import attention
 from pipeline.stages import Row, collate_rows
 from runtime.device_policy import (
     build_module, check_host_memory, limit_gpu_memory, lightning_trainer, local_device, platform_memory_fraction,
@@ -46,6 +48,17 @@ def probe_batches(microbatch: int, seq_len: int, vocab_size: int, update_microba
         batch["update_target_tokens"] = batch["target_tokens"] * update_microbatches
         batches.append(batch)
     return batches
+
+
+def probe_model_config(cfg: RunConfig) -> RunConfig:
+    """The configuration the eager probe builds: with ``model.attention: auto``, PyTorch's flash kernels
+    (varlen and fused causal SDPA) stand where training takes FA4. Their peak memory in the probe is
+    FA4's (docs/PERFORMANCE.md) and they need no compilation, which costs FA4 seconds per probe; an
+    explicit "fa4" is probed as it is, so a probe finds FA4 missing before training would. Without
+    PyTorch's varlen kernel the packed rows would take SDPA's document mask (more memory): kept."""
+    if cfg.model.attention != "auto" or attention.varlen_attn is None:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="varlen"))
 
 
 def run_probe(cfg: RunConfig, microbatch: int, effective: int) -> dict:
@@ -82,9 +95,13 @@ def run_probe_local(cfg: RunConfig, microbatch: int, world: int, effective: int,
     microbatches when the effective batch allows, so gradients are held while the next forward
     runs, as in training. The GPU memory cap is training's (limit_gpu_memory).
 
-    It runs eager, to stay far inside RunFab's 120 s, under a cap ``trainer.probe_margin_gib``
+    It runs eager, to stay far inside RunFab's 120 s, with PyTorch's attention kernels where
+    training's choice is automatic (``probe_model_config``), under a cap ``trainer.probe_margin_gib``
     tighter than training's: the compiled model training runs may need a little more (the
-    benchmark's --memory-sweep measures how much; ``compiled`` exists for it)."""
+    benchmark's --memory-sweep measures how much; ``compiled`` exists for it, and keeps training's
+    kernels)."""
+    if not compiled:
+        cfg = probe_model_config(cfg)
     accelerator = resolve_accelerator(cfg)
     # Taken now: after fit, Lightning has moved the module back to the CPU.
     device = torch.device("cuda", local_device()) if accelerator == "gpu" else torch.device("cpu")

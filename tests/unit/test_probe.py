@@ -1,0 +1,52 @@
+"""What RunFab's memory probe builds, on CPU: the model configuration it probes.
+
+The probe's peak GPU memory and its time per candidate are measured on a GPU (docs/PERFORMANCE.md);
+the probe as RunFab runs it, in a fresh process, is in tests/integration.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from config import load_config
+from model import attention
+from runtime import probe
+
+
+class Built(Exception):
+    """Raised by the stand-in for build_module: the probe got as far as building its model."""
+
+
+@pytest.fixture
+def varlen_available(monkeypatch):
+    """PyTorch's varlen kernel as CUDA builds have it (some CPU builds lack the import)."""
+    monkeypatch.setattr(attention, "varlen_attn", lambda *args, **kwargs: None)
+
+
+def test_the_eager_probe_builds_pytorchs_attention_where_training_chooses_automatically(monkeypatch, varlen_available):
+    built = []
+
+    def build_module(cfg, device):
+        built.append(cfg.model.attention)
+        raise Built
+
+    monkeypatch.setattr(probe, "build_module", build_module)
+    cfg = load_config("conf/smoke.yaml")
+    assert cfg.model.attention == "auto"
+    for compiled in (False, True):
+        with pytest.raises(Built):
+            probe.run_probe_local(cfg, 2, 1, 32, compiled=compiled)
+    assert built == ["varlen", "auto"]  # the compiled measurement (bench memory-sweep) keeps training's kernels
+    assert cfg.model.attention == "auto"  # the caller's configuration is left as it was
+
+
+@pytest.mark.parametrize("requested", ["fa4", "varlen", "sdpa"])
+def test_an_explicit_attention_kernel_is_probed_as_it_is(varlen_available, requested):
+    cfg = load_config("conf/smoke.yaml", [f"model.attention={requested}"])
+    assert probe.probe_model_config(cfg).model.attention == requested
+
+
+def test_without_pytorchs_varlen_kernel_the_probe_keeps_the_automatic_choice(monkeypatch):
+    monkeypatch.setattr(attention, "varlen_attn", None)  # packed rows would take SDPA's mask: more memory
+    cfg = load_config("conf/smoke.yaml")
+    assert probe.probe_model_config(cfg).model.attention == "auto"
