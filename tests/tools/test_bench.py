@@ -120,6 +120,38 @@ def test_trace_summary_counts_overlapping_kernels_once_and_groups_them_by_family
     assert "no GPU kernels" in capsys.readouterr().out
 
 
+def test_trace_summary_by_shape_finds_the_operator_that_launched_each_product(tmp_path, capsys):
+    launch = {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "dur": 1}
+    events = [  # thread 1: a module op around an aten::mm; thread 2 (autograd): an addmm with its bias first
+        {"cat": "cpu_op", "name": "nn.Module: Linear", "tid": 1, "ts": 0, "dur": 50, "args": {}},
+        {"cat": "cpu_op", "name": "aten::mm", "tid": 1, "ts": 5, "dur": 20,
+         "args": {"Input Dims": [[1024, 1024], [1024, 1024]]}},
+        {**launch, "tid": 1, "ts": 10, "args": {"correlation": 1}},
+        {**launch, "tid": 1, "ts": 30, "args": {"correlation": 2}},  # after the mm closed: no operator with shapes
+        {"cat": "cpu_op", "name": "aten::addmm", "tid": 2, "ts": 10, "dur": 20,
+         "args": {"Input Dims": [[1, 16], [2048, 4096], [4096, 16], [], []]}},
+        {**launch, "tid": 2, "ts": 12, "args": {"correlation": 3}},
+        {"cat": "cpu_op", "name": "runfab::fa4_forward", "tid": 2, "ts": 40, "dur": 20,
+         "args": {"Input Dims": [[4096, 3, 12, 64], [3]]}},
+        {**launch, "tid": 2, "ts": 45, "args": {"correlation": 4}},
+        {"cat": "kernel", "name": "nvjet_sm90_tst_128x256", "ts": 100, "dur": 2, "args": {"correlation": 1}},
+        {"cat": "kernel", "name": "nvjet_sm90_tst_128x256", "ts": 110, "dur": 2, "args": {"correlation": 1}},
+        {"cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 120, "dur": 1, "args": {"correlation": 3}},
+        {"cat": "kernel", "name": "nvjet_sm90_tss_64x64", "ts": 130, "dur": 3, "args": {"correlation": 2}},
+        {"cat": "kernel", "name": "flash_fwd_sm90", "ts": 140, "dur": 9, "args": {"correlation": 4}},
+    ]
+    (tmp_path / "gpu.json").write_text(json.dumps({"traceEvents": events}))
+    assert tools(["bench", "trace-summary", str(tmp_path / "gpu.json"), "--by-shape"]) == 0
+    text = capsys.readouterr().out
+    rows = text[text.index("matrix products by operator"):].splitlines()
+    mm = next(r for r in rows if "aten::mm" in r)
+    assert "x2" in mm and "0.002 ms a call" in mm and " 1074 TFLOP/s" in mm  # 2 * 1024^3 FLOP in 2 us
+    addmm = next(r for r in rows if "aten::addmm" in r)
+    assert " 268 TFLOP/s" in addmm  # 2 * 2048 * 4096 * 16 in 1 us: the bias is not an operand
+    assert any("(no operator with shapes)" in r for r in rows)
+    assert not any("fa4_forward" in r for r in rows)  # attention is not a matrix product here
+
+
 def step_run(tokens_per_second: float, peak_gib: float = 20.0) -> dict:
     return {"tokens_per_second": tokens_per_second, "peak_allocated_gib": peak_gib}
 

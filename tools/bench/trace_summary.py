@@ -2,9 +2,11 @@
 
 Reads a Chrome trace written by the observation window (run/profile/trace-updates-A-B.json) and
 prints GPU busy time against the window's span, kernel time grouped into families (matrix
-products, attention, compiled fused kernels, optimizer, copies) and the heaviest kernels.
+products, attention, compiled fused kernels, optimizer, copies) and the heaviest kernels. With
+--by-shape, also the matrix products by the operator that launched them and its input shapes (the
+window records shapes), with their time per call and TFLOP/s: which products fall short of the rest.
 
-Usage: python -m tools bench trace-summary OUTPUT/run/profile/trace-updates-15-16.json [--top 25]
+Usage: python -m tools bench trace-summary OUTPUT/run/profile/trace-updates-15-16.json [--top 25] [--by-shape]
 """
 
 from __future__ import annotations
@@ -90,10 +92,72 @@ def summarize(trace: dict, top: int) -> str:
     return "\n".join(lines)
 
 
+def launching_ops(events: list[dict]) -> dict:
+    """Correlation id of each kernel launch -> the innermost operator with input shapes that was open
+    on the launching thread (the profiler nests operators by time on each thread)."""
+    by_thread = defaultdict(list)
+    for e in events:
+        if e.get("ph", "X") != "X" or "dur" not in e:
+            continue
+        if e.get("cat") == "cpu_op" or (e.get("cat") in ("cuda_runtime", "cuda_driver")
+                                         and "correlation" in e.get("args", {})):
+            by_thread[e.get("tid")].append(e)
+    owners = {}
+    for timeline in by_thread.values():
+        # at equal start the longer event opens first, and an operator before a launch starting with it
+        timeline.sort(key=lambda e: (e["ts"], -e["dur"], e.get("cat") != "cpu_op"))
+        open_ops: list[dict] = []
+        for e in timeline:
+            while open_ops and open_ops[-1]["ts"] + open_ops[-1]["dur"] <= e["ts"]:
+                open_ops.pop()
+            if e.get("cat") == "cpu_op":
+                open_ops.append(e)
+                continue
+            owners[e["args"]["correlation"]] = next(
+                (op for op in reversed(open_ops) if op.get("args", {}).get("Input Dims")), None)
+    return owners
+
+
+def product_flops(dims: list) -> int | None:
+    """2*m*k*n for the first two 2-D inputs that multiply ([m, k] then [k, n]): an addmm's bias and an
+    out= buffer are passed over; None when no such pair is there."""
+    matrices = [d for d in dims if isinstance(d, list) and len(d) == 2]
+    for (m, k), (k2, n) in zip(matrices, matrices[1:]):
+        if k == k2:
+            return 2 * m * k * n
+    return None
+
+
+def products_by_shape(trace: dict, top: int) -> str:
+    events = trace.get("traceEvents", [])
+    owners = launching_ops(events)
+    rows = defaultdict(lambda: [0.0, 0])  # (operator, shapes) -> [kernel us, kernels]
+    for e in events:
+        if e.get("cat") != "kernel" or "dur" not in e or family(e["name"]) != "matmul":
+            continue
+        op = owners.get(e.get("args", {}).get("correlation"))
+        key = (op["name"], json.dumps(op["args"]["Input Dims"])) if op else ("(no operator with shapes)", "[]")
+        rows[key][0] += e["dur"]
+        rows[key][1] += 1
+    if not rows:
+        return "no matrix-product kernels in this trace"
+    lines = [f"matrix products by operator and input shapes ({sum(r[0] for r in rows.values()) / 1e3:.1f} ms):"]
+    for (name, dims), (us, calls) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
+        flops = product_flops(json.loads(dims))
+        rate = f"{flops * calls / us / 1e6:5.0f} TFLOP/s" if flops else "       -      "
+        lines.append(f"  {us / 1e3:8.1f} ms x{calls:<4} {us / calls / 1e3:7.3f} ms a call {rate}  {name} {dims[:100]}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools bench trace-summary", description=__doc__.splitlines()[0])
     parser.add_argument("trace", type=Path, help="a Chrome trace from the observation window (run/profile/...)")
     parser.add_argument("--top", type=int, default=25, help="heaviest kernels listed (default: 25)")
+    parser.add_argument("--by-shape", action="store_true",
+                        help="also the matrix products by launching operator and input shapes, with TFLOP/s")
     args = parser.parse_args(argv)
-    print(summarize(json.loads(args.trace.read_text()), args.top))
+    trace = json.loads(args.trace.read_text())
+    print(summarize(trace, args.top))
+    if args.by_shape:
+        print(products_by_shape(trace, args.top))
     return 0
