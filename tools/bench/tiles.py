@@ -10,8 +10,7 @@ prints its error and the sweep goes on.
 Usage (GPU, with quack-kernels and flash-attn-4 installed):
     python -m tools bench tiles --mlp                    fc + GELU, and proj's input gradient + GELU derivative
     python -m tools bench tiles --attention [--only NAME] FA4's forward tiles and backward configurations
-    python -m tools bench tiles --softmax                the chunk softmax's columns per block and warps, and
-                                                         each whole row held in registers (read once)
+    python -m tools bench tiles --softmax                the chunk softmax's columns per block and warps
 """
 
 from __future__ import annotations
@@ -196,41 +195,6 @@ def softmax(args) -> None:
             continue
         print(f"  {name:<28} {row['ms']:7.3f} ms  {bandwidth[name]:5.2f} TB/s if read twice  loss, gradient against "
               f"compiled {row['loss_vs_compiled']:.1e} {row['grad_vs_compiled']:.1e}", flush=True)
-    resident_rows()
-
-
-def resident_rows(vocab: int = 50257, rows: int = 16384) -> None:
-    """The whole row held in registers (tools/bench/resident_softmax.py) against the model's kernel."""
-    from model import loss as loss_module
-    from model import triton_cross_entropy
-    from tools.bench import resident_softmax
-
-    padded = loss_module.padded_vocab_size(vocab)
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    logits = (2 * torch.randn(rows, padded, device="cuda", generator=gen)).bfloat16()
-    logits[:, vocab:] = 0
-    targets = torch.randint(0, vocab, (rows,), device="cuda", generator=gen)
-    targets[::50] = loss_module.IGNORE_INDEX
-    expected = logits.clone()
-    expected_loss = triton_cross_entropy.loss_and_gradient_in_place(expected, targets, vocab, loss_module.IGNORE_INDEX)
-    work = torch.empty_like(logits)
-    gigabytes = 2 * logits.numel() * logits.element_size() / 1e9
-    copy_ms = cuda_median_ms(lambda: work.copy_(logits), 20)
-    print(f"  a copy of the chunk (one read, one write): {copy_ms:.3f} ms, {gigabytes / copy_ms:.2f} TB/s")
-    for warps in (8, 16, 32):
-        try:
-            work.copy_(logits)
-            loss, kernel = resident_softmax.loss_and_gradient_in_place(work, targets, vocab, loss_module.IGNORE_INDEX,
-                                                                       warps)
-            agreement = f"{relative(loss, expected_loss):.1e} {relative(work, expected):.1e}"
-            # timed on the overwritten buffer: the same memory traffic, values no longer matter
-            ms = cuda_median_ms(lambda: resident_softmax.loss_and_gradient_in_place(
-                work, targets, vocab, loss_module.IGNORE_INDEX, warps), 20)
-            registers = f"{getattr(kernel, 'n_regs', '?')} registers, {getattr(kernel, 'n_spills', '?')} spilled"
-            print(f"  whole row resident x {warps} warps {ms:7.3f} ms  {gigabytes / ms:5.2f} TB/s if read once  "
-                  f"({registers}); loss, gradient against the model's kernel {agreement}", flush=True)
-        except Exception as error:  # noqa: BLE001 - a launch that does not compile is a result too
-            print(f"  whole row resident x {warps} warps failed: {type(error).__name__}: {str(error)[:200]}")
 
 
 def main(argv: list[str]) -> int:
