@@ -476,6 +476,30 @@ def test_the_probe_reports_the_peak_gpu_memory_it_measured():
     assert 0 < result["peak_allocated_gib"] <= result["peak_reserved_gib"]
 
 
+@needs_fa4
+def test_the_probe_with_pytorchs_attention_measures_at_least_the_peak_with_fa4():
+    """Under model.attention auto the probe runs PyTorch's attention where training takes FA4: a
+    lower peak than FA4's in the probe would pass a microbatch that training might not fit."""
+    import gc
+
+    import train
+    from runtime import probe
+    from config import load_config
+
+    shape = ["model.n_embd=256", "model.n_head=4", "model.max_seq_len=1024"]  # head dimension 64, as FA4 needs
+    peaks = {}
+    for requested in ("auto", "fa4"):
+        cfg = load_config("conf/smoke.yaml", [*shape, f"model.attention={requested}"])
+        try:
+            result = probe.run_probe_local(cfg, microbatch=8, world=1, effective=train.EFFECTIVE_BATCH_SIZE)
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, 0)
+        peaks[requested] = result["peak_allocated_gib"]
+        gc.collect()  # the first probe's model and optimizer gone before the second measures its peak
+        torch.cuda.empty_cache()
+    assert peaks["auto"] >= 0.99 * peaks["fa4"], peaks
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_one_and_two_gpus_train_the_same_updates_and_both_ranks_end_at_an_awkward_record_count(tmp_path):
     """The same stream through one GPU (microbatch 8 x accumulation 4) and two (8 x 2 each): every
