@@ -260,6 +260,52 @@ def test_tiles_asks_what_to_sweep_and_needs_a_gpu(monkeypatch, capsys):
     assert "needs a CUDA device" in capsys.readouterr().err
 
 
+def test_tiles_products_times_each_quack_tile_against_cublas_and_goes_on_past_a_failing_tile(monkeypatch, capsys):
+    """Each wide product runs through cuBLAS, then through quack's plain GEMM (no activation, no second output)
+    under every candidate config in turn; times and outputs are compared with cuBLAS's. quack and CUDA are
+    stood in for on the CPU."""
+    import argparse
+    import sys
+    import types
+
+    import torch
+
+    from model import fused_mlp
+    from tools.bench import tiles
+
+    class GemmConfig:  # quack's config: the fields the candidates set
+        def __init__(self, **fields):
+            self.__dict__.update(fields)
+
+    seen = []
+
+    def gemm_act(a, b, activation="gelu", store_preact=True, tuned=True, config=None, **kwargs):
+        assert activation is None and not store_preact and not tuned
+        seen.append(config)
+        if config is not None and config.tile_n == 160:
+            raise ValueError("tile does not divide")
+        scale = 1.25 if config is not None and config.tile_m == 192 else 1.0  # an output that differs: reported
+        return None, (a @ b) * scale
+
+    monkeypatch.setitem(sys.modules, "quack.gemm_config", types.SimpleNamespace(GemmConfig=GemmConfig))
+    monkeypatch.setitem(sys.modules, "quack.gemm_interface", types.SimpleNamespace(gemm_act=gemm_act))
+    monkeypatch.setattr(fused_mlp, "quack_unavailable_reason", lambda device, dtype, width: None)
+    monkeypatch.setattr(tiles, "wide_products", lambda microbatch: {"logits": (8, 16, 24)})
+    times = iter([2.0] + [1.0] * 20)  # cuBLAS first, then each quack tile that runs
+    monkeypatch.setattr(tiles, "cuda_median_ms", lambda fn, repeats: next(times))
+    monkeypatch.setattr("torch.cuda.synchronize", lambda *args: None)
+    tiles.products(argparse.Namespace(microbatch=1, repeats=1), device=torch.device("cpu"))
+    out = capsys.readouterr().out
+    candidates = list(tiles.quack_configs().values())
+    assert len(seen) == len(candidates) and seen[0] is None  # quack's default first, then every pinned tile
+    assert [(c.tile_m, c.tile_n, c.pingpong) for c in seen[1:]] == [
+        (c.tile_m, c.tile_n, c.pingpong) for c in candidates[1:]]
+    assert re.search(r"cuBLAS\s+2\.000 ms", out)
+    assert re.search(r"quack default\s+1\.000 ms .* x2\.000 against cuBLAS, output against cuBLAS's 0\.0e\+00", out)
+    assert re.search(r"quack pingpong 192x128 .* output against cuBLAS's 2\.5e-01", out)
+    assert "quack pingpong 128x160" in out and "failed: ValueError: tile does not divide" in out
+
+
 def test_tiles_attention_sweep_restores_fa4s_backward_chooser_and_goes_on_past_a_failing_tile(monkeypatch, capsys):
     """The backward candidates replace FA4's private tile chooser one at a time: each call sees its own candidate,
     FA4's own chooser is back after the sweep, and a candidate that fails is one line, not the end of the sweep.

@@ -1,5 +1,6 @@
 """Sweep the launch shapes of the step's own and optional kernels at the trainer's shapes: quack's GELU epilogue
-GEMMs, FA4's SM90 attention and the Triton chunk softmax, each candidate against the default.
+GEMMs, FA4's SM90 attention and the Triton chunk softmax, each candidate against the default; and cuBLAS's
+products with a wide output against quack's plain GEMM under each tile.
 
 quack and FA4 choose their tiles by a fixed rule (quack: one default config per architecture; FA4: FA3's choices
 for head dimension 64, benchmarked on H100 with long sequences). The trainer's shapes are narrow products
@@ -11,6 +12,8 @@ Usage (GPU, with quack-kernels and flash-attn-4 installed):
     python -m tools bench tiles --mlp                    fc + GELU, and proj's input gradient + GELU derivative
     python -m tools bench tiles --attention [--only NAME] FA4's forward tiles and backward configurations
     python -m tools bench tiles --softmax                the chunk softmax's columns per block and warps
+    python -m tools bench tiles --products               the head's logits, qkv and the attention's output
+                                                         projection: cuBLAS against quack's tiles
 """
 
 from __future__ import annotations
@@ -80,13 +83,13 @@ def mlp(args) -> None:
     dout = torch.randn(n, WIDTH, device=dev, generator=gen).bfloat16()
     preact = x @ fc.t()
     flops = 2 * n * WIDTH * 4 * WIDTH
-    products = {  # name -> (call(config, dynamic_scheduler), quack's default dynamic_scheduler)
+    epilogue_products = {  # name -> (call(config, dynamic_scheduler), quack's default dynamic_scheduler)
         "fc + GELU (gemm_act)": (lambda cfg, ds: gemm_act(x, fc.t(), activation=fused_mlp.ACTIVATION, tuned=False,
                                                          config=cfg, dynamic_scheduler=ds), False),
         "proj input gradient + GELU derivative (gemm_dact)": (
             lambda cfg, ds: gemm_dact(dout, proj, preact, activation=fused_mlp.ACTIVATION, tuned=False, config=cfg,
                                       dynamic_scheduler=ds)[:2], True)}
-    for product, (call, default_scheduler) in products.items():
+    for product, (call, default_scheduler) in epilogue_products.items():
         print(f"\n{product}: [{n}x{WIDTH}] -> {4 * WIDTH}, {flops / 1e9:.0f} GFLOP", flush=True)
         baseline = None
         for name, cfg in quack_configs().items():
@@ -101,6 +104,50 @@ def mlp(args) -> None:
                 agreement = " ".join(f"{relative(o, b):.1e}" for o, b in zip(outputs, baseline[1]))
                 print(f"  {label:<48} {ms:7.3f} ms {flops / ms / 1e9:5.0f} TFLOP/s  x{baseline[0] / ms:.3f}  "
                       f"outputs against the default: {agreement}", flush=True)
+
+
+def wide_products(microbatch: int) -> dict[str, tuple[int, int, int]]:
+    """(rows, inner, columns) of the forward products that cuBLAS runs with the model width as the inner
+    dimension: their output is wide for the work, and the trace shows them below the other products."""
+    from model.gpt import GPTConfig
+    from model.loss import padded_vocab_size
+
+    tokens, config = microbatch * ROW, GPTConfig()
+    return {"the head's logits, one chunk": (config.loss_chunk_tokens, WIDTH, padded_vocab_size(config.vocab_size)),
+            "qkv forward": (tokens, WIDTH, 3 * WIDTH),
+            "the attention's output projection": (tokens, WIDTH, WIDTH)}
+
+
+def products(args, device: torch.device | None = None) -> None:
+    """Each wide product through cuBLAS (``a @ weight.t()``, the model's layout) and through quack's plain
+    GEMM (``gemm_act`` without an activation) under each candidate config, against cuBLAS's time and output."""
+    device = device or torch.device("cuda")
+    reason = fused_mlp.quack_unavailable_reason(device, torch.bfloat16, WIDTH)
+    if reason is not None:
+        print(f"python -m tools bench tiles --products: quack's GEMMs cannot run: {reason}", file=sys.stderr)
+        return
+    from quack.gemm_interface import gemm_act
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    for product, (m, k, n) in wide_products(args.microbatch).items():
+        a = torch.randn(m, k, device=device, generator=gen).bfloat16()
+        weight = (0.02 * torch.randn(n, k, device=device, generator=gen)).bfloat16()
+        flops = 2 * m * k * n
+        print(f"\n{product}: [{m}x{k}] -> {n}, {flops / 1e9:.0f} GFLOP", flush=True)
+        found = measured("cuBLAS", lambda: a @ weight.t(), args.repeats)
+        if found is None:
+            continue
+        expected, cublas_ms = found
+        print(f"  {'cuBLAS':<48} {cublas_ms:7.3f} ms {flops / cublas_ms / 1e9:5.0f} TFLOP/s", flush=True)
+        for name, cfg in quack_configs().items():
+            label = f"quack {name}"
+            found = measured(label, lambda: gemm_act(a, weight.t(), activation=None, store_preact=False, tuned=False,
+                                                     config=cfg)[1], args.repeats)
+            if found is None:
+                continue
+            out, ms = found
+            print(f"  {label:<48} {ms:7.3f} ms {flops / ms / 1e9:5.0f} TFLOP/s  x{cublas_ms / ms:.3f} against cuBLAS, "
+                  f"output against cuBLAS's {relative(out, expected):.1e}", flush=True)
 
 
 def attention_inputs(layout: str, microbatch: int):
@@ -202,13 +249,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--mlp", action="store_true", help="quack's GELU epilogue products")
     parser.add_argument("--attention", action="store_true", help="FA4's SM90 forward tiles and backward configs")
     parser.add_argument("--softmax", action="store_true", help="the Triton chunk softmax's launch shapes")
+    parser.add_argument("--products", action="store_true",
+                        help="cuBLAS's wide-output products (head logits, qkv, output projection) against quack's tiles")
     parser.add_argument("--layouts", nargs="+", default=["realistic", "one-doc"], choices=["realistic", "one-doc"])
     parser.add_argument("--only", nargs="*", default=None, help="with --attention: only these candidates by name")
     parser.add_argument("--microbatch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
-    if not (args.mlp or args.attention or args.softmax):
-        parser.error("say what to sweep: --mlp, --attention, --softmax")
+    if not (args.mlp or args.attention or args.softmax or args.products):
+        parser.error("say what to sweep: --mlp, --attention, --softmax, --products")
     if not torch.cuda.is_available():
         print("python -m tools bench tiles: needs a CUDA device", file=sys.stderr)
         return 2
@@ -221,4 +270,6 @@ def main(argv: list[str]) -> int:
         attention(args)
     if args.softmax:
         softmax(args)
+    if args.products:
+        products(args)
     return 0
