@@ -273,10 +273,6 @@ def test_tiles_products_times_each_quack_tile_against_cublas_and_goes_on_past_a_
     from model import fused_mlp
     from tools.bench import tiles
 
-    class GemmConfig:  # quack's config: the fields the candidates set
-        def __init__(self, **fields):
-            self.__dict__.update(fields)
-
     seen = []
 
     def gemm_act(a, b, activation="gelu", store_preact=True, tuned=True, config=None, **kwargs):
@@ -287,7 +283,8 @@ def test_tiles_products_times_each_quack_tile_against_cublas_and_goes_on_past_a_
         scale = 1.25 if config is not None and config.tile_m == 192 else 1.0  # an output that differs: reported
         return None, (a @ b) * scale
 
-    monkeypatch.setitem(sys.modules, "quack.gemm_config", types.SimpleNamespace(GemmConfig=GemmConfig))
+    # quack's config as a namespace of the fields the candidates set
+    monkeypatch.setitem(sys.modules, "quack.gemm_config", types.SimpleNamespace(GemmConfig=types.SimpleNamespace))
     monkeypatch.setitem(sys.modules, "quack.gemm_interface", types.SimpleNamespace(gemm_act=gemm_act))
     monkeypatch.setattr(fused_mlp, "quack_unavailable_reason", lambda device, dtype, width: None)
     monkeypatch.setattr(tiles, "wide_products", lambda microbatch: {"logits": (8, 16, 24)})

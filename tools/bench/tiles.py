@@ -66,12 +66,18 @@ def measured(name: str, fn, repeats: int):
         return None
 
 
+def quack_missing(option: str, device: torch.device) -> bool:
+    """True, after one line on stderr saying why, when quack's GEMMs cannot run on ``device``."""
+    reason = fused_mlp.quack_unavailable_reason(device, torch.bfloat16, WIDTH)
+    if reason is not None:
+        print(f"python -m tools bench tiles {option}: quack's GEMMs cannot run: {reason}", file=sys.stderr)
+    return reason is not None
+
+
 def mlp(args) -> None:
     """quack's two GELU epilogue products under each candidate config, and each with the other scheduler."""
     dev = torch.device("cuda")
-    reason = fused_mlp.quack_unavailable_reason(dev, torch.bfloat16, WIDTH)
-    if reason is not None:
-        print(f"python -m tools bench tiles --mlp: quack's GEMMs cannot run: {reason}", file=sys.stderr)
+    if quack_missing("--mlp", dev):
         return
     from quack.gemm_interface import gemm_act, gemm_dact
 
@@ -122,9 +128,7 @@ def products(args, device: torch.device | None = None) -> None:
     """Each wide product through cuBLAS (``a @ weight.t()``, the model's layout) and through quack's plain
     GEMM (``gemm_act`` without an activation) under each candidate config, against cuBLAS's time and output."""
     device = device or torch.device("cuda")
-    reason = fused_mlp.quack_unavailable_reason(device, torch.bfloat16, WIDTH)
-    if reason is not None:
-        print(f"python -m tools bench tiles --products: quack's GEMMs cannot run: {reason}", file=sys.stderr)
+    if quack_missing("--products", device):
         return
     from quack.gemm_interface import gemm_act
 
