@@ -115,6 +115,7 @@ class RunRecord(L.Callback):
             "loss": {"requested": pl_module.model.config.loss_kernel, "kernel": pl_module.model.loss_kernel,
                      "softmax": {"requested": pl_module.model.config.loss_softmax, "ran": pl_module.model.loss_softmax}},
             "mlp": {"requested": pl_module.model.config.mlp_kernel, "ran": pl_module.model.mlp_kernel},
+            "linear": {"requested": pl_module.model.config.linear_kernel, "ran": pl_module.model.linear_kernel},
             "fp8": pl_module.model.config.fp8,
             "input": self.input_summary() if self.input_summary else None,
             "dataset": dataset_descriptor(self.bundle_root),

@@ -63,12 +63,13 @@ class _GeluEpilogueMLP(torch.autograd.Function):
 
 
 # proj's input-gradient product with the GELU derivative in its epilogue. quack gives every Hopper GEMM one default
-# tile (128 x 192); for this product, whose epilogue (reading the pre-activation, writing two outputs) outweighs its
-# short K = width loop, 128 x 128 measured 1.19x faster at the trainer's shape (`python -m tools bench tiles --mlp`,
-# docs/PERFORMANCE.md), while fc's product with the GELU measured fastest at the default. quack takes a pinned tile only
-# outside torch.compile, so the product is a custom op: the compiled backward calls it as it is. Registered for every
-# device so that tests on machines without quack can swap in a reference for quack's GEMMs.
-DACT_TILE_SM90 = (128, 128)
+# tile (128 x 192, K steps of 64); for this product, whose epilogue (reading the pre-activation, writing two outputs)
+# outweighs its short K = width loop, 128 x 128 measured 1.19x faster at the trainer's shape, and K steps of 128 a
+# further 1.04x (`python -m tools bench tiles --mlp`, docs/PERFORMANCE.md), while fc's product with the GELU measured
+# fastest at the default. quack takes a pinned tile only outside torch.compile, so the product is a custom op: the
+# compiled backward calls it as it is. Registered for every device so that tests on machines without quack can swap in
+# a reference for quack's GEMMs.
+DACT_TILE_SM90 = (128, 128, 128)  # tile_m, tile_n, tile_k
 
 
 def dact_config(device: torch.device):
@@ -84,7 +85,8 @@ def _pinned_dact_config(major: int):
         return None
     from quack.gemm_config import GemmConfig
 
-    return GemmConfig(tile_m=DACT_TILE_SM90[0], tile_n=DACT_TILE_SM90[1], pingpong=True, cluster_m=2, cluster_n=1,
+    tile_m, tile_n, tile_k = DACT_TILE_SM90
+    return GemmConfig(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, pingpong=True, cluster_m=2, cluster_n=1,
                       is_dynamic_persistent=False, device_capacity=9)
 
 
@@ -163,21 +165,22 @@ def quack_unavailable_reason(device: torch.device, dtype: torch.dtype, width: in
 _reported: set = set()
 
 
-def choose(requested: str, device: torch.device, dtype: torch.dtype, compiled: bool, width: int) -> str:
-    """"quack" or "torch" for ``model.mlp_kernel`` = ``requested`` in a run that is ``compiled`` or not, of a model
-    ``width`` wide. "quack" where it cannot run is an error in compiled training; "auto" falls back with one log
-    line."""
+def choose(requested: str, device: torch.device, dtype: torch.dtype, compiled: bool, width: int,
+           option: str = "model.mlp_kernel") -> str:
+    """"quack" or "torch" for the setting ``option`` (``model.mlp_kernel`` or ``model.linear_kernel``) =
+    ``requested`` in a run that is ``compiled`` or not, of a model ``width`` wide. "quack" where it cannot run is an
+    error in compiled training; "auto" falls back with one log line."""
     if requested == "torch" or not compiled:
         return "torch"
     reason = quack_unavailable_reason(device, dtype, width)
     if reason is None:
         return "quack"
     if requested == "quack":
-        raise RuntimeError(f"model.mlp_kernel is 'quack' but quack's GEMMs cannot run: {reason}. "
-                           f"Install it (docs/configuration.md: the MLP's GELU inside quack's GEMMs) or use 'auto' or 'torch'.")
-    if reason not in _reported:
-        _reported.add(reason)
-        log.info("mlp: quack's fused GELU GEMMs not used (%s); PyTorch's instead", reason)
+        raise RuntimeError(f"{option} is 'quack' but quack's GEMMs cannot run: {reason}. "
+                           f"Install it (docs/configuration.md: quack's GEMMs) or use 'auto' or 'torch'.")
+    if (option, reason) not in _reported:
+        _reported.add((option, reason))
+        log.info("%s: quack's GEMMs not used (%s); PyTorch's instead", option, reason)
     return "torch"
 
 

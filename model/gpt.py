@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from model import attention, fused_mlp, loss
+from model import attention, fused_mlp, loss, quack_linear
 from model.attention import DocumentLayout, attend
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,10 @@ class GPTConfig:
     """Compiled CUDA training in bf16: quack (the GELU inside the MLP's GEMM epilogues, quack-kernels; an error where it
     cannot run), torch (cuBLAS products and a separate GELU); auto: quack where it imports and the GPU supports it, else
     torch. Eager runs always take torch; run_record.json names what ran"""
+    linear_kernel: quack_linear.Kernel = "auto"
+    """Compiled CUDA training in bf16: quack (qkv's forward product and the LM head's logits by quack's GEMM,
+    quack-kernels; an error where it cannot run), torch (cuBLAS); auto: quack where it imports and the GPU supports it,
+    else torch. Eager runs always take torch; run_record.json names what ran"""
     residual_in_fp32: bool = False
     """true: keep the residual stream (the embeddings and every block's sum) in fp32 under autocast, as autocast
     alone leaves it; false: in the compute dtype (bf16), as Megatron-LM does by default: half the bytes for the
@@ -106,6 +110,9 @@ class GPTConfig:
             found.append(f"model.attention must be one of {', '.join(attention.CHOICES)}, not {self.attention!r}")
         if self.mlp_kernel not in fused_mlp.CHOICES:
             found.append(f"model.mlp_kernel must be one of {', '.join(fused_mlp.CHOICES)}, not {self.mlp_kernel!r}")
+        if self.linear_kernel not in quack_linear.CHOICES:
+            found.append(f"model.linear_kernel must be one of {', '.join(quack_linear.CHOICES)}, "
+                         f"not {self.linear_kernel!r}")
         if self.loss_kernel not in loss.CHOICES:
             found.append(f"model.loss_kernel must be one of {', '.join(loss.CHOICES)}, not {self.loss_kernel!r}")
         if self.loss_softmax not in loss.SOFTMAX_CHOICES:
@@ -122,9 +129,10 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: DocumentLayout, linear_kernel: str = "torch") -> torch.Tensor:
         b, t, d = x.shape
-        qkv = self.qkv(x).view(b, t, 3, self.n_head, d // self.n_head)  # q, k, v side by side, as split(d) gives
+        qkv = quack_linear.linear(x, self.qkv.weight, linear_kernel)
+        qkv = qkv.view(b, t, 3, self.n_head, d // self.n_head)  # q, k, v side by side, as split(d) gives
         return self.proj(attend(qkv, layout).reshape(b, t, d))
 
 
@@ -146,8 +154,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, layout: DocumentLayout, mlp_kernel: str = "torch") -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), layout)
+    def forward(self, x: torch.Tensor, layout: DocumentLayout, mlp_kernel: str = "torch",
+                linear_kernel: str = "torch") -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), layout, linear_kernel)
         x = x + self.mlp(self.ln_2(x), mlp_kernel)
         return x
 
@@ -163,6 +172,7 @@ class GPT(nn.Module):
         self._compiled_trunk: Callable | None = None  # what training calls instead of _trunk
         self.attention_kernels: dict[str, str] = {}  # batch kind -> the kernel that ran it (run record, log)
         self.mlp_kernel: str | None = None  # what ran the MLP in the last training batch (run record, log)
+        self.linear_kernel: str | None = None  # and qkv's forward product and the head's logits
         self.loss_kernel: str | None = None  # the loss kernel of the last training batch (run record)
         self.loss_softmax: str | None = None  # and, with the chunked loss, what ran its chunk softmax
         self.reset_parameters()
@@ -209,20 +219,30 @@ class GPT(nn.Module):
         if torch.is_grad_enabled() and not torch.compiler.is_compiling() and self.mlp_kernel != mlp:
             self.mlp_kernel = mlp
             log.info("mlp: %s", fused_mlp.describe(mlp))
+        linear = self.chosen_linear_kernel(input_ids.device)
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling() and self.linear_kernel != linear:
+            self.linear_kernel = linear
+            log.info("linear: %s", quack_linear.describe(linear))
         # fp32 keeps the embeddings' dtype (fp32 weights); a half dtype makes every residual add half too.
         residual = None if self.config.residual_in_fp32 or dtype == self.wte.weight.dtype else dtype
         if compiled:
             if cu_seqlens is not None:
                 torch._dynamo.mark_dynamic(cu_seqlens, 0)  # document counts vary: one graph for all
-            return self._compiled_trunk(input_ids, positions, cu_seqlens, kernel, mlp, residual)
-        return self._trunk(input_ids, positions, cu_seqlens, kernel, mlp, residual)
+            return self._compiled_trunk(input_ids, positions, cu_seqlens, kernel, mlp, residual, linear)
+        return self._trunk(input_ids, positions, cu_seqlens, kernel, mlp, residual, linear)
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.wte.weight.dtype
 
+    def chosen_linear_kernel(self, device: torch.device) -> str:
+        """What runs qkv's forward product and the head's logits here (``model.linear_kernel``)."""
+        compiled = self._compiled_trunk is not None and self.training
+        return quack_linear.choose(self.config.linear_kernel, device, self.compute_dtype(device), compiled,
+                                   self.config.n_embd)
+
     def _trunk(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-        kernel: str = "sdpa", mlp: str = "torch", residual: torch.dtype | None = None,
+        kernel: str = "sdpa", mlp: str = "torch", residual: torch.dtype | None = None, linear: str = "torch",
         blocks: list[nn.Module] | None = None,
     ) -> torch.Tensor:
         b, t = input_ids.shape
@@ -234,9 +254,9 @@ class GPT(nn.Module):
             x = x.to(residual)
         for block in blocks or self.blocks:
             if self.config.activation_checkpointing and self.training:
-                x = checkpoint(block, x, layout, mlp, use_reentrant=False)
+                x = checkpoint(block, x, layout, mlp, linear, use_reentrant=False)
             else:
-                x = block(x, layout, mlp)
+                x = block(x, layout, mlp, linear)
         return self.ln_f(x)
 
     def compile_trunk(self) -> None:
@@ -267,4 +287,5 @@ class GPT(nn.Module):
                                                         hidden.device) if kernel == "chunked" else None)
         return loss.token_loss_sum(hidden, self.lm_head_weight, batch["targets"], self.config.loss_chunk_tokens,
                                    kernel, compiled=self._compiled_trunk is not None,
-                                   softmax=self.config.loss_softmax)
+                                   softmax=self.config.loss_softmax,
+                                   linear=self.chosen_linear_kernel(hidden.device))

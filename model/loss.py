@@ -31,6 +31,8 @@ from typing import Literal, get_args
 import torch
 import torch.nn.functional as F
 
+from model import quack_linear
+
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # a target that takes no loss: the last token of a document, padding
@@ -80,7 +82,7 @@ def padded_vocab_size(vocab_size: int) -> int:
 
 def token_loss_sum(
     hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 0,
-    kernel: str = "chunked", compiled: bool = False, softmax: str = "triton",
+    kernel: str = "chunked", compiled: bool = False, softmax: str = "triton", linear: str = "torch",
 ) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over targets != IGNORE_INDEX, in fp32.
 
@@ -88,7 +90,8 @@ def token_loss_sum(
     ``kernel`` is what ``choose`` returned. With "chunked" and ``chunk_tokens`` the
     full-vocabulary logits never exist at once (0: all at once, the plain path); ``compiled``
     (compiled training) runs each chunk's softmax arithmetic as one kernel, which ``softmax``
-    names on CUDA (``chunk_function``).
+    names on CUDA (``chunk_function``); ``linear`` ("torch" or "quack", ``quack_linear.choose``) what
+    computes each chunk's logits.
     """
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if kernel != "chunked" and torch.is_grad_enabled():
@@ -97,7 +100,8 @@ def token_loss_sum(
         return cross_entropy_sum(hidden, head_weight, targets)
     if torch.is_grad_enabled():  # a batch of at most chunk_tokens is one chunk: still no saved logits
         chunk_fn = chunk_function(compiled, softmax, hidden.device)
-        return ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, chunk_tokens, chunk_fn)
+        return ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, chunk_tokens, chunk_fn,
+                                               quack_linear.PRODUCT[linear])
     chunks = zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
     return sum(cross_entropy_sum(h, head_weight, t) for h, t in chunks)
 
@@ -196,7 +200,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens, chunk_fn=chunk_loss_and_grad):
+    def forward(ctx, hidden, weight, targets, chunk_tokens, chunk_fn=chunk_loss_and_grad,
+                logits_fn=quack_linear.torch_product):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
         exact = torch.promote_types(dtype, torch.float32)
@@ -213,7 +218,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             accumulate_in_gemm = w.is_cuda and dtype in (torch.bfloat16, torch.float16) and exact == torch.float32
             for start in range(0, hidden.shape[0], chunk_tokens):
                 h = hidden[start : start + chunk_tokens].to(dtype)
-                logits = h @ w.t()
+                logits = logits_fn(h, w)
                 chunk_loss, grad_logits = chunk_fn(logits, targets[start : start + chunk_tokens], vocab, dtype)
                 loss += chunk_loss
                 grad_hidden[start : start + chunk_tokens] = (grad_logits @ w).to(hidden.dtype)
@@ -228,4 +233,4 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None
+        return grad_hidden * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None, None

@@ -345,17 +345,20 @@ def test_quacks_mlp_matches_pytorchs_forward_and_gradients_at_the_trainers_width
 
 
 @needs_quack
-def test_the_compiled_model_with_quacks_mlp_matches_the_plain_path_without_a_graph_break():
+def test_the_compiled_model_with_quacks_gemms_matches_the_plain_path_without_a_graph_break():
+    """quack's MLP epilogues, qkv's product and the head's logits in the compiled trunk and the chunked loss."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     fast, plain = twin_models(n_layer=3)
     fast.config.mlp_kernel, plain.config.mlp_kernel = "quack", "torch"
+    fast.config.linear_kernel, plain.config.linear_kernel = "quack", "torch"
     fast.compile_trunk()
     for seed in (11, 12):
         assert_same_loss_and_gradients(fast, plain, packed_batch(rows=4, seq_len=256, vocab=512, seed=seed))
     assert fast.mlp_kernel == "quack" and plain.mlp_kernel == "torch"
+    assert fast.linear_kernel == "quack" and plain.linear_kernel == "torch"
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 

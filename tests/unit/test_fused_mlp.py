@@ -70,7 +70,8 @@ def test_compiled_training_routes_every_block_through_the_chosen_kernel_and_reco
     monkeypatch.setattr(GPT, "compute_dtype", lambda self, device: torch.bfloat16)  # as under CUDA autocast
     torch.manual_seed(0)
     # fp32 stream: the compute dtype is patched without autocast, so a bf16 stream would meet fp32 weights
-    shape = dict(vocab_size=64, n_layer=3, n_head=2, n_embd=16, max_seq_len=8, residual_in_fp32=True)
+    shape = dict(vocab_size=64, n_layer=3, n_head=2, n_embd=16, max_seq_len=8, residual_in_fp32=True,
+                 linear_kernel="torch")
     model = GPT(GPTConfig(**shape))
     plain = GPT(GPTConfig(**shape, mlp_kernel="torch"))
     plain.load_state_dict(model.state_dict())
@@ -141,7 +142,7 @@ def fake_gemm_config(monkeypatch):
 
 
 def test_the_backward_product_pins_its_measured_tile_on_hopper_only(monkeypatch, fake_gemm_config):
-    """The 128 x 128 tile was measured on an H200; Blackwell and the CPU keep quack's own default (None). Every call
+    """The 128 x 128 x 128 tile was measured on an H200; Blackwell and the CPU keep quack's own default (None). Every call
     gets the same config object: quack keys its cached launch by the pinned config's identity."""
     assert fused_mlp.dact_config(torch.device("cpu")) is None
     for capability, pinned in (((9, 0), True), ((10, 0), False)):
@@ -149,5 +150,5 @@ def test_the_backward_product_pins_its_measured_tile_on_hopper_only(monkeypatch,
         config = fused_mlp.dact_config(torch.device("cuda"))
         assert (config is not None) == pinned
         if pinned:
-            assert (config.tile_m, config.tile_n, config.pingpong, config.device_capacity) == (128, 128, True, 9)
+            assert (config.tile_m, config.tile_n, config.tile_k, config.pingpong, config.device_capacity) == (128, 128, 128, True, 9)
             assert fused_mlp.dact_config(torch.device("cuda")) is config

@@ -37,13 +37,15 @@ def quack_configs() -> dict[str, object]:
     combinations that measured nowhere near in quack's own sweeps, plus the default's neighbours."""
     from quack.gemm_config import GemmConfig
 
-    def config(m, n, pingpong, cluster=(2, 1), swap_ab=False):
-        return GemmConfig(tile_m=m, tile_n=n, pingpong=pingpong, cluster_m=cluster[0], cluster_n=cluster[1],
+    def config(m, n, pingpong, cluster=(2, 1), swap_ab=False, k=None):
+        return GemmConfig(tile_m=m, tile_n=n, tile_k=k, pingpong=pingpong, cluster_m=cluster[0], cluster_n=cluster[1],
                           swap_ab=swap_ab, is_dynamic_persistent=False, device_capacity=9)
 
     return {"default": None,
             "pingpong 128x192 cluster 1x2": config(128, 192, True, (1, 2)),
             "pingpong 128x128": config(128, 128, True),
+            "pingpong 128x128, K steps of 128": config(128, 128, True, k=128),
+            "pingpong 128x192, K steps of 128": config(128, 192, True, k=128),
             "pingpong 128x160": config(128, 160, True),
             "pingpong 192x128": config(192, 128, True),
             "cooperative 128x256": config(128, 256, False),
