@@ -63,13 +63,12 @@ class _GeluEpilogueMLP(torch.autograd.Function):
 
 
 # proj's input-gradient product with the GELU derivative in its epilogue. quack gives every Hopper GEMM one default
-# tile (128 x 192, K steps of 64); for this product, whose epilogue (reading the pre-activation, writing two outputs)
-# outweighs its short K = width loop, 128 x 128 measured 1.19x faster at the trainer's shape, and K steps of 128 a
-# further 1.04x (`python -m tools bench tiles --mlp`, docs/PERFORMANCE.md), while fc's product with the GELU measured
-# fastest at the default. quack takes a pinned tile only outside torch.compile, so the product is a custom op: the
-# compiled backward calls it as it is. Registered for every device so that tests on machines without quack can swap in
-# a reference for quack's GEMMs.
-DACT_TILE_SM90 = (128, 128, 128)  # tile_m, tile_n, tile_k
+# tile (128 x 192); for this product, whose epilogue (reading the pre-activation, writing two outputs) outweighs its
+# short K = width loop, 128 x 128 measured 1.19x faster at the trainer's shape (`python -m tools bench tiles --mlp`,
+# docs/PERFORMANCE.md), while fc's product with the GELU measured fastest at the default. quack takes a pinned tile only
+# outside torch.compile, so the product is a custom op: the compiled backward calls it as it is. Registered for every
+# device so that tests on machines without quack can swap in a reference for quack's GEMMs.
+DACT_TILE_SM90 = (128, 128)
 
 
 def dact_config(device: torch.device):
@@ -85,8 +84,7 @@ def _pinned_dact_config(major: int):
         return None
     from quack.gemm_config import GemmConfig
 
-    tile_m, tile_n, tile_k = DACT_TILE_SM90
-    return GemmConfig(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, pingpong=True, cluster_m=2, cluster_n=1,
+    return GemmConfig(tile_m=DACT_TILE_SM90[0], tile_n=DACT_TILE_SM90[1], pingpong=True, cluster_m=2, cluster_n=1,
                       is_dynamic_persistent=False, device_capacity=9)
 
 
