@@ -75,4 +75,4 @@ def describe(kernel: str) -> str:
     if kernel == "quack":
         return (f"quack's GEMM for qkv's forward and the head's logits "
                 f"(quack-kernels {flash4.installed_version(fused_mlp.QUACK_PACKAGE) or '?'})")
-    return "cuBLAS for qkv's forward and the head's logits"
+    return "PyTorch's products (cuBLAS on CUDA) for qkv's forward and the head's logits"
