@@ -108,9 +108,15 @@ def quack_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tenso
     ``F.linear`` does under autocast (the fp32 weights get their gradients through the casts); each quack GEMM
     runs a fixed tile (quack's default, or ``DACT_TILE_SM90``), since autotuning measured no faster after minutes of
     compilation."""
+    return on_rows(_GeluEpilogueMLP.apply, x, fc_weight, proj_weight)
+
+
+def on_rows(function, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    """``function(rows, *weights)`` on ``x`` flattened to rows [tokens, d], the operands cast to the autocast dtype
+    as ``F.linear`` casts them under autocast (fp32 weights get their gradients through the casts); the output
+    comes back in ``x``'s leading shape. quack's GEMMs take 2-D operands of one half dtype."""
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
-    rows = x.to(dtype).reshape(-1, x.shape[-1])
-    out = _GeluEpilogueMLP.apply(rows, fc_weight.to(dtype), proj_weight.to(dtype))
+    out = function(x.to(dtype).reshape(-1, x.shape[-1]), *[w.to(dtype) for w in weights])
     return out.view(*x.shape[:-1], out.shape[-1])
 
 

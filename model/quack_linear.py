@@ -59,10 +59,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, kernel: str) -> torch.Tensor:
     autocast dtype as ``F.linear`` does under autocast; the fp32 weight gets its gradient through the cast."""
     if kernel == "torch":
         return F.linear(x, weight)
-    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
-    rows = x.to(dtype).reshape(-1, x.shape[-1])
-    out = _QuackForwardLinear.apply(rows, weight.to(dtype))
-    return out.view(*x.shape[:-1], out.shape[-1])
+    return fused_mlp.on_rows(_QuackForwardLinear.apply, x, weight)
 
 
 def choose(requested: str, device: torch.device, dtype: torch.dtype, compiled: bool, width: int) -> str:
