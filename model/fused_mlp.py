@@ -6,7 +6,8 @@ gradient and the pre-activation again to apply the GELU's derivative. quack (the
 ``quack-kernels`` package, CuTe-DSL GEMMs for Hopper and Blackwell) does the GELU in the fc
 product's epilogue, writing the pre-activation and the activation at once, and the derivative in the
 epilogue of proj's input-gradient product: the MLP's elementwise passes are gone. The GELU is the
-exact (erf) one, as ``F.gelu`` computes it; the products accumulate in fp32 as cuBLAS's do.
+exact (erf) one, as ``F.gelu`` computes it, by a cheaper formula than quack's own (``model.quack_gelu``); the
+products accumulate in fp32 as cuBLAS's do.
 
 Compiled CUDA training in bf16 or fp16 only: eager runs (the probe, evaluation, CPU) keep PyTorch's
 MLP, so quack's two kernels compile (once per shape; persisted under the output's compile cache)
@@ -33,7 +34,9 @@ Kernel = Literal["auto", "quack", "torch"]  # model.mlp_kernel
 CHOICES = get_args(Kernel)
 QUACK_PACKAGE = "quack-kernels"
 QUACK_COMPUTE_CAPABILITIES = (9, 10)  # Hopper and Blackwell data-centre parts: quack's GEMMs with epilogues
-ACTIVATION = "gelu_erf"  # quack's name for F.gelu's exact GELU
+# F.gelu's exact GELU, by model/quack_gelu.py's formula, registered in quack's tables under this name once quack imports
+# (quack's own "gelu_erf" computes the same function, at more arithmetic per element than its epilogues can hide)
+ACTIVATION = "gelu_exact_rational"
 
 
 def torch_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor) -> torch.Tensor:
@@ -135,6 +138,10 @@ def quack_imports() -> str | None:
     try:
         importlib.import_module("quack.gemm_interface")
         import cutlass
+
+        from model import quack_gelu
+
+        quack_gelu.register(ACTIVATION)
     except Exception as error:  # noqa: BLE001 - missing package, missing CUDA libraries, wrong Python
         return f"quack.gemm_interface does not import ({type(error).__name__}: {str(error)[:200]})"
     return dsl_location_problem(cutlass.__file__)

@@ -345,6 +345,34 @@ def test_quacks_mlp_matches_pytorchs_forward_and_gradients_at_the_trainers_width
 
 
 @needs_quack
+def test_the_models_gelu_in_quacks_epilogues_is_the_exact_gelu_to_bf16_rounding():
+    """model/quack_gelu.py's formula inside quack's two GELU products at the trainer's width: the activation the dact
+    product hands back is the exact GELU's bf16 rounding at least as often as PyTorch's F.gelu, and one bf16 step
+    from it elsewhere; the input gradient and the forward's activation agree with quack's own erf GELU's."""
+    from quack.gemm_interface import gemm_act, gemm_dact
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(8192, 768, device="cuda", generator=gen).bfloat16()
+    fc = (0.04 * torch.randn(3072, 768, device="cuda", generator=gen)).bfloat16()
+    proj = (0.02 * torch.randn(768, 3072, device="cuda", generator=gen)).bfloat16()
+    dout = torch.randn(8192, 768, device="cuda", generator=gen).bfloat16()
+    preact = x @ fc.t()
+    wide = preact.double()
+    exact = wide * 0.5 * torch.special.erfc(-wide / 2 ** 0.5)
+    dpre, post = gemm_dact(dout, proj, preact, activation=fused_mlp.ACTIVATION, tuned=False)[:2]
+    dpre_erf, _ = gemm_dact(dout, proj, preact, activation="gelu_erf", tuned=False)[:2]
+    share = (post == exact.bfloat16()).float().mean()
+    pytorch_share = (torch.nn.functional.gelu(preact.float()).bfloat16() == exact.bfloat16()).float().mean()
+    assert share >= pytorch_share - 1e-4, (float(share), float(pytorch_share))
+    step = exact.abs().bfloat16().double() * 2.0 ** -7  # at least one bf16 step at each value
+    assert bool(((post.double() - exact).abs() <= step)[wide > -6].all())
+    assert relative_error(dpre, dpre_erf) < 2e-3
+    forward = gemm_act(x, fc.t(), activation=fused_mlp.ACTIVATION, tuned=False)[1]
+    forward_erf = gemm_act(x, fc.t(), activation="gelu_erf", tuned=False)[1]
+    assert (forward == forward_erf).float().mean() > 0.999
+
+
+@needs_quack
 def test_the_compiled_model_with_quacks_gemms_matches_the_plain_path_without_a_graph_break():
     """quack's MLP epilogues, qkv's product and the head's logits in the compiled trunk and the chunked loss."""
     from torch._dynamo.utils import counters

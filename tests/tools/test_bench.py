@@ -303,6 +303,56 @@ def test_tiles_products_times_each_quack_tile_against_cublas_and_goes_on_past_a_
     assert "quack pingpong 128x160" in out and "failed: ValueError: tile does not divide" in out
 
 
+def test_tiles_gelu_times_each_formula_and_says_how_often_a_gelu_rounds_as_the_exact_one(monkeypatch, capsys):
+    """The two GELU epilogue products run under each formula in turn (a failing one is reported and skipped), each
+    timed against the first; the dact product's activation output is held to the exact GELU. quack is stood in
+    for on the CPU by the formulas themselves: the model's from model/quack_gelu.py, PyTorch's exact GELU for
+    quack's, and the true floors."""
+    import argparse
+    import sys
+    import types
+
+    import torch
+
+    from model import fused_mlp, quack_gelu
+    from tools.bench import tiles
+
+    def activate(preact, activation):
+        if activation == "relu":
+            raise RuntimeError("no ReLU today")
+        if activation == fused_mlp.ACTIVATION:
+            return (preact.float() * quack_gelu.cdf_and_density(preact.float())[0]).to(preact.dtype)
+        return torch.nn.functional.gelu(preact) if activation == "gelu_erf" else preact
+
+    calls = []
+
+    def gemm_act(a, b, activation, tuned):
+        calls.append(("act", activation))
+        preact = a @ b
+        return preact, activate(preact, activation)
+
+    def gemm_dact(dout, b, preact, activation, tuned, config):
+        calls.append(("dact", activation))
+        return dout @ b, activate(preact, activation), None
+
+    monkeypatch.setitem(sys.modules, "quack.gemm_interface", types.SimpleNamespace(gemm_act=gemm_act, gemm_dact=gemm_dact))
+    monkeypatch.setattr(fused_mlp, "quack_unavailable_reason", lambda device, dtype, width: None)
+    monkeypatch.setattr(tiles, "WIDTH", 16)
+    monkeypatch.setattr(tiles, "ROW", 1024)
+    times = iter([2.0, 1.0, 0.5] * 2)  # quack's GELU, the model's, no activation (the ReLU fails)
+    monkeypatch.setattr(tiles, "cuda_median_ms", lambda fn, repeats: next(times))
+    monkeypatch.setattr("torch.cuda.synchronize", lambda *args: None)
+    tiles.gelu(argparse.Namespace(microbatch=8, repeats=1), dev=torch.device("cpu"))
+    out = capsys.readouterr().out
+    formulas = list(tiles.gelu_formulas().values())
+    assert calls == [("act", f) for f in formulas] + [("dact", f) for f in formulas]
+    assert re.search(r"the model's \(model/quack_gelu.py\)\s+1\.000 ms .* x2\.000", out)
+    assert out.count("failed: RuntimeError: no ReLU today") == 2
+    shares = [float(share) for share in re.findall(r"equal to the exact GELU's rounding: (\d\.\d+)", out)]
+    assert len(shares) == 2 and min(shares) > 0.99  # the dact product's two GELUs only; PyTorch's is the line above
+    assert re.search(r"PyTorch's F.gelu \(fp32\) [01]\.\d{5}\n", out)
+
+
 def test_tiles_attention_sweep_restores_fa4s_backward_chooser_and_goes_on_past_a_failing_tile(monkeypatch, capsys):
     """The backward candidates replace FA4's private tile chooser one at a time: each call sees its own candidate,
     FA4's own chooser is back after the sweep, and a candidate that fails is one line, not the end of the sweep.

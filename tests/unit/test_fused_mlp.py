@@ -97,12 +97,12 @@ def test_the_epilogue_mlp_gives_pytorchs_output_and_gradients_with_a_reference_f
     import types
 
     def gemm_act(a, b, activation):
-        assert activation == "gelu_erf"
+        assert activation == fused_mlp.ACTIVATION
         preact = a @ b
         return preact, torch.nn.functional.gelu(preact)
 
     def gemm_dact(a, b, preact, activation):
-        assert activation == "gelu_erf"
+        assert activation == fused_mlp.ACTIVATION
         return torch.ops.aten.gelu_backward(a @ b, preact), torch.nn.functional.gelu(preact)
 
     fake = types.ModuleType("quack.gemm_interface")

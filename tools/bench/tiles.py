@@ -10,6 +10,8 @@ prints its error and the sweep goes on.
 
 Usage (GPU, with quack-kernels and flash-attn-4 installed):
     python -m tools bench tiles --mlp                    fc + GELU, and proj's input gradient + GELU derivative
+    python -m tools bench tiles --gelu                   the same two products, the model's tiles, under each
+                                                         GELU formula (and a ReLU and none as floors)
     python -m tools bench tiles --attention [--only NAME] FA4's forward tiles and backward configurations
     python -m tools bench tiles --softmax                the chunk softmax's columns per block and warps
     python -m tools bench tiles --products               the head's logits, qkv and the attention's output
@@ -112,6 +114,55 @@ def mlp(args) -> None:
                 agreement = " ".join(f"{relative(o, b):.1e}" for o, b in zip(outputs, baseline[1]))
                 print(f"  {label:<48} {ms:7.3f} ms {flops / ms / 1e9:5.0f} TFLOP/s  x{baseline[0] / ms:.3f}  "
                       f"outputs against the default: {agreement}", flush=True)
+
+
+def gelu_formulas() -> dict[str, str | None]:
+    """Candidate epilogue activations for the two GELU products, by quack's activation name: the two exact GELUs,
+    then two floors that say how much of the epilogue is its arithmetic (a ReLU: no transcendental; none: the
+    epilogue's memory traffic alone)."""
+    return {"quack's gelu_erf (CUDA's erf)": "gelu_erf", "the model's (model/quack_gelu.py)": fused_mlp.ACTIVATION,
+            "floor: ReLU": "relu", "floor: no activation": None}
+
+
+def gelu(args, dev: torch.device | None = None) -> None:
+    """quack's two GELU epilogue products at the model's tiles under each formula of ``gelu_formulas``: time, and
+    for the GELUs how often their bf16 activation is the exact GELU's rounding (fp64 on the first rows)."""
+    dev = dev or torch.device("cuda")
+    if quack_missing("--gelu", dev):
+        return
+    from quack.gemm_interface import gemm_act, gemm_dact
+
+    n = args.microbatch * ROW
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(n, WIDTH, device=dev, generator=gen).bfloat16()
+    fc = (0.02 * torch.randn(4 * WIDTH, WIDTH, device=dev, generator=gen)).bfloat16()
+    proj = (0.02 * torch.randn(WIDTH, 4 * WIDTH, device=dev, generator=gen)).bfloat16()
+    dout = torch.randn(n, WIDTH, device=dev, generator=gen).bfloat16()
+    preact = 2.0 * (x @ fc.t())  # about unit spread, the tails included
+    rows = preact[:8192].double()
+    exact = (rows * 0.5 * torch.special.erfc(-rows / 2 ** 0.5)).bfloat16()
+    pytorch_share = float((torch.nn.functional.gelu(preact[:8192].float()).bfloat16() == exact).float().mean())
+    print(f"\nGELU of bf16 pre-activations equal to the exact GELU's bf16 rounding: PyTorch's F.gelu (fp32) "
+          f"{pytorch_share:.5f}", flush=True)
+    flops = 2 * n * WIDTH * 4 * WIDTH
+    products = {  # name -> call(activation), (the output holding the activation)
+        "fc + GELU (gemm_act), quack's default tile": lambda act: gemm_act(x, fc.t(), activation=act, tuned=False),
+        "proj input gradient + GELU derivative (gemm_dact), the pinned tile": lambda act: gemm_dact(
+            dout, proj, preact, activation=act, tuned=False, config=fused_mlp.dact_config(dev))[:2]}
+    for product, call in products.items():
+        print(f"\n{product}: [{n}x{WIDTH}] -> {4 * WIDTH}, {flops / 1e9:.0f} GFLOP", flush=True)
+        first = None
+        for name, activation in gelu_formulas().items():
+            found = measured(name, lambda: call(activation), args.repeats)
+            if found is None:
+                continue
+            outputs, ms = found
+            first = first or ms
+            line = f"  {name:<40} {ms:7.3f} ms {flops / ms / 1e9:5.0f} TFLOP/s  x{first / ms:.3f}"
+            if activation is not None and activation.startswith("gelu") and "dact" in product:
+                share = float((outputs[1][:8192] == exact).float().mean())
+                line += f"  activation equal to the exact GELU's rounding: {share:.5f}"
+            print(line, flush=True)
 
 
 def wide_products(microbatch: int) -> dict[str, tuple[int, int, int]]:
@@ -253,6 +304,7 @@ def softmax(args) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools bench tiles", description=__doc__.splitlines()[0])
     parser.add_argument("--mlp", action="store_true", help="quack's GELU epilogue products")
+    parser.add_argument("--gelu", action="store_true", help="quack's GELU epilogue products under each GELU formula")
     parser.add_argument("--attention", action="store_true", help="FA4's SM90 forward tiles and backward configs")
     parser.add_argument("--softmax", action="store_true", help="the Triton chunk softmax's launch shapes")
     parser.add_argument("--products", action="store_true",
@@ -262,8 +314,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--microbatch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
-    if not (args.mlp or args.attention or args.softmax or args.products):
-        parser.error("say what to sweep: --mlp, --attention, --softmax, --products")
+    if not (args.mlp or args.gelu or args.attention or args.softmax or args.products):
+        parser.error("say what to sweep: --mlp, --gelu, --attention, --softmax, --products")
     if not torch.cuda.is_available():
         print("python -m tools bench tiles: needs a CUDA device", file=sys.stderr)
         return 2
@@ -272,6 +324,8 @@ def main(argv: list[str]) -> int:
           f"flash-attn-4 {flash4.installed_version(flash4.FA4_PACKAGE)}")
     if args.mlp:
         mlp(args)
+    if args.gelu:
+        gelu(args)
     if args.attention:
         attention(args)
     if args.softmax:
