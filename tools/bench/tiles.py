@@ -78,6 +78,15 @@ def quack_missing(option: str, device: torch.device) -> bool:
     return reason is not None
 
 
+def mlp_operands(rows: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """(x, fc's weight, proj's weight, the MLP output's gradient) in bf16 at the model's width, seeded."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(rows, WIDTH, device=dev, generator=gen).bfloat16()
+    fc = (0.02 * torch.randn(4 * WIDTH, WIDTH, device=dev, generator=gen)).bfloat16()
+    proj = (0.02 * torch.randn(WIDTH, 4 * WIDTH, device=dev, generator=gen)).bfloat16()
+    return x, fc, proj, torch.randn(rows, WIDTH, device=dev, generator=gen).bfloat16()
+
+
 def mlp(args) -> None:
     """quack's two GELU epilogue products under each candidate config, and each with the other scheduler."""
     dev = torch.device("cuda")
@@ -86,11 +95,7 @@ def mlp(args) -> None:
     from quack.gemm_interface import gemm_act, gemm_dact
 
     n = args.microbatch * ROW
-    gen = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(n, WIDTH, device=dev, generator=gen).bfloat16()
-    fc = (0.02 * torch.randn(4 * WIDTH, WIDTH, device=dev, generator=gen)).bfloat16()
-    proj = (0.02 * torch.randn(WIDTH, 4 * WIDTH, device=dev, generator=gen)).bfloat16()
-    dout = torch.randn(n, WIDTH, device=dev, generator=gen).bfloat16()
+    x, fc, proj, dout = mlp_operands(n, dev)
     preact = x @ fc.t()
     flops = 2 * n * WIDTH * 4 * WIDTH
     epilogue_products = {  # name -> (call(config, dynamic_scheduler), quack's default dynamic_scheduler)
@@ -133,11 +138,7 @@ def gelu(args, dev: torch.device | None = None) -> None:
     from quack.gemm_interface import gemm_act, gemm_dact
 
     n = args.microbatch * ROW
-    gen = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(n, WIDTH, device=dev, generator=gen).bfloat16()
-    fc = (0.02 * torch.randn(4 * WIDTH, WIDTH, device=dev, generator=gen)).bfloat16()
-    proj = (0.02 * torch.randn(WIDTH, 4 * WIDTH, device=dev, generator=gen)).bfloat16()
-    dout = torch.randn(n, WIDTH, device=dev, generator=gen).bfloat16()
+    x, fc, proj, dout = mlp_operands(n, dev)
     preact = 2.0 * (x @ fc.t())  # about unit spread, the tails included
     rows = preact[:8192].double()
     exact = (rows * 0.5 * torch.special.erfc(-rows / 2 ** 0.5)).bfloat16()
@@ -145,7 +146,7 @@ def gelu(args, dev: torch.device | None = None) -> None:
     print(f"\nGELU of bf16 pre-activations equal to the exact GELU's bf16 rounding: PyTorch's F.gelu (fp32) "
           f"{pytorch_share:.5f}", flush=True)
     flops = 2 * n * WIDTH * 4 * WIDTH
-    products = {  # name -> call(activation), (the output holding the activation)
+    products = {  # name -> call(activation)
         "fc + GELU (gemm_act), quack's default tile": lambda act: gemm_act(x, fc.t(), activation=act, tuned=False),
         "proj input gradient + GELU derivative (gemm_dact), the pinned tile": lambda act: gemm_dact(
             dout, proj, preact, activation=act, tuned=False, config=fused_mlp.dact_config(dev))[:2]}
