@@ -110,7 +110,8 @@ def quack_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tenso
     """``torch_mlp`` with the GELU and its derivative in quack's GEMM epilogues. Casts to the autocast dtype as
     ``F.linear`` does under autocast (the fp32 weights get their gradients through the casts); each quack GEMM
     runs a fixed tile (quack's default, or ``DACT_TILE_SM90``), since autotuning measured no faster after minutes of
-    compilation."""
+    compilation. Call it where ``choose`` (or ``quack_unavailable_reason``) has found quack usable: that check
+    registers the GELU (``ACTIVATION``) in quack's tables."""
     return on_rows(_GeluEpilogueMLP.apply, x, fc_weight, proj_weight)
 
 

@@ -311,6 +311,10 @@ def mlp(args) -> None:
 
     dev = torch.device("cuda")
     n, d = args.microbatch * 4096, 768
+    reason = fused_mlp.quack_unavailable_reason(dev, torch.bfloat16, d)  # also registers the model's GELU in quack
+    if reason is not None:
+        print(f"python -m tools bench kernels --mlp: quack's GEMMs cannot run: {reason}", file=sys.stderr)
+        return
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(n, d, device=dev, generator=gen).bfloat16().requires_grad_()
     fc = (0.02 * torch.randn(4 * d, d, device=dev, generator=gen)).requires_grad_()
