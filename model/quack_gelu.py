@@ -3,10 +3,9 @@
 quack's own exact GELU (``gelu_erf``) evaluates ``erf`` through the CUDA math library in every element of its
 epilogues; at the trainer's shape that arithmetic, more than the memory traffic, is what the epilogue waits on
 (`bench tiles --gelu`, docs/PERFORMANCE.md: the dact product took 1.51 ms with it, 1.39 with this formula and
-1.19 with a ReLU). Here the
-normal CDF comes from Abramowitz and Stegun's rational approximation 7.1.26 (absolute error at most 1.5e-7)
-around the normal density, which the derivative needs anyway, so an element costs one ``ex2``, one ``rcp`` and a
-dozen multiply-adds:
+1.19 with a ReLU). Here the normal CDF comes from Abramowitz and Stegun's rational approximation 7.1.26 (absolute
+error at most 1.5e-7) around the normal density, which the derivative needs anyway, so an element costs one
+``ex2``, one ``rcp`` and a dozen multiply-adds:
 
     density = exp(-x^2 / 2) / sqrt(2 pi)
     tail    = Phi(-|x|) = density * t * poly(t),  t = 1 / (1 + p |x| / sqrt(2))
