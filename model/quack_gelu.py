@@ -99,7 +99,7 @@ def register(name: str) -> None:
     """Adds the GELU and its derivative to quack's activation tables under ``name`` (again: the same entries),
     which quack's ``gemm_act`` and ``gemm_dact`` then take as ``activation``. Needs the CuTe DSL and quack."""
     if cute is None:
-        raise RuntimeError("the CuTe DSL (nvidia-cutlass-dsl) is not installed: quack's GEMMs cannot run")
+        raise RuntimeError("the CuTe DSL (nvidia-cutlass-dsl) does not import: quack's GEMMs cannot run")
     from quack import activation
 
     activation.act_fn_map[name] = gelu
