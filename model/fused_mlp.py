@@ -134,7 +134,8 @@ def gelu_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor
 
 @lru_cache(maxsize=None)
 def quack_imports() -> str | None:
-    """None when quack's GEMMs import, else why not (tried once; the CuTe DSL takes seconds to load)."""
+    """None when quack's GEMMs import, else why not (tried once; the CuTe DSL takes seconds to load). Where they
+    import, this also registers the model's GELU in quack's tables under ``ACTIVATION``."""
     flash4.prepare_environment()  # the CuTe DSL's and quack's caches: output folder, or memory only
     try:
         importlib.import_module("quack.gemm_interface")

@@ -28,7 +28,7 @@ except ImportError:
     varlen_attn = None
 
 from model import flash4
-from tools.bench.runs import cuda_median_ms
+from tools.bench.runs import cuda_median_ms, quack_missing
 
 
 def timed(fn, repeats: int = 20) -> float:
@@ -311,9 +311,7 @@ def mlp(args) -> None:
 
     dev = torch.device("cuda")
     n, d = args.microbatch * 4096, 768
-    reason = fused_mlp.quack_unavailable_reason(dev, torch.bfloat16, d)  # also registers the model's GELU in quack
-    if reason is not None:
-        print(f"python -m tools bench kernels --mlp: quack's GEMMs cannot run: {reason}", file=sys.stderr)
+    if quack_missing("kernels --mlp", dev, d):
         return
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(n, d, device=dev, generator=gen).bfloat16().requires_grad_()

@@ -29,6 +29,7 @@ import train
 from callbacks.runfab_metrics import peak_memory
 from config import ConfigError, RunConfig, load_config
 from lit_module import GPTTrainingModule
+from model import fused_mlp
 from model.flops import training_flops
 from pipeline.feeder import UpdateFeeder
 from pipeline.stages import ValidationPool
@@ -132,6 +133,16 @@ def require_gpu(name: str) -> bool:
     print(f"python -m tools bench {name}: needs a CUDA GPU and none is visible; on a CPU, host-pipeline, "
           "rank-balance, synthetic-records and trace-summary run", file=sys.stderr)
     return False
+
+
+def quack_missing(command: str, device: torch.device, width: int) -> bool:
+    """True, after one line on stderr saying why, when quack's GEMMs cannot run on ``device`` for a model ``width``
+    wide. The check also registers the model's GELU in quack's tables (``fused_mlp.quack_imports``), which the
+    benchmarks of quack's GELU products need."""
+    reason = fused_mlp.quack_unavailable_reason(device, torch.bfloat16, width)
+    if reason is not None:
+        print(f"python -m tools bench {command}: quack's GEMMs cannot run: {reason}", file=sys.stderr)
+    return reason is not None
 
 
 def prepare(args) -> None:

@@ -28,7 +28,7 @@ import torch
 
 from model import flash4, fused_mlp
 from tools.bench.kernels import attention_pairs, document_offsets
-from tools.bench.runs import cuda_median_ms
+from tools.bench.runs import cuda_median_ms, quack_missing
 from tools.bench.step_variants import isolated_softmax, relative
 
 WIDTH, HEADS, HEAD_DIM, ROW = 768, 12, 64, 4096
@@ -70,14 +70,6 @@ def measured(name: str, fn, repeats: int):
         return None
 
 
-def quack_missing(option: str, device: torch.device) -> bool:
-    """True, after one line on stderr saying why, when quack's GEMMs cannot run on ``device``."""
-    reason = fused_mlp.quack_unavailable_reason(device, torch.bfloat16, WIDTH)
-    if reason is not None:
-        print(f"python -m tools bench tiles {option}: quack's GEMMs cannot run: {reason}", file=sys.stderr)
-    return reason is not None
-
-
 def mlp_operands(rows: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
     """(x, fc's weight, proj's weight, the MLP output's gradient) in bf16 at the model's width, seeded."""
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -90,7 +82,7 @@ def mlp_operands(rows: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
 def mlp(args) -> None:
     """quack's two GELU epilogue products under each candidate config, and each with the other scheduler."""
     dev = torch.device("cuda")
-    if quack_missing("--mlp", dev):
+    if quack_missing("tiles --mlp", dev, WIDTH):
         return
     from quack.gemm_interface import gemm_act, gemm_dact
 
@@ -133,7 +125,7 @@ def gelu(args, dev: torch.device | None = None) -> None:
     """quack's two GELU epilogue products at the model's tiles under each formula of ``gelu_formulas``: time, and
     for the GELUs how often their bf16 activation is the exact GELU's rounding (fp64 on the first rows)."""
     dev = dev or torch.device("cuda")
-    if quack_missing("--gelu", dev):
+    if quack_missing("tiles --gelu", dev, WIDTH):
         return
     from quack.gemm_interface import gemm_act, gemm_dact
 
@@ -146,11 +138,12 @@ def gelu(args, dev: torch.device | None = None) -> None:
     print(f"\nGELU of bf16 pre-activations equal to the exact GELU's bf16 rounding: PyTorch's F.gelu (fp32) "
           f"{pytorch_share:.5f}", flush=True)
     flops = 2 * n * WIDTH * 4 * WIDTH
-    products = {  # name -> call(activation)
-        "fc + GELU (gemm_act), quack's default tile": lambda act: gemm_act(x, fc.t(), activation=act, tuned=False),
-        "proj input gradient + GELU derivative (gemm_dact), the pinned tile": lambda act: gemm_dact(
-            dout, proj, preact, activation=act, tuned=False, config=fused_mlp.dact_config(dev))[:2]}
-    for product, call in products.items():
+    products = {  # name -> (call(activation), whether its activation is of ``preact``, so ``exact`` applies)
+        "fc + GELU (gemm_act), quack's default tile": (
+            lambda act: gemm_act(x, fc.t(), activation=act, tuned=False), False),
+        "proj input gradient + GELU derivative (gemm_dact), the pinned tile": (lambda act: gemm_dact(
+            dout, proj, preact, activation=act, tuned=False, config=fused_mlp.dact_config(dev))[:2], True)}
+    for product, (call, of_preact) in products.items():
         print(f"\n{product}: [{n}x{WIDTH}] -> {4 * WIDTH}, {flops / 1e9:.0f} GFLOP", flush=True)
         first = None
         for name, activation in gelu_formulas().items():
@@ -160,7 +153,7 @@ def gelu(args, dev: torch.device | None = None) -> None:
             outputs, ms = found
             first = first or ms
             line = f"  {name:<40} {ms:7.3f} ms {flops / ms / 1e9:5.0f} TFLOP/s  x{first / ms:.3f}"
-            if activation is not None and activation.startswith("gelu") and "dact" in product:
+            if of_preact and activation is not None and activation.startswith("gelu"):
                 share = float((outputs[1][:8192] == exact).float().mean())
                 line += f"  activation equal to the exact GELU's rounding: {share:.5f}"
             print(line, flush=True)
@@ -182,7 +175,7 @@ def products(args, device: torch.device | None = None) -> None:
     """Each wide product through cuBLAS (``a @ weight.t()``, the model's layout) and through quack's plain
     GEMM (``gemm_act`` without an activation) under each candidate config, against cuBLAS's time and output."""
     device = device or torch.device("cuda")
-    if quack_missing("--products", device):
+    if quack_missing("tiles --products", device, WIDTH):
         return
     from quack.gemm_interface import gemm_act
 
