@@ -16,13 +16,16 @@ loss (``choose``, ``model.loss_kernel``):
 Validation (no gradients) always takes the chunked path.
 
 Inside the chunked loss, each chunk's softmax and its gradient (``model.loss_softmax``) run in
-compiled CUDA training as one Triton kernel that writes the gradient over the logits
-(``"triton"``, the default: ``model.triton_cross_entropy``) or as the inductor-compiled PyTorch
-function (``"compiled"``); eager runs (CPU, the probe) take the PyTorch function as it is.
+compiled CUDA training as one Triton kernel that reads the logits twice and writes the gradient over
+them (``"triton"``, the default: ``model.triton_cross_entropy``); as a single Triton pass over logits
+whose log-sum-exp quack's GEMM computed in its epilogue (``"gemm_lse"``: ``model.quack_lse``; where
+quack computes the logits, on Hopper; else ``"triton"``); or as the inductor-compiled PyTorch
+function (``"compiled"``). Eager runs (CPU, the probe) take the PyTorch function as it is.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from collections.abc import Callable
@@ -39,7 +42,8 @@ IGNORE_INDEX = -100  # a target that takes no loss: the last token of a document
 VOCAB_ALIGNMENT = 128  # padded vocabulary keeps the head's matmuls on the aligned (fast) GEMM kernels
 Kernel = Literal["chunked", "liger", "cce"]  # model.loss_kernel
 CHOICES = get_args(Kernel)
-Softmax = Literal["triton", "compiled"]  # model.loss_softmax
+Softmax = Literal["triton", "gemm_lse", "compiled"]  # model.loss_softmax
+GEMM_LSE_COMPUTE_CAPABILITY = 9  # Hopper: where model.quack_lse was measured (docs/PERFORMANCE.md)
 SOFTMAX_CHOICES = get_args(Softmax)
 PACKAGES = {"liger": ("liger-kernel", "liger_kernel.ops.fused_linear_cross_entropy"),
             "cce": ("cut-cross-entropy", "cut_cross_entropy")}
@@ -90,8 +94,8 @@ def token_loss_sum(
     ``kernel`` is what ``choose`` returned. With "chunked" and ``chunk_tokens`` the
     full-vocabulary logits never exist at once (0: all at once, the plain path); ``compiled``
     (compiled training) runs each chunk's softmax arithmetic as one kernel, which ``softmax``
-    names on CUDA (``chunk_function``); ``linear`` ("torch" or "quack", ``quack_linear.choose``) what
-    computes each chunk's logits.
+    names on CUDA, and ``linear`` ("torch" or "quack", ``quack_linear.choose``) says what computes
+    each chunk's logits (``chunk_function``).
     """
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if kernel != "chunked" and torch.is_grad_enabled():
@@ -99,11 +103,16 @@ def token_loss_sum(
     if not chunk_tokens:
         return cross_entropy_sum(hidden, head_weight, targets)
     if torch.is_grad_enabled():  # a batch of at most chunk_tokens is one chunk: still no saved logits
-        chunk_fn = chunk_function(compiled, softmax, hidden.device)
-        return ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, chunk_tokens, chunk_fn,
-                                               quack_linear.PRODUCT[linear])
+        chunk_fn = chunk_function(compiled, softmax, hidden.device, linear)
+        return ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, chunk_tokens, chunk_fn)
     chunks = zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
     return sum(cross_entropy_sum(h, head_weight, t) for h, t in chunks)
+
+
+def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype the head's products run in: autocast's where it is on, else the tensor's."""
+    device = tensor.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensor.dtype
 
 
 def fused_loss_sum(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, kernel: str):
@@ -151,21 +160,39 @@ def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_size:
     return loss, grad.to(dtype)
 
 
-def chunk_softmax_ran(compiled: bool, softmax: str, device: torch.device) -> str:
-    """What ``chunk_function`` takes for these arguments, by name: "eager", "triton" or "compiled"."""
+def chunk_softmax_ran(compiled: bool, softmax: str, device: torch.device, linear: str = "torch") -> str:
+    """What ``chunk_function`` takes for these arguments, by name: "eager", "triton", "gemm_lse" or
+    "compiled". "gemm_lse" needs the logits from quack's GEMM (``linear``, which runs in half precision
+    only) on Hopper (``model.quack_lse``); elsewhere on CUDA it is "triton"."""
     if not compiled:
         return "eager"
-    return "triton" if softmax == "triton" and device.type == "cuda" else "compiled"
+    if softmax == "compiled" or device.type != "cuda":
+        return "compiled"
+    if softmax == "gemm_lse" and linear == "quack" \
+            and torch.cuda.get_device_capability(device)[0] == GEMM_LSE_COMPUTE_CAPABILITY:
+        return "gemm_lse"
+    return "triton"
 
 
-def chunk_function(compiled: bool, softmax: str, device: torch.device) -> Callable:
-    """What computes one chunk's loss and logits gradient: the PyTorch function in eager runs; in
-    compiled training the Triton kernel on CUDA when ``softmax`` is "triton", else the function
-    compiled by inductor."""
-    ran = chunk_softmax_ran(compiled, softmax, device)
-    if ran == "eager":
-        return chunk_loss_and_grad
-    return triton_chunk_loss_and_grad if ran == "triton" else compiled_chunk_loss_and_grad()
+def chunk_function(compiled: bool, softmax: str, device: torch.device, linear: str = "torch") -> Callable:
+    """What computes one chunk's loss and logits gradient from its rows and the padded head,
+    ``(rows, padded_weight, targets, vocab_size, dtype) -> (loss, grad_logits)``: the logits by
+    ``linear``'s product, then the PyTorch function in eager runs; in compiled training the Triton
+    kernel on CUDA when ``softmax`` is "triton" (or "gemm_lse" where that cannot run), else the
+    function compiled by inductor; or, for "gemm_lse" (``chunk_softmax_ran``), the logits with their
+    log-sum-exp from quack's GEMM, the target logits, and the Triton kernel's single pass."""
+    ran = chunk_softmax_ran(compiled, softmax, device, linear)
+    if ran == "gemm_lse":
+        return gemm_lse_chunk_loss_and_grad
+    softmax_fn = {"eager": chunk_loss_and_grad, "triton": triton_chunk_loss_and_grad}.get(ran)
+    return functools.partial(product_then_softmax, quack_linear.PRODUCT[linear],
+                             softmax_fn or compiled_chunk_loss_and_grad())
+
+
+def product_then_softmax(product: Callable, softmax_fn: Callable, rows: torch.Tensor, weight: torch.Tensor,
+                         targets: torch.Tensor, vocab_size: int, dtype: torch.dtype):
+    """One chunk: its logits by ``product`` (``quack_linear.PRODUCT``), then ``softmax_fn`` on them."""
+    return softmax_fn(product(rows, weight), targets, vocab_size, dtype)
 
 
 def triton_chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, dtype: torch.dtype):
@@ -175,6 +202,40 @@ def triton_chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, voca
 
     loss = loss_and_gradient_in_place(logits, targets, vocab_size, IGNORE_INDEX)
     return loss, logits.to(dtype)
+
+
+def gemm_lse_chunk_loss_and_grad(rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                                 dtype: torch.dtype):
+    """One chunk: its logits with each row's log-sum-exp (from quack's GEMM) and target logit, both of the fp32
+    logits (``logits_and_row_statistics``), then the Triton kernel's single pass, which writes the gradient over
+    the logits."""
+    from model.triton_cross_entropy import gradient_in_place  # Triton: CUDA builds of PyTorch only
+
+    logits, log_normalizer, target_logit = logits_and_row_statistics(rows, weight, targets, vocab_size)
+    loss = gradient_in_place(logits, log_normalizer, target_logit, targets, vocab_size, IGNORE_INDEX)
+    return loss, logits.to(dtype)
+
+
+def logits_and_row_statistics(rows: torch.Tensor, padded_weight: torch.Tensor, targets: torch.Tensor,
+                              vocab_size: int):
+    """``model.quack_lse.logits_and_row_statistics``, imported on first use (it imports quack and the CuTe DSL);
+    tests swap in ``reference_logits_and_row_statistics`` where quack is absent."""
+    from model import quack_lse
+
+    return quack_lse.logits_and_row_statistics(rows, padded_weight, targets, vocab_size)
+
+
+def reference_logits_and_row_statistics(rows: torch.Tensor, padded_weight: torch.Tensor, targets: torch.Tensor,
+                                        vocab_size: int):
+    """What ``logits_and_row_statistics`` computes, in PyTorch: the logits in the rows' dtype (NaN past the
+    vocabulary, where quack's are left unwritten), and from the fp32 logits each row's log-sum-exp over the
+    vocabulary and its target's logit (NaN where the target is ignored)."""
+    exact = rows.float() @ padded_weight.float().t()
+    logits = exact.to(rows.dtype)
+    logits[:, vocab_size:] = float("nan")
+    valid = targets != IGNORE_INDEX
+    target_logit = exact.gather(1, torch.where(valid, targets, 0)[:, None]).squeeze(1)
+    return logits, torch.logsumexp(exact[:, :vocab_size], dim=-1), torch.where(valid, target_logit, float("nan"))
 
 
 _compiled_chunk: Callable | None = None
@@ -200,10 +261,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens, chunk_fn=chunk_loss_and_grad,
-                logits_fn=quack_linear.torch_product):
+    def forward(ctx, hidden, weight, targets, chunk_tokens, chunk_fn=None):
+        chunk_fn = chunk_fn or functools.partial(product_then_softmax, quack_linear.torch_product, chunk_loss_and_grad)
         device = hidden.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        dtype = compute_dtype(hidden)
         exact = torch.promote_types(dtype, torch.float32)
         vocab, width = weight.shape
         padded = padded_vocab_size(vocab)
@@ -218,8 +279,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             accumulate_in_gemm = w.is_cuda and dtype in (torch.bfloat16, torch.float16) and exact == torch.float32
             for start in range(0, hidden.shape[0], chunk_tokens):
                 h = hidden[start : start + chunk_tokens].to(dtype)
-                logits = logits_fn(h, w)
-                chunk_loss, grad_logits = chunk_fn(logits, targets[start : start + chunk_tokens], vocab, dtype)
+                chunk_loss, grad_logits = chunk_fn(h, w, targets[start : start + chunk_tokens], vocab, dtype)
                 loss += chunk_loss
                 grad_hidden[start : start + chunk_tokens] = (grad_logits @ w).to(hidden.dtype)
                 if accumulate_in_gemm:
@@ -233,4 +293,4 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None, None
+        return grad_hidden * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None

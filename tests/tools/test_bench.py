@@ -406,3 +406,45 @@ def test_tiles_attention_sweep_restores_fa4s_backward_chooser_and_goes_on_past_a
     assert "forward 192x192" in out and "failed: ValueError: too much shared memory" in out
     assert "backward 128x64" in out and "failed: RuntimeError: does not launch" in out
     assert re.search(r"backward 64x128 dQ in one warp group\s+1\.000 ms", out)
+
+
+def test_tiles_head_chunk_times_both_softmax_routes_and_holds_the_single_pass_to_the_two_pass(monkeypatch, capsys):
+    """quack's product then the two-pass kernel against the product with its log-sum-exp then the single pass:
+    each whole and in parts, with the single pass's loss and gradient against the two-pass's. quack's GEMMs and the
+    Triton kernels are stood in for on the CPU by their PyTorch references."""
+    import argparse
+    import sys
+    import types
+
+    import torch
+
+    from model import fused_mlp, loss, quack_linear
+    from tools.bench import tiles
+
+    def two_pass(logits, targets, vocab, ignore_index):
+        value, grad = loss.chunk_loss_and_grad(logits, targets, vocab, logits.dtype)
+        logits.copy_(grad)
+        return value
+
+    def single_pass(logits, lse, target_logit, targets, vocab, ignore_index):
+        value = two_pass(logits, targets, vocab, ignore_index)
+        return value * 1.5  # a single pass that is off: reported against the two-pass
+
+    monkeypatch.setitem(sys.modules, "model.quack_lse", types.SimpleNamespace(
+        logits_and_row_statistics=loss.reference_logits_and_row_statistics))
+    monkeypatch.setitem(sys.modules, "model.triton_cross_entropy", types.SimpleNamespace(
+        loss_and_gradient_in_place=two_pass, gradient_in_place=single_pass))
+    monkeypatch.setattr(quack_linear, "quack_product", quack_linear.torch_product)
+    monkeypatch.setattr(fused_mlp, "quack_unavailable_reason", lambda device, dtype, width: None)
+    monkeypatch.setattr(tiles, "WIDTH", 16)
+    monkeypatch.setattr(tiles, "head_chunk_shape", lambda: (32, 200))
+    times = iter([2.0, 1.0, 1.5, 0.5, 0.75, 0.25])  # the two routes, then each one's parts
+    monkeypatch.setattr(tiles, "cuda_median_ms", lambda fn, repeats: next(times))
+    monkeypatch.setattr("torch.cuda.synchronize", lambda *args: None)
+    tiles.head_chunk(argparse.Namespace(repeats=1), device=torch.device("cpu"))
+    out = capsys.readouterr().out
+    assert "32 x 16 -> 256" in out
+    assert re.search(r"triton\s+2\.000 ms\s+x1\.000 against triton\s+\(quack's product 1\.500, two-pass kernel 0\.500\)"
+                     r"\s+loss, gradient against triton 0\.0e\+00 0\.0e\+00", out), out
+    assert re.search(r"gemm_lse\s+1\.000 ms\s+x2\.000 against triton\s+\(quack's product with the statistics 0\.750, "
+                     r"single pass 0\.250\)\s+loss, gradient against triton 5\.0e-01 0\.0e\+00", out), out

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from config import ConfigError, load_config
-from model import loss
+from model import loss, quack_linear
 from model.loss import IGNORE_INDEX, token_loss_sum
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
@@ -119,26 +119,58 @@ def test_liger_gets_bf16_operands_the_sum_reduction_and_fp32_accumulation(monkey
     assert len(calls) == 1
 
 
-def test_the_chunk_function_is_pytorch_when_eager_and_the_triton_kernel_in_compiled_cuda_training():
+def test_the_chunk_function_is_pytorch_when_eager_and_a_triton_kernel_in_compiled_cuda_training(monkeypatch):
     cpu = torch.device("cpu")
-    assert loss.chunk_function(False, "triton", CUDA) is loss.chunk_loss_and_grad  # the probe, eager
-    assert loss.chunk_function(True, "triton", CUDA) is loss.triton_chunk_loss_and_grad
-    assert loss.chunk_function(True, "triton", cpu) is loss.compiled_chunk_loss_and_grad()  # Triton is CUDA's
-    assert loss.chunk_function(True, "compiled", CUDA) is loss.compiled_chunk_loss_and_grad()
-    assert [loss.chunk_softmax_ran(*case) for case in [(False, "triton", CUDA), (True, "triton", CUDA),
-                                                       (True, "triton", cpu), (True, "compiled", CUDA)]] == \
-        ["eager", "triton", "compiled", "compiled"]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # a Hopper GPU
+    cases = {(False, "triton", CUDA, "torch"): "eager",  # the probe
+             (False, "gemm_lse", CUDA, "quack"): "eager",
+             (True, "triton", CUDA, "torch"): "triton",
+             (True, "triton", cpu, "torch"): "compiled",  # Triton is CUDA's
+             (True, "compiled", CUDA, "quack"): "compiled",
+             (True, "gemm_lse", CUDA, "quack"): "gemm_lse",
+             (True, "gemm_lse", CUDA, "torch"): "triton"}  # the log-sum-exp needs quack's logits
+    assert {case: loss.chunk_softmax_ran(*case) for case in cases} == cases
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert loss.chunk_softmax_ran(True, "gemm_lse", CUDA, "quack") == "triton"  # measured on Hopper only
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert loss.chunk_function(True, "gemm_lse", CUDA, "quack") is loss.gemm_lse_chunk_loss_and_grad
+    for compiled, softmax, device, linear, expected in [
+            (False, "triton", CUDA, "quack", loss.chunk_loss_and_grad),
+            (True, "triton", CUDA, "quack", loss.triton_chunk_loss_and_grad),
+            (True, "gemm_lse", CUDA, "torch", loss.triton_chunk_loss_and_grad),
+            (True, "triton", cpu, "torch", loss.compiled_chunk_loss_and_grad()),
+            (True, "compiled", CUDA, "torch", loss.compiled_chunk_loss_and_grad())]:
+        chosen = loss.chunk_function(compiled, softmax, device, linear)
+        assert chosen.func is loss.product_then_softmax
+        assert chosen.args == (quack_linear.PRODUCT[linear], expected), (compiled, softmax, device, linear)
 
 
 def test_the_config_names_the_softmax_choices_and_defaults_to_triton():
     assert load_config("conf/smoke.yaml").model.loss_softmax == "triton"
-    with pytest.raises(ConfigError, match="model.loss_softmax must be one of triton, compiled, not 'cuda'"):
+    with pytest.raises(ConfigError, match="model.loss_softmax must be one of triton, gemm_lse, compiled, not 'cuda'"):
         load_config("conf/smoke.yaml", ["model.loss_softmax=cuda"])
+
+
+def test_the_reference_for_quacks_logits_and_row_statistics_takes_them_from_the_fp32_logits():
+    torch.manual_seed(5)
+    rows = torch.randn(6, 16).bfloat16()
+    weight = torch.zeros(128, 16, dtype=torch.bfloat16)
+    weight[:100] = torch.randn(100, 16)
+    targets = torch.tensor([0, 99, IGNORE_INDEX, 5, 5, 42])
+    logits, lse, target_logit = loss.reference_logits_and_row_statistics(rows, weight, targets, 100)
+    exact = rows.float() @ weight[:100].float().t()
+    assert logits.dtype == torch.bfloat16 and bool(logits[:, 100:].isnan().all())  # unwritten, as quack leaves them
+    torch.testing.assert_close(logits[:, :100], exact.bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(lse, torch.logsumexp(exact, dim=-1))
+    assert target_logit[2].isnan() and target_logit[1] == exact[1, 99] and target_logit[5] == exact[5, 42]
 
 
 TRITON_INTERPRETED_CHECK = r"""
 import torch
+from model import loss
 from model.loss import IGNORE_INDEX, chunk_loss_and_grad
+from model.quack_linear import torch_product
 from model.triton_cross_entropy import loss_and_gradient_in_place
 
 torch.manual_seed(3)
@@ -155,12 +187,35 @@ for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
     torch.testing.assert_close(got_loss, expected_loss, rtol=1e-6, atol=1e-4)
     assert chunk.dtype == dtype and (chunk.float() - expected_grad.float()).abs().max() <= tolerance
     assert (chunk[:, vocab:] == 0).all() and (chunk[::4] == 0).all()  # padding and ignored rows: no gradient
+
+# the single pass, given each row's statistics, and the chunk function around it (quack's GEMM by its reference)
+loss.logits_and_row_statistics = loss.reference_logits_and_row_statistics
+hidden, weight = torch.randn(rows, 16), torch.zeros(padded, 16)
+weight[:vocab] = torch.randn(vocab, 16)
+valid = targets != IGNORE_INDEX
+for dtype in (torch.float32, torch.bfloat16):
+    exact_logits = hidden.to(dtype).double() @ weight[:vocab].to(dtype).double().t()  # the same operands, exactly
+    exact_grad = (exact_logits.softmax(-1) - torch.nn.functional.one_hot(targets.clamp(min=0), vocab)) * valid[:, None]
+    expected_loss, expected_grad = loss.product_then_softmax(torch_product, chunk_loss_and_grad, hidden.to(dtype),
+                                                            weight.to(dtype), targets, vocab, dtype)
+    got_loss, got_grad = loss.gemm_lse_chunk_loss_and_grad(hidden.to(dtype), weight.to(dtype), targets, vocab, dtype)
+    assert got_grad.dtype == dtype and (got_grad[:, vocab:] == 0).all() and (got_grad[::4] == 0).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got_loss, expected_loss, rtol=1e-6, atol=1e-4)
+        assert (got_grad - expected_grad).abs().max() <= 1e-6
+    else:  # the statistics are the fp32 logits', the plain path's those of their rounding
+        exact_loss = (torch.logsumexp(exact_logits, -1) - exact_logits.gather(1, targets.clamp(min=0)[:, None])[:, 0])
+        exact_loss = exact_loss[valid].sum()
+        assert abs(got_loss.double() - exact_loss) <= 1e-5 * exact_loss  # the plain path's: within its rounding
+        # each element: its logit's bf16 rounding (2^-8 relative) in the exponent, and the gradient's own rounding
+        bound = 1.1 * exact_logits.softmax(-1) * torch.expm1(2**-8 * exact_logits.abs()) + 2**-8 * exact_grad.abs()
+        assert bool(((got_grad[:, :vocab].double() - exact_grad).abs() <= bound + 1e-6).all())
 print("same")
 """
 
 
-def test_the_triton_chunk_kernel_matches_the_pytorch_chunk_function_in_tritons_interpreter():
-    """The kernel's arithmetic on the CPU, through Triton's interpreter (where Triton is installed;
+def test_the_triton_chunk_kernels_match_the_pytorch_chunk_function_in_tritons_interpreter():
+    """The two kernels' arithmetic on the CPU, through Triton's interpreter (where Triton is installed;
     tests/gpu runs it compiled on a GPU)."""
     import importlib.util
     import os

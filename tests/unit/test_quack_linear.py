@@ -44,7 +44,7 @@ def test_compiled_training_routes_qkv_and_every_chunk_of_logits_through_quack_an
     monkeypatch.setattr(fused_mlp, "quack_unavailable_reason", lambda device, dtype, width: None)
     monkeypatch.setitem(quack_linear.PRODUCT, "quack", recording)
     monkeypatch.setattr(GPT, "compute_dtype", lambda self, device: torch.bfloat16)  # as under CUDA autocast
-    monkeypatch.setattr(loss, "chunk_function", lambda compiled, softmax, device: loss.chunk_loss_and_grad)
+    monkeypatch.setattr(loss, "compiled_chunk_loss_and_grad", lambda: loss.chunk_loss_and_grad)  # CPU: not compiled
     torch.manual_seed(0)
     shape = dict(vocab_size=64, n_layer=3, n_head=2, n_embd=16, max_seq_len=8, residual_in_fp32=True,
                  loss_chunk_tokens=6, mlp_kernel="torch")

@@ -41,6 +41,7 @@ from config import ConfigError
 from model import fused_mlp
 from model import loss as loss_module
 from model.flops import training_flops
+from model.gpt import GPTConfig
 from pipeline.feeder import UpdateFeeder
 from pipeline.stages import ValidationPool
 from runtime import device_policy, training_run
@@ -88,8 +89,9 @@ LOSS_VARIANTS = ("chunked", "chunked-compiled", *[k for k in loss_module.CHOICES
 
 
 def loss_settings(variant: str) -> tuple[str, str]:
-    """``model.loss_kernel`` and ``model.loss_softmax`` for a name of LOSS_VARIANTS."""
-    return ("chunked", "compiled") if variant == "chunked-compiled" else (variant, "triton")
+    """``model.loss_kernel`` and ``model.loss_softmax`` for a name of LOSS_VARIANTS: "chunked" takes the default
+    softmax, "chunked-compiled" inductor's."""
+    return ("chunked", "compiled") if variant == "chunked-compiled" else (variant, GPTConfig.loss_softmax)
 
 
 def use_loss_variant(model_config, variant: str) -> None:
@@ -432,7 +434,7 @@ def variant_overrides(variant: str) -> list[str]:
 
 
 def recommend(result: dict, microbatch: int) -> list[str]:
-    """The overrides that paid: a loss variant at least 1 % faster than the chunked loss (Triton softmax)
+    """The overrides that paid: a loss variant at least 1 % faster than the chunked loss (default softmax)
     whose held-out loss is within three times the chunked runs' own difference (0.2 % at least); the
     fastest activation_memory_budget X that is 1 % faster than the run it varies and stays within
     0.30 MiB of peak memory per microbatch token."""

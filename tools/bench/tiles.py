@@ -13,7 +13,9 @@ Usage (GPU, with quack-kernels and flash-attn-4 installed):
     python -m tools bench tiles --gelu                   the same two products, the model's tiles, under each
                                                          GELU formula (and a ReLU and none as floors)
     python -m tools bench tiles --attention [--only NAME] FA4's forward tiles and backward configurations
-    python -m tools bench tiles --softmax                the chunk softmax's columns per block and warps
+    python -m tools bench tiles --softmax                the chunk softmax's columns per block and warps, and the
+                                                         head's chunk with each row's log-sum-exp from quack's
+                                                         epilogue against the two-pass softmax
     python -m tools bench tiles --products               the head's logits, qkv and the attention's output
                                                          projection: cuBLAS against quack's tiles
 """
@@ -295,6 +297,64 @@ def softmax(args) -> None:
               f"compiled {row['loss_vs_compiled']:.1e} {row['grad_vs_compiled']:.1e}", flush=True)
 
 
+def head_chunk_shape() -> tuple[int, int]:
+    """(rows, vocabulary) of one chunk of the head at the defaults."""
+    from model.gpt import GPTConfig
+
+    config = GPTConfig()
+    return config.loss_chunk_tokens, config.vocab_size
+
+
+def head_chunk(args, device: torch.device | None = None) -> None:
+    """One chunk of the head (16,384 rows of the model's width against the padded GPT-2 vocabulary) from its rows
+    to its loss and logits gradient, both ways ``model.loss_softmax`` offers with quack's logits: quack's product,
+    then the two-pass Triton kernel ("triton"), against quack's product with each row's log-sum-exp from its
+    epilogue and the target logits, then the single pass ("gemm_lse"); each part alone, and the single pass's loss
+    and gradient against the two-pass kernel's."""
+    from model.loss import IGNORE_INDEX, padded_vocab_size
+
+    device = device or torch.device("cuda")
+    if quack_missing("tiles --softmax (the head's chunk)", device, WIDTH):
+        return
+    from model import quack_linear, quack_lse
+    from model.triton_cross_entropy import gradient_in_place, loss_and_gradient_in_place
+
+    rows, vocab = head_chunk_shape()
+    padded = padded_vocab_size(vocab)
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(rows, WIDTH, device=device, generator=gen).bfloat16()
+    weight = torch.zeros(padded, WIDTH, device=device, dtype=torch.bfloat16)
+    weight[:vocab] = 0.1 * torch.randn(vocab, WIDTH, device=device, generator=gen)
+    targets = torch.randint(0, vocab, (rows,), device=device, generator=gen)
+    targets[::50] = IGNORE_INDEX
+
+    def two_pass():
+        logits = quack_linear.quack_product(hidden, weight)
+        return loss_and_gradient_in_place(logits, targets, vocab, IGNORE_INDEX), logits
+
+    def one_pass():
+        logits, lse, target_logit = quack_lse.logits_and_row_statistics(hidden, weight, targets, vocab)
+        return gradient_in_place(logits, lse, target_logit, targets, vocab, IGNORE_INDEX), logits
+
+    logits, lse, target_logit = quack_lse.logits_and_row_statistics(hidden, weight, targets, vocab)
+    parts = {"triton": {"quack's product": lambda: quack_linear.quack_product(hidden, weight),
+                        "two-pass kernel": lambda: loss_and_gradient_in_place(logits, targets, vocab, IGNORE_INDEX)},
+             "gemm_lse": {"quack's product with the statistics": lambda: quack_lse.logits_and_row_statistics(
+                              hidden, weight, targets, vocab),
+                          "single pass": lambda: gradient_in_place(logits, lse, target_logit, targets, vocab,
+                                                                   IGNORE_INDEX)}}
+    print(f"\nthe head's chunk, {rows} x {WIDTH} -> {padded}, rows to loss and logits gradient:", flush=True)
+    found = {name: measured(name, fn, args.repeats) for name, fn in (("triton", two_pass), ("gemm_lse", one_pass))}
+    if None in found.values():
+        return
+    (expected_loss, expected_grad), base_ms = found["triton"]
+    for name, ((got_loss, got_grad), ms) in found.items():
+        timed = [(part, measured(part, fn, args.repeats)) for part, fn in parts[name].items()]  # the buffers' values
+        pieces = ", ".join(f"{part} {result[1]:.3f}" for part, result in timed if result is not None)  # no longer matter
+        print(f"  {name:<10} {ms:7.3f} ms  x{base_ms / ms:.3f} against triton  ({pieces})  loss, gradient against "
+              f"triton {relative(got_loss, expected_loss):.1e} {relative(got_grad, expected_grad):.1e}", flush=True)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools bench tiles", description=__doc__.splitlines()[0])
     parser.add_argument("--mlp", action="store_true", help="quack's GELU epilogue products")
@@ -324,6 +384,7 @@ def main(argv: list[str]) -> int:
         attention(args)
     if args.softmax:
         softmax(args)
+        head_chunk(args)
     if args.products:
         products(args)
     return 0
