@@ -13,7 +13,7 @@ import yaml
 import cli
 from config import ConfigError, RunConfig, bundle_path, load_config
 
-from tests.helpers import ROOT, TINY, as_args, as_yaml
+from tests.helpers import ROOT, TINY, as_args
 
 # GPTConfig's fields that the model package's rework documents; strict: the test fails once they have a docstring.
 KEYS = [key for key, *_ in cli.config_keys(RunConfig)]
