@@ -109,12 +109,6 @@ def token_loss_sum(
     return sum(cross_entropy_sum(h, head_weight, t) for h, t in chunks)
 
 
-def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """The dtype the head's products run in: autocast's where it is on, else the tensor's."""
-    device = tensor.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensor.dtype
-
-
 def fused_loss_sum(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, kernel: str):
     """The summed loss through Liger's or Cut Cross-Entropy's kernel, on bf16 operands (``choose``
     takes them only for bf16 runs): the fp32 weight is cast once per call and autograd carries its
@@ -257,14 +251,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     nothing is recomputed in backward. Under autocast the matmuls run in the autocast dtype, as
     F.linear would; the softmax and the sums stay in fp32 (at least). The vocabulary is padded to
     a multiple of VOCAB_ALIGNMENT inside the computation: with 50257 columns the GEMMs fall back
-    to slow unaligned kernels.
+    to slow unaligned kernels. ``chunk_fn`` (``chunk_function``) computes each chunk's logits,
+    loss and logits gradient.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens, chunk_fn=None):
-        chunk_fn = chunk_fn or functools.partial(product_then_softmax, quack_linear.torch_product, chunk_loss_and_grad)
+    def forward(ctx, hidden, weight, targets, chunk_tokens, chunk_fn):
         device = hidden.device.type
-        dtype = compute_dtype(hidden)
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
         exact = torch.promote_types(dtype, torch.float32)
         vocab, width = weight.shape
         padded = padded_vocab_size(vocab)

@@ -328,19 +328,24 @@ def head_chunk(args, device: torch.device | None = None) -> None:
     targets = torch.randint(0, vocab, (rows,), device=device, generator=gen)
     targets[::50] = IGNORE_INDEX
 
+    def product():
+        return quack_linear.quack_product(hidden, weight)
+
+    def statistics():
+        return quack_lse.logits_and_row_statistics(hidden, weight, targets, vocab)
+
     def two_pass():
-        logits = quack_linear.quack_product(hidden, weight)
+        logits = product()
         return loss_and_gradient_in_place(logits, targets, vocab, IGNORE_INDEX), logits
 
     def one_pass():
-        logits, lse, target_logit = quack_lse.logits_and_row_statistics(hidden, weight, targets, vocab)
+        logits, lse, target_logit = statistics()
         return gradient_in_place(logits, lse, target_logit, targets, vocab, IGNORE_INDEX), logits
 
-    logits, lse, target_logit = quack_lse.logits_and_row_statistics(hidden, weight, targets, vocab)
-    parts = {"triton": {"quack's product": lambda: quack_linear.quack_product(hidden, weight),
+    logits, lse, target_logit = statistics()
+    parts = {"triton": {"quack's product": product,
                         "two-pass kernel": lambda: loss_and_gradient_in_place(logits, targets, vocab, IGNORE_INDEX)},
-             "gemm_lse": {"quack's product with the statistics": lambda: quack_lse.logits_and_row_statistics(
-                              hidden, weight, targets, vocab),
+             "gemm_lse": {"quack's product with the statistics": statistics,
                           "single pass": lambda: gradient_in_place(logits, lse, target_logit, targets, vocab,
                                                                    IGNORE_INDEX)}}
     print(f"\nthe head's chunk, {rows} x {WIDTH} -> {padded}, rows to loss and logits gradient:", flush=True)
