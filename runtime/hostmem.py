@@ -133,13 +133,14 @@ def host_budget_problem(budget_gib: float, gpus: int, output_bytes: float) -> st
 # needs tens of GiB there: the machine's own OOM killer, not a message, would end it. A process's
 # peak RSS in the probe (two eager fp32 steps on worst-case rows) fits this model, checked against
 # measured peaks in docs/PERFORMANCE.md ("Host memory"):
-#   0.37 GiB imported + 16 B per parameter (weights, gradients, AdamW's two moments)
+#   0.40 GiB imported + 16 B per parameter (weights, gradients, AdamW's two moments)
 #   + tokens x layers x width x 20 fp32 values (the blocks' saved activations)
-#   + min(tokens, loss chunk) x padded vocabulary x 3.5 fp32 values (logits, their softmax and gradient)
+#   + min(tokens, loss chunk) x padded vocabulary x 2.5 fp32 values (a chunk's logits, and the copy its softmax
+#     and gradient are computed in: the logits are let go before the gradient's products)
 #   + rows x row length^2 x heads x layers x 0.5 fp32 values (SDPA with a document mask).
-CPU_PROCESS_GIB = 0.37
+CPU_PROCESS_GIB = 0.40
 CPU_FP32_PER_TOKEN_LAYER_WIDTH = 20
-CPU_FP32_PER_LOGIT = 3.5
+CPU_FP32_PER_LOGIT = 2.5
 CPU_FP32_PER_ATTENTION_PAIR = 0.5
 
 
