@@ -80,13 +80,12 @@ class GPTConfig:
     """The LM head + cross-entropy in training: chunked (PyTorch), liger (liger-kernel) or cce
     (cut-cross-entropy); the packages run on CUDA in bf16 and are an error where they do not import. CPU, fp32
     and fp16 runs always take chunked"""
-    loss_softmax: loss.Softmax = "triton"
-    """Compiled CUDA training with the chunked loss: each chunk's softmax and gradient as one Triton kernel that reads
-    the logits twice and writes the gradient over them (triton); as one Triton pass over logits whose log-sum-exp
-    quack's GEMM computed in its epilogue (gemm_lse: 1.5 % faster, but its gradient carries the logits' bf16 rounding
-    uncancelled, docs/configuration.md; where quack computes the logits, model.linear_kernel, on Hopper; else
-    triton); or as inductor-compiled PyTorch (compiled). Eager runs take plain PyTorch; run_record.json names what
-    ran"""
+    loss_softmax: loss.Softmax = "gemm_lse"
+    """Compiled CUDA training with the chunked loss: each chunk's softmax and gradient as one Triton pass over logits
+    whose log-sum-exp quack's GEMM computed in its epilogue (gemm_lse: where quack computes the logits,
+    model.linear_kernel, in bf16 on Hopper; else triton); as one Triton kernel that reads the logits twice and writes
+    the gradient over them (triton); or as inductor-compiled PyTorch (compiled). Eager runs take plain PyTorch;
+    run_record.json names what ran"""
     compile_scope: CompileScope = "trunk"
     """What torch.compile takes: trunk (one graph) or blocks (one graph all blocks share: compiles sooner, needs
     more GPU memory)"""
@@ -288,7 +287,8 @@ class GPT(nn.Module):
         if torch.is_grad_enabled():
             self.loss_kernel = kernel
             self.loss_softmax = (loss.chunk_softmax_ran(self._compiled_trunk is not None, self.config.loss_softmax,
-                                                        hidden.device, linear) if kernel == "chunked" else None)
+                                                        hidden.device, linear, self.compute_dtype(hidden.device))
+                                 if kernel == "chunked" else None)
         return loss.token_loss_sum(hidden, self.lm_head_weight, batch["targets"], self.config.loss_chunk_tokens,
                                    kernel, compiled=self._compiled_trunk is not None,
                                    softmax=self.config.loss_softmax, linear=linear)

@@ -16,11 +16,11 @@ loss (``choose``, ``model.loss_kernel``):
 Validation (no gradients) always takes the chunked path.
 
 Inside the chunked loss, each chunk's softmax and its gradient (``model.loss_softmax``) run in
-compiled CUDA training as one Triton kernel that reads the logits twice and writes the gradient over
-them (``"triton"``, the default: ``model.triton_cross_entropy``); as a single Triton pass over logits
-whose log-sum-exp quack's GEMM computed in its epilogue (``"gemm_lse"``: ``model.quack_lse``; where
-quack computes the logits, on Hopper; else ``"triton"``); or as the inductor-compiled PyTorch
-function (``"compiled"``). Eager runs (CPU, the probe) take the PyTorch function as it is.
+compiled CUDA training as a single Triton pass over logits whose log-sum-exp quack's GEMM computed in
+its epilogue (``"gemm_lse"``, the default: ``model.quack_lse``; where quack computes the logits, in
+bf16 on Hopper; else ``"triton"``); as one Triton kernel that reads the logits twice and writes the
+gradient over them (``"triton"``: ``model.triton_cross_entropy``); or as the inductor-compiled
+PyTorch function (``"compiled"``). Eager runs (CPU, the probe) take the PyTorch function as it is.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ VOCAB_ALIGNMENT = 128  # padded vocabulary keeps the head's matmuls on the align
 Kernel = Literal["chunked", "liger", "cce"]  # model.loss_kernel
 CHOICES = get_args(Kernel)
 Softmax = Literal["triton", "gemm_lse", "compiled"]  # model.loss_softmax
-GEMM_LSE_COMPUTE_CAPABILITY = 9  # Hopper: where model.quack_lse was measured (docs/PERFORMANCE.md)
+GEMM_LSE_COMPUTE_CAPABILITY = 9  # Hopper: quack hands its epilogue functions single fp32 values (model.quack_lse)
 SOFTMAX_CHOICES = get_args(Softmax)
 PACKAGES = {"liger": ("liger-kernel", "liger_kernel.ops.fused_linear_cross_entropy"),
             "cce": ("cut-cross-entropy", "cut_cross_entropy")}
@@ -103,10 +103,16 @@ def token_loss_sum(
     if not chunk_tokens:
         return cross_entropy_sum(hidden, head_weight, targets)
     if torch.is_grad_enabled():  # a batch of at most chunk_tokens is one chunk: still no saved logits
-        chunk_fn = chunk_function(compiled, softmax, hidden.device, linear)
+        chunk_fn = chunk_function(compiled, softmax, hidden.device, linear, compute_dtype(hidden))
         return ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, chunk_tokens, chunk_fn)
     chunks = zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
     return sum(cross_entropy_sum(h, head_weight, t) for h, t in chunks)
+
+
+def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype the head's products run in: autocast's where it is on, else the tensor's."""
+    device = tensor.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensor.dtype
 
 
 def fused_loss_sum(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, kernel: str):
@@ -154,28 +160,30 @@ def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_size:
     return loss, grad.to(dtype)
 
 
-def chunk_softmax_ran(compiled: bool, softmax: str, device: torch.device, linear: str = "torch") -> str:
+def chunk_softmax_ran(compiled: bool, softmax: str, device: torch.device, linear: str = "torch",
+                      dtype: torch.dtype = torch.bfloat16) -> str:
     """What ``chunk_function`` takes for these arguments, by name: "eager", "triton", "gemm_lse" or
-    "compiled". "gemm_lse" needs the logits from quack's GEMM (``linear``, which runs in half precision
-    only) on Hopper (``model.quack_lse``); elsewhere on CUDA it is "triton"."""
+    "compiled". "gemm_lse" needs the logits from quack's GEMM (``linear``) in bf16 on Hopper
+    (``model.quack_lse``); elsewhere on CUDA it is "triton"."""
     if not compiled:
         return "eager"
     if softmax == "compiled" or device.type != "cuda":
         return "compiled"
-    if softmax == "gemm_lse" and linear == "quack" \
+    if softmax == "gemm_lse" and linear == "quack" and dtype == torch.bfloat16 \
             and torch.cuda.get_device_capability(device)[0] == GEMM_LSE_COMPUTE_CAPABILITY:
         return "gemm_lse"
     return "triton"
 
 
-def chunk_function(compiled: bool, softmax: str, device: torch.device, linear: str = "torch") -> Callable:
+def chunk_function(compiled: bool, softmax: str, device: torch.device, linear: str = "torch",
+                   dtype: torch.dtype = torch.bfloat16) -> Callable:
     """What computes one chunk's loss and logits gradient from its rows and the padded head,
     ``(rows, padded_weight, targets, vocab_size, dtype) -> (loss, grad_logits)``: the logits by
     ``linear``'s product, then the PyTorch function in eager runs; in compiled training the Triton
     kernel on CUDA when ``softmax`` is "triton" (or "gemm_lse" where that cannot run), else the
     function compiled by inductor; or, for "gemm_lse" (``chunk_softmax_ran``), the logits with their
-    log-sum-exp from quack's GEMM, the target logits, and the Triton kernel's single pass."""
-    ran = chunk_softmax_ran(compiled, softmax, device, linear)
+    log-sum-exp from quack's GEMM and the Triton kernel's single pass."""
+    ran = chunk_softmax_ran(compiled, softmax, device, linear, dtype)
     if ran == "gemm_lse":
         return gemm_lse_chunk_loss_and_grad
     softmax_fn = {"eager": chunk_loss_and_grad, "triton": triton_chunk_loss_and_grad}.get(ran)
@@ -200,36 +208,29 @@ def triton_chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, voca
 
 def gemm_lse_chunk_loss_and_grad(rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
                                  dtype: torch.dtype):
-    """One chunk: its logits with each row's log-sum-exp (from quack's GEMM) and target logit, both of the fp32
-    logits (``logits_and_row_statistics``), then the Triton kernel's single pass, which writes the gradient over
-    the logits."""
+    """One chunk (bf16): its logits with each row's log-sum-exp from one quack GEMM (``logits_and_log_normalizer``),
+    then the Triton kernel's single pass, which writes the gradient over the logits."""
     from model.triton_cross_entropy import gradient_in_place  # Triton: CUDA builds of PyTorch only
 
-    logits, log_normalizer, target_logit = logits_and_row_statistics(rows, weight, targets, vocab_size)
-    loss = gradient_in_place(logits, log_normalizer, target_logit, targets, vocab_size, IGNORE_INDEX)
+    logits, log_normalizer = logits_and_log_normalizer(rows, weight, vocab_size)
+    loss = gradient_in_place(logits, log_normalizer, targets, vocab_size, IGNORE_INDEX)
     return loss, logits.to(dtype)
 
 
-def logits_and_row_statistics(rows: torch.Tensor, padded_weight: torch.Tensor, targets: torch.Tensor,
-                              vocab_size: int):
-    """``model.quack_lse.logits_and_row_statistics``, imported on first use (it imports quack and the CuTe DSL);
-    tests swap in ``reference_logits_and_row_statistics`` where quack is absent."""
+def logits_and_log_normalizer(rows: torch.Tensor, padded_weight: torch.Tensor, vocab_size: int):
+    """``model.quack_lse.logits_and_log_normalizer``, imported on first use (it imports quack and the CuTe DSL);
+    tests swap in ``reference_logits_and_log_normalizer`` where quack is absent."""
     from model import quack_lse
 
-    return quack_lse.logits_and_row_statistics(rows, padded_weight, targets, vocab_size)
+    return quack_lse.logits_and_log_normalizer(rows, padded_weight, vocab_size)
 
 
-def reference_logits_and_row_statistics(rows: torch.Tensor, padded_weight: torch.Tensor, targets: torch.Tensor,
-                                        vocab_size: int):
-    """What ``logits_and_row_statistics`` computes, in PyTorch: the logits in the rows' dtype (NaN past the
-    vocabulary, where quack's are left unwritten), and from the fp32 logits each row's log-sum-exp over the
-    vocabulary and its target's logit (NaN where the target is ignored)."""
-    exact = rows.float() @ padded_weight.float().t()
-    logits = exact.to(rows.dtype)
+def reference_logits_and_log_normalizer(rows: torch.Tensor, padded_weight: torch.Tensor, vocab_size: int):
+    """What ``logits_and_log_normalizer`` computes, in PyTorch: the logits in the rows' dtype (NaN past the
+    vocabulary, where quack's are left unwritten), and each row's log-sum-exp of those logits, in fp32."""
+    logits = rows @ padded_weight.t()
     logits[:, vocab_size:] = float("nan")
-    valid = targets != IGNORE_INDEX
-    target_logit = exact.gather(1, torch.where(valid, targets, 0)[:, None]).squeeze(1)
-    return logits, torch.logsumexp(exact[:, :vocab_size], dim=-1), torch.where(valid, target_logit, float("nan"))
+    return logits, torch.logsumexp(logits[:, :vocab_size].float(), dim=-1)
 
 
 _compiled_chunk: Callable | None = None
@@ -257,12 +258,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_tokens, chunk_fn):
-        device = hidden.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        dtype = compute_dtype(hidden)
         exact = torch.promote_types(dtype, torch.float32)
         vocab, width = weight.shape
         padded = padded_vocab_size(vocab)
-        with torch.autocast(device_type=device, enabled=False):
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
             w = torch.zeros(padded, width, dtype=dtype, device=weight.device)
             w[:vocab] = weight
             grad_hidden = torch.empty_like(hidden)

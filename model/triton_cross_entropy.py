@@ -7,8 +7,8 @@ Here one program per row reads the row twice and writes it once: an online max a
 exponentials, then the gradient written over the logits it was computed from. Triton ships with
 every CUDA build of PyTorch, so this needs nothing RunFab's image lacks.
 
-Where each row's log-sum-exp and target logit come with the logits (``model.quack_lse``: quack's GEMM
-computes the first in its epilogue), ``gradient_in_place`` reads the row once and writes it once.
+Where each row's log-sum-exp comes with the logits (quack's GEMM computes it in its epilogue:
+``model.quack_lse``), ``gradient_in_place`` reads the row once and writes it once.
 
 Columns at or past ``vocab`` are the padding of the LM head (zero rows of the weight): they take
 no probability and get a zero gradient. Rows whose target is ``ignore_index`` take no loss and
@@ -77,30 +77,29 @@ def loss_and_gradient_in_place(logits: torch.Tensor, targets: torch.Tensor, voca
 
 
 @triton.jit
-def _gradient_rows(logits, log_normalizers, target_logits, row_loss, targets, row_stride, vocab, padded, ignore_index,
+def _gradient_rows(logits, log_normalizers, row_loss, targets, row_stride, vocab, padded, ignore_index,
                    BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     start_of_row = logits + row * row_stride
     target = tl.load(targets + row)
     valid = target != ignore_index
     log_normalizer = tl.load(log_normalizers + row)
-    tl.store(row_loss + row, tl.where(valid, log_normalizer - tl.load(target_logits + row), 0.0))
-
+    target_logit = tl.load(start_of_row + tl.where(valid, target, 0)).to(tl.float32)
+    tl.store(row_loss + row, tl.where(valid, log_normalizer - target_logit, 0.0))
+    tl.debug_barrier()  # every warp has read the target's logit before any warp overwrites it
     _write_gradient(start_of_row, log_normalizer, target, valid, vocab, padded, BLOCK)
 
 
-def gradient_in_place(logits: torch.Tensor, log_normalizers: torch.Tensor, target_logits: torch.Tensor,
-                      targets: torch.Tensor, vocab_size: int, ignore_index: int, block_columns: int = BLOCK_COLUMNS,
-                      warps: int = WARPS) -> torch.Tensor:
-    """``loss_and_gradient_in_place`` given each row's log-sum-exp over its first ``vocab_size`` logits and its
-    target's logit (``log_normalizers``, ``target_logits``: [rows] fp32, the latter read only where the target is
-    not ``ignore_index``): one read and one write of ``logits``, whose columns past ``vocab_size`` are not read."""
+def gradient_in_place(logits: torch.Tensor, log_normalizers: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                      ignore_index: int, block_columns: int = BLOCK_COLUMNS, warps: int = WARPS) -> torch.Tensor:
+    """``loss_and_gradient_in_place`` given each row's log-sum-exp over its first ``vocab_size`` logits
+    (``log_normalizers`` [rows] fp32): one read and one write of ``logits``, whose columns past ``vocab_size``
+    are not read."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError("the Triton cross-entropy takes logits [rows, columns] with contiguous rows")
     rows, padded = logits.shape
     row_loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
-        _gradient_rows[(rows,)](logits, log_normalizers.contiguous(), target_logits.contiguous(), row_loss,
-                                targets.contiguous(), logits.stride(0), vocab_size, padded, ignore_index,
-                                BLOCK=block_columns, num_warps=warps)
+        _gradient_rows[(rows,)](logits, log_normalizers.contiguous(), row_loss, targets.contiguous(), logits.stride(0),
+                                vocab_size, padded, ignore_index, BLOCK=block_columns, num_warps=warps)
     return row_loss.sum()

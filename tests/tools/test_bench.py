@@ -168,7 +168,7 @@ def test_step_variants_recommends_only_what_is_faster_learns_the_same_and_fits()
                            "budget-0.9": step_run(507_000, peak_gib=36.0), "budget-0.8": step_run(502_000),
                            "max-autotune-triton": step_run(530_000)}}
     # cce is faster but learns worse; budget-1 is faster but too large; budget-0.9 pays; max-autotune is not a budget
-    assert step_variants.recommend(result, 32) == ["model.loss_kernel=chunked", "model.loss_softmax=triton",
+    assert step_variants.recommend(result, 32) == ["model.loss_kernel=chunked", "model.loss_softmax=gemm_lse",
                                                    "model.activation_memory_budget=0.9"]
     result["loss_kernels"]["chunked-compiled"] = step_run(510_000)
     assert step_variants.recommend(result, 32)[:2] == ["model.loss_kernel=chunked", "model.loss_softmax=compiled"]
@@ -426,12 +426,12 @@ def test_tiles_head_chunk_times_both_softmax_routes_and_holds_the_single_pass_to
         logits.copy_(grad)
         return value
 
-    def single_pass(logits, lse, target_logit, targets, vocab, ignore_index):
+    def single_pass(logits, lse, targets, vocab, ignore_index):
         value = two_pass(logits, targets, vocab, ignore_index)
         return value * 1.5  # a single pass that is off: reported against the two-pass
 
     monkeypatch.setitem(sys.modules, "model.quack_lse", types.SimpleNamespace(
-        logits_and_row_statistics=loss.reference_logits_and_row_statistics))
+        logits_and_log_normalizer=loss.reference_logits_and_log_normalizer))
     monkeypatch.setitem(sys.modules, "model.triton_cross_entropy", types.SimpleNamespace(
         loss_and_gradient_in_place=two_pass, gradient_in_place=single_pass))
     monkeypatch.setattr(quack_linear, "quack_product", quack_linear.torch_product)
@@ -446,5 +446,5 @@ def test_tiles_head_chunk_times_both_softmax_routes_and_holds_the_single_pass_to
     assert "32 x 16 -> 256" in out
     assert re.search(r"triton\s+2\.000 ms\s+x1\.000 against triton\s+\(quack's product 1\.500, two-pass kernel 0\.500\)"
                      r"\s+loss, gradient against triton 0\.0e\+00 0\.0e\+00", out), out
-    assert re.search(r"gemm_lse\s+1\.000 ms\s+x2\.000 against triton\s+\(quack's product with the statistics 0\.750, "
+    assert re.search(r"gemm_lse\s+1\.000 ms\s+x2\.000 against triton\s+\(quack's product with the log-sum-exp 0\.750, "
                      r"single pass 0\.250\)\s+loss, gradient against triton 5\.0e-01 0\.0e\+00", out), out

@@ -130,8 +130,9 @@ def test_the_chunk_function_is_pytorch_when_eager_and_a_triton_kernel_in_compile
              (True, "gemm_lse", CUDA, "quack"): "gemm_lse",
              (True, "gemm_lse", CUDA, "torch"): "triton"}  # the log-sum-exp needs quack's logits
     assert {case: loss.chunk_softmax_ran(*case) for case in cases} == cases
+    assert loss.chunk_softmax_ran(True, "gemm_lse", CUDA, "quack", torch.float16) == "triton"  # it rounds to bf16
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
-    assert loss.chunk_softmax_ran(True, "gemm_lse", CUDA, "quack") == "triton"  # measured on Hopper only
+    assert loss.chunk_softmax_ran(True, "gemm_lse", CUDA, "quack") == "triton"  # quack passes Blackwell pairs
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert loss.chunk_function(True, "gemm_lse", CUDA, "quack") is loss.gemm_lse_chunk_loss_and_grad
@@ -146,24 +147,41 @@ def test_the_chunk_function_is_pytorch_when_eager_and_a_triton_kernel_in_compile
         assert chosen.args == (quack_linear.PRODUCT[linear], expected), (compiled, softmax, device, linear)
 
 
-def test_the_config_names_the_softmax_choices_and_defaults_to_triton():
-    assert load_config("conf/smoke.yaml").model.loss_softmax == "triton"
+def test_the_config_names_the_softmax_choices_and_defaults_to_gemm_lse():
+    assert load_config("conf/smoke.yaml").model.loss_softmax == "gemm_lse"
     with pytest.raises(ConfigError, match="model.loss_softmax must be one of triton, gemm_lse, compiled, not 'cuda'"):
         load_config("conf/smoke.yaml", ["model.loss_softmax=cuda"])
 
 
-def test_the_reference_for_quacks_logits_and_row_statistics_takes_them_from_the_fp32_logits():
+def test_the_log_sum_exp_epilogues_rounding_is_bf16s_round_to_nearest_even():
+    """model/quack_lse.py folds each logit as its Veltkamp split rounds it; the store rounds to nearest even. Every
+    fp32 value of four whole binades (around 1, negative, the smallest normal, and 2^23-2^24, past any logit) holds
+    2^15 ties each; below them (subnormal, under 1.2e-38) the split may miss bf16's grid by less than its spacing,
+    2^-133, which changes no exponential."""
+    import numpy as np
+
+    from model import quack_lse
+
+    def binades(*starts):
+        return torch.from_numpy(np.concatenate([np.arange(start, start + 2**23, dtype=np.uint32) for start in starts])
+                                .view(np.float32))
+
+    normal = binades(0x3F800000, 0xC1000000, 0x00800000, 0x4B000000)
+    torch.testing.assert_close(quack_lse.rounded_like_the_epilogue(normal), normal.bfloat16().float(), rtol=0, atol=0)
+    subnormal = binades(0x00000000)
+    assert (quack_lse.rounded_like_the_epilogue(subnormal) - subnormal.bfloat16().float()).abs().max() < 2.0**-133
+    assert "mul.rn.f32 c, $1, 0f47800080;" in quack_lse._ROUND_TO_BF16  # 65537.0's bits, in the kernel's split
+
+
+def test_the_reference_for_quacks_logits_with_their_log_sum_exp_leaves_the_padding_and_rounds_first():
     torch.manual_seed(5)
     rows = torch.randn(6, 16).bfloat16()
     weight = torch.zeros(128, 16, dtype=torch.bfloat16)
     weight[:100] = torch.randn(100, 16)
-    targets = torch.tensor([0, 99, IGNORE_INDEX, 5, 5, 42])
-    logits, lse, target_logit = loss.reference_logits_and_row_statistics(rows, weight, targets, 100)
-    exact = rows.float() @ weight[:100].float().t()
+    logits, lse = loss.reference_logits_and_log_normalizer(rows, weight, 100)
     assert logits.dtype == torch.bfloat16 and bool(logits[:, 100:].isnan().all())  # unwritten, as quack leaves them
-    torch.testing.assert_close(logits[:, :100], exact.bfloat16(), rtol=0, atol=0)
-    torch.testing.assert_close(lse, torch.logsumexp(exact, dim=-1))
-    assert target_logit[2].isnan() and target_logit[1] == exact[1, 99] and target_logit[5] == exact[5, 42]
+    torch.testing.assert_close(logits[:, :100], rows @ weight[:100].t(), rtol=0, atol=0)
+    torch.testing.assert_close(lse, torch.logsumexp(logits[:, :100].float(), dim=-1))
 
 
 TRITON_INTERPRETED_CHECK = r"""
@@ -188,28 +206,17 @@ for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
     assert chunk.dtype == dtype and (chunk.float() - expected_grad.float()).abs().max() <= tolerance
     assert (chunk[:, vocab:] == 0).all() and (chunk[::4] == 0).all()  # padding and ignored rows: no gradient
 
-# the single pass, given each row's statistics, and the chunk function around it (quack's GEMM by its reference)
-loss.logits_and_row_statistics = loss.reference_logits_and_row_statistics
+# the single pass, given each row's log-sum-exp, and the chunk function around it (quack's GEMM by its reference)
+loss.logits_and_log_normalizer = loss.reference_logits_and_log_normalizer
 hidden, weight = torch.randn(rows, 16), torch.zeros(padded, 16)
 weight[:vocab] = torch.randn(vocab, 16)
-valid = targets != IGNORE_INDEX
-for dtype in (torch.float32, torch.bfloat16):
-    exact_logits = hidden.to(dtype).double() @ weight[:vocab].to(dtype).double().t()  # the same operands, exactly
-    exact_grad = (exact_logits.softmax(-1) - torch.nn.functional.one_hot(targets.clamp(min=0), vocab)) * valid[:, None]
+for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
     expected_loss, expected_grad = loss.product_then_softmax(torch_product, chunk_loss_and_grad, hidden.to(dtype),
                                                             weight.to(dtype), targets, vocab, dtype)
     got_loss, got_grad = loss.gemm_lse_chunk_loss_and_grad(hidden.to(dtype), weight.to(dtype), targets, vocab, dtype)
-    assert got_grad.dtype == dtype and (got_grad[:, vocab:] == 0).all() and (got_grad[::4] == 0).all()
-    if dtype == torch.float32:
-        torch.testing.assert_close(got_loss, expected_loss, rtol=1e-6, atol=1e-4)
-        assert (got_grad - expected_grad).abs().max() <= 1e-6
-    else:  # the statistics are the fp32 logits', the plain path's those of their rounding
-        exact_loss = (torch.logsumexp(exact_logits, -1) - exact_logits.gather(1, targets.clamp(min=0)[:, None])[:, 0])
-        exact_loss = exact_loss[valid].sum()
-        assert abs(got_loss.double() - exact_loss) <= 1e-5 * exact_loss  # the plain path's: within its rounding
-        # each element: its logit's bf16 rounding (2^-8 relative) in the exponent, and the gradient's own rounding
-        bound = 1.1 * exact_logits.softmax(-1) * torch.expm1(2**-8 * exact_logits.abs()) + 2**-8 * exact_grad.abs()
-        assert bool(((got_grad[:, :vocab].double() - exact_grad).abs() <= bound + 1e-6).all())
+    torch.testing.assert_close(got_loss, expected_loss, rtol=1e-6, atol=1e-4)
+    assert got_grad.dtype == dtype and (got_grad.float() - expected_grad.float()).abs().max() <= tolerance
+    assert (got_grad[:, vocab:] == 0).all() and (got_grad[::4] == 0).all()  # NaN past vocab never read
 print("same")
 """
 

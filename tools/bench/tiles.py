@@ -309,8 +309,8 @@ def head_chunk(args, device: torch.device | None = None) -> None:
     """One chunk of the head (16,384 rows of the model's width against the padded GPT-2 vocabulary) from its rows
     to its loss and logits gradient, both ways ``model.loss_softmax`` offers with quack's logits: quack's product,
     then the two-pass Triton kernel ("triton"), against quack's product with each row's log-sum-exp from its
-    epilogue and the target logits, then the single pass ("gemm_lse"); each part alone, and the single pass's loss
-    and gradient against the two-pass kernel's."""
+    epilogue, then the single pass ("gemm_lse"); each part alone, and the single pass's loss and gradient against
+    the two-pass kernel's."""
     from model.loss import IGNORE_INDEX, padded_vocab_size
 
     device = device or torch.device("cuda")
@@ -332,22 +332,21 @@ def head_chunk(args, device: torch.device | None = None) -> None:
         return quack_linear.quack_product(hidden, weight)
 
     def statistics():
-        return quack_lse.logits_and_row_statistics(hidden, weight, targets, vocab)
+        return quack_lse.logits_and_log_normalizer(hidden, weight, vocab)
 
     def two_pass():
         logits = product()
         return loss_and_gradient_in_place(logits, targets, vocab, IGNORE_INDEX), logits
 
     def one_pass():
-        logits, lse, target_logit = statistics()
-        return gradient_in_place(logits, lse, target_logit, targets, vocab, IGNORE_INDEX), logits
+        logits, lse = statistics()
+        return gradient_in_place(logits, lse, targets, vocab, IGNORE_INDEX), logits
 
-    logits, lse, target_logit = statistics()
+    logits, lse = statistics()
     parts = {"triton": {"quack's product": product,
                         "two-pass kernel": lambda: loss_and_gradient_in_place(logits, targets, vocab, IGNORE_INDEX)},
-             "gemm_lse": {"quack's product with the statistics": statistics,
-                          "single pass": lambda: gradient_in_place(logits, lse, target_logit, targets, vocab,
-                                                                   IGNORE_INDEX)}}
+             "gemm_lse": {"quack's product with the log-sum-exp": statistics,
+                          "single pass": lambda: gradient_in_place(logits, lse, targets, vocab, IGNORE_INDEX)}}
     print(f"\nthe head's chunk, {rows} x {WIDTH} -> {padded}, rows to loss and logits gradient:", flush=True)
     found = {name: measured(name, fn, args.repeats) for name, fn in (("triton", two_pass), ("gemm_lse", one_pass))}
     if None in found.values():
