@@ -282,13 +282,13 @@ class GPT(nn.Module):
     def loss_sum(self, batch: dict) -> torch.Tensor:
         """Summed next-token loss of a packed batch (input_ids, positions, targets, optional cu_seqlens)."""
         hidden = self.hidden_states(batch["input_ids"], batch.get("positions"), batch.get("cu_seqlens"))
-        kernel = loss.choose(self.config.loss_kernel, hidden.device, self.compute_dtype(hidden.device))
+        dtype = self.compute_dtype(hidden.device)
+        kernel = loss.choose(self.config.loss_kernel, hidden.device, dtype)
         linear = self.chosen_linear_kernel(hidden.device)
         if torch.is_grad_enabled():
             self.loss_kernel = kernel
             self.loss_softmax = (loss.chunk_softmax_ran(self._compiled_trunk is not None, self.config.loss_softmax,
-                                                        hidden.device, linear, self.compute_dtype(hidden.device))
-                                 if kernel == "chunked" else None)
+                                                        hidden.device, linear, dtype) if kernel == "chunked" else None)
         return loss.token_loss_sum(hidden, self.lm_head_weight, batch["targets"], self.config.loss_chunk_tokens,
                                    kernel, compiled=self._compiled_trunk is not None,
                                    softmax=self.config.loss_softmax, linear=linear)
