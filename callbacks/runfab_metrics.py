@@ -1,13 +1,7 @@
 """RunFab's graph feed: one JSON object per line on stdout, every few seconds and once at the end.
 
-Per-step values stay on the device and are summed there. On a GPU an interval closes without
-draining the device: its totals are copied to host memory and its end is marked by a CUDA event,
-both queued behind the interval's work, and its line is written at the next microbatch's end, once
-that event has passed (the host waits for the interval's own work only, while the next microbatch's
-work keeps the GPU busy). Its seconds are the events' elapsed time: the wall-clock time between the
-completion of the work before it and of its own. Draining the device at every line left the GPU idle
-until the host had queued the next update again: 2.7 % of throughput at one line a second (docs/PERFORMANCE.md).
-Warmup updates and observed
+Per-step values stay on the device and are summed there; the host reads them (one sync)
+only when it reports, so the metrics cost nothing between reports. Warmup updates and observed
 updates (profiler, memory snapshot) are reported in intervals of their own, flagged, and left out
 of the run summary, which gives the throughput of the normal region only.
 """
@@ -21,7 +15,6 @@ import os
 import sys
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -87,61 +80,6 @@ def ensure_stdout() -> None:
     log.warning("stdout is closed: metric lines are not delivered there (run/metrics.jsonl keeps them)")
 
 
-class HostClock:
-    """Interval marks where the device runs work as it is called (CPU): the host clock; values are ready."""
-
-    deferred = False
-
-    def mark(self) -> float:
-        return time.perf_counter()
-
-    def seconds(self, start: float, end: float) -> float:
-        return end - start
-
-    def to_host(self, values: torch.Tensor) -> torch.Tensor:
-        return values
-
-
-class CudaEventClock:
-    """Interval marks on a GPU: timing events queued behind the work launched so far. A mark's seconds are read
-    once it has passed (waiting for its own work only, not for what was queued after it); the values to read
-    with it are copied to pinned host memory ahead of it."""
-
-    deferred = True
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def mark(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
-        end.synchronize()
-        return start.elapsed_time(end) / 1000.0
-
-    def to_host(self, values: torch.Tensor) -> torch.Tensor:
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        return host.copy_(values, non_blocking=True)
-
-
-@dataclass
-class _Closed:
-    """An interval that has ended on the host: what its line needs, with its device totals on their way to
-    host memory (``values``: loss sum, target tokens, rows, FLOPs, gradient-norm sum, first non-finite step)."""
-
-    step: int
-    phase: str
-    steps: int
-    values: torch.Tensor
-    start: object  # the clock's marks
-    end: object
-    wait_at_start: float
-    waited: float
-    lr: float
-
-
 class RunFabMetrics(L.Callback):
     """Token-weighted loss and synchronized throughput over each reporting interval (rank 0 writes)."""
 
@@ -198,25 +136,24 @@ class RunFabMetrics(L.Callback):
         self._interval_flops = 0.0
         self._first_bad_step = torch.full((), -1, dtype=torch.long, device=device)
         self._steps_seen = trainer.global_step
-        self._device = device
-        self._clock = CudaEventClock(device) if device.type == "cuda" else HostClock()
         self.total_tokens = 0
-        self.start_time = None  # the clock's mark at the first microbatch
-        self._interval_start = None
-        self._interval_opened = 0.0  # host clock when the interval opened: when a line is due
-        self._interval_wait = 0.0
-        self._deferred: _Closed | None = None  # an interval closed on the GPU, its line not yet written
+        self.start_time: float | None = None
+        self._interval_start = self._interval_wait = 0.0
         if self.log_path is not None and trainer.is_global_zero:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = self.log_path.open("w")
 
+    def _now(self, device: torch.device) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.start_time is None:
-            self._start_interval()
+            self._start_interval(pl_module.device)
             self.start_time = self._interval_start
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._write_deferred(trainer)  # this microbatch's work is queued: the GPU stays busy while we wait
         loss_sum = outputs["loss_sum"].double()
         update_completed = trainer.global_step != self._steps_seen
         this_update = trainer.global_step if update_completed else trainer.global_step + 1
@@ -242,12 +179,12 @@ class RunFabMetrics(L.Callback):
         if self.validate_every and trainer.global_step % self.validate_every == 0:
             return  # validation follows this update and closes the interval, so its line carries val_loss
         if self.phase(trainer.global_step + 1) != self.phase(trainer.global_step):
-            self._report_soon(trainer, pl_module)  # a phase boundary: the same update on every rank
+            self.report(trainer, pl_module)  # a phase boundary: the same update on every rank
         elif self.report_due is not None:
             if self.report_due(trainer.global_step):
-                self._report_soon(trainer, pl_module)
-        elif time.perf_counter() - self._interval_opened >= self.interval_seconds:
-            self._report_soon(trainer, pl_module)
+                self.report(trainer, pl_module)
+        elif time.perf_counter() - self._interval_start >= self.interval_seconds:
+            self.report(trainer, pl_module)
 
     def _flag_nonfinite(self, value: torch.Tensor, step: torch.Tensor) -> None:
         first = (~torch.isfinite(value)) & (self._first_bad_step < 0)
@@ -256,114 +193,67 @@ class RunFabMetrics(L.Callback):
     # -- reporting --------------------------------------------------------------------------
 
     def report(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Close the interval and write its line now; an interval without an update writes nothing."""
-        self._write_deferred(trainer)
-        record = self._finish(trainer, self._close(trainer, pl_module))
+        """Close the interval and write its line; an interval without an update writes nothing."""
+        record = self._close(trainer, pl_module)
         if record is not None:
             self._write(trainer, record)
 
-    def _report_soon(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Close the interval; write its line now where the device runs work as it is called, else at the
-        next microbatch's end (``_write_deferred``), when the host has queued more work behind it."""
-        closed = self._close(trainer, pl_module)
-        if closed is not None and self._clock.deferred:
-            self._deferred = closed
-            return
-        record = self._finish(trainer, closed)
-        if record is not None:
-            self._write(trainer, record)
-
-    def _write_deferred(self, trainer: L.Trainer) -> None:
-        closed, self._deferred = self._deferred, None
-        if closed is not None:
-            record = self._finish(trainer, closed)
-            if record is not None:
-                self._write(trainer, record)
-
-    def _close(self, trainer: L.Trainer, pl_module: L.LightningModule) -> _Closed | None:
-        """End the interval and start the next, with nothing read from the device: its totals (summed over
-        ranks) are copied to host memory behind its work, and its end is marked. None if it had no update."""
-        device = pl_module.device
-        closed = None
+    def _close(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict | None:
+        """Check finiteness, end the interval and start the next; its line, or None if it had no update."""
+        now = self._now(pl_module.device)
+        bad_step = int(self._first_bad_step)
+        if bad_step >= 0:
+            raise NonFiniteLossError(
+                f"loss or gradient norm became non-finite at optimizer step {bad_step}; stopping. "
+                "Lower optim.lr, raise optim.warmup_steps, or check the input for corrupt token ids."
+            )
+        record: dict[str, float] | None = None
+        if trainer.world_size > 1:
+            self._sum_over_ranks(pl_module.device)
         if self._interval_steps:
-            totals = [self._interval_loss, self._as_device_float(self._interval_tokens, device),
-                      self._as_device_float(self._interval_rows, device),
-                      self._as_device_float(self._interval_flops, device)]
-            summed = torch.stack(totals)
-            if trainer.world_size > 1:  # one small all-reduce, at report time only (every rank reports together)
-                torch.distributed.all_reduce(summed)
-            values = torch.cat([summed, torch.stack([self._interval_grad_norm, self._first_bad_step.double()])])
-            closed = _Closed(
-                step=trainer.global_step, phase=self.phase(trainer.global_step), steps=self._interval_steps,
-                values=self._clock.to_host(values), start=self._interval_start, end=self._clock.mark(),
-                wait_at_start=self._interval_wait,
-                waited=self.input_wait() if self.input_wait is not None else 0.0,
-                lr=trainer.optimizers[0].param_groups[0]["lr"])
+            record = {"step": trainer.global_step, "elapsed_seconds": round(now - self.start_time, 3)}
+            waited = self.input_wait() if self.input_wait is not None else 0.0
+            seconds = max(now - self._interval_start - (waited - self._interval_wait), 1e-9)
+            tokens = self._interval_tokens
+            record |= {
+                "loss": float(self._interval_loss) / max(tokens, 1),
+                "tokens_per_second": tokens / seconds,
+                "samples_per_second": self._interval_rows / seconds,
+                "lr": trainer.optimizers[0].param_groups[0]["lr"],
+                "grad_norm": float(self._interval_grad_norm) / self._interval_steps,
+            }
+            if self.flops is not None and self.peak_flops:
+                record["mfu"] = self._interval_flops / seconds / (self.peak_flops * trainer.world_size)
+            phase = self.phase(trainer.global_step)  # an interval's updates share one phase, its last one's
+            if phase == "normal":
+                self._count_normal(trainer.global_step, seconds, tokens)
+            else:
+                record[phase] = 1
+            self.total_tokens += tokens
+            if self.input_wait is not None:
+                record["training_wait_seconds"] = waited
+            record |= peak_memory(pl_module.device)
+            if self._pending_val_loss is not None:
+                record["val_loss"], self._pending_val_loss = self._pending_val_loss, None
         self._interval_loss, self._interval_grad_norm = self._zero(), self._zero()
         self._interval_tokens = self._interval_rows = self._interval_steps = 0
         self._interval_flops = 0.0
-        if closed is not None:  # the next interval starts where this one ends
-            self._interval_start, self._interval_wait = closed.end, closed.waited
-            self._interval_opened = time.perf_counter()
-        else:
-            self._start_interval()
-        return closed
-
-    @staticmethod
-    def _as_device_float(value: float, device: torch.device) -> torch.Tensor:
-        return torch.full((), float(value), dtype=torch.float64, device=device)  # a fill: no copy, no wait
-
-    def _finish(self, trainer: L.Trainer, closed: _Closed | None) -> dict | None:
-        """The line of a closed interval, once its work is done; counts it into the normal region. Raises
-        if the loss or gradient norm became non-finite in it or before."""
-        if closed is None:
-            return None
-        seconds = self._clock.seconds(closed.start, closed.end)  # on a GPU: once the interval's work is done
-        elapsed = self._clock.seconds(self.start_time, closed.end)
-        loss, tokens, rows, flops, grad_norm, bad_step = (float(v) for v in closed.values.tolist())
-        if bad_step >= 0:
-            raise NonFiniteLossError(
-                f"loss or gradient norm became non-finite at optimizer step {int(bad_step)}; stopping. "
-                "Lower optim.lr, raise optim.warmup_steps, or check the input for corrupt token ids."
-            )
-        waited = closed.waited - closed.wait_at_start
-        seconds = max(seconds - waited, 1e-9)
-        record = {
-            "step": closed.step, "elapsed_seconds": round(elapsed, 3),
-            "loss": loss / max(tokens, 1),
-            "tokens_per_second": tokens / seconds,
-            "samples_per_second": rows / seconds,
-            "lr": closed.lr,
-            "grad_norm": grad_norm / closed.steps,
-        }
-        if self.flops is not None and self.peak_flops:
-            record["mfu"] = flops / seconds / (self.peak_flops * trainer.world_size)
-        if closed.phase == "normal":
-            self._count_normal(closed.step, closed.steps, seconds, int(tokens), flops)
-        else:
-            record[closed.phase] = 1
-        self.total_tokens += int(tokens)
-        if self.input_wait is not None:
-            record["training_wait_seconds"] = closed.waited
-        record |= peak_memory(self._device)
-        if self._pending_val_loss is not None:
-            record["val_loss"], self._pending_val_loss = self._pending_val_loss, None
+        self._start_interval(pl_module.device)
         return record
 
-    def _start_interval(self) -> None:
-        self._interval_start = self._clock.mark()
-        self._interval_opened = time.perf_counter()
+    def _start_interval(self, device: torch.device) -> None:
+        self._interval_start = self._now(device)
         self._interval_wait = self.input_wait() if self.input_wait is not None else 0.0
 
-    def _count_normal(self, last_update: int, updates: int, seconds: float, tokens: int, flops: float) -> None:
+    def _count_normal(self, last_update: int, seconds: float, tokens: int) -> None:
         normal = self.normal
         if normal["first_update"] is None:
-            normal["first_update"] = last_update - updates + 1
+            normal["first_update"] = last_update - self._interval_steps + 1
         normal["last_update"] = last_update
         normal["seconds"] += seconds
         normal["target_tokens"] += tokens
-        normal["flops"] += flops
-        normal["updates"] += updates
+        normal["flops"] += self._interval_flops
+        normal["updates"] += self._interval_steps
 
     def summary(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
         """The run's figures over the normal region: warmup, observed updates and validation left out."""
@@ -381,6 +271,19 @@ class RunFabMetrics(L.Callback):
             "world_size": world,
         }
         return result | peak_memory(pl_module.device)
+
+    def _sum_over_ranks(self, device: torch.device) -> None:
+        """Global interval totals: one small all-reduce, at report time only (every rank reports together)."""
+        totals = torch.stack([
+            self._interval_loss,
+            torch.tensor(float(self._interval_tokens), dtype=torch.float64, device=device),
+            torch.tensor(float(self._interval_rows), dtype=torch.float64, device=device),
+            torch.tensor(self._interval_flops, dtype=torch.float64, device=device),
+        ])
+        torch.distributed.all_reduce(totals)
+        self._interval_loss = totals[0]
+        self._interval_tokens, self._interval_rows = int(totals[1]), int(totals[2])
+        self._interval_flops = float(totals[3])
 
     def _write(self, trainer: L.Trainer, record: dict) -> None:
         record = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in record.items()}
@@ -406,8 +309,7 @@ class RunFabMetrics(L.Callback):
     def on_validation_start(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or self.start_time is None:
             return
-        self._write_deferred(trainer)
-        self._held = self._finish(trainer, self._close(trainer, pl_module))  # validation time stays out of throughput
+        self._held = self._close(trainer, pl_module)  # keeps validation time out of the training throughput
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or self.start_time is None:
@@ -423,11 +325,11 @@ class RunFabMetrics(L.Callback):
                 self._pending_val_loss = val_loss  # no update since the last line: the next line carries it
         if held is not None:
             self._write(trainer, held)
-        self._start_interval()
+        self._start_interval(pl_module.device)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.start_time is not None:
-            self.report(trainer, pl_module)  # the deferred line first, then the last interval's
+            self.report(trainer, pl_module)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

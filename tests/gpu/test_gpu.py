@@ -1,4 +1,4 @@
-"""The CUDA fast paths against the plain ones (same function, within bf16 rounding), and the metrics' CUDA timing. Skipped without a GPU."""
+"""The CUDA fast paths against the plain ones: same function, within bf16 rounding. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -619,48 +619,3 @@ def test_one_and_two_gpus_train_the_same_updates_and_both_ranks_end_at_an_awkwar
             assert not weights_two[name].any(), name
             continue
         assert relative_error(weights_two[name], expected) < 1e-2, name
-
-
-def test_metric_lines_on_a_gpu_are_timed_by_events_and_carry_each_intervals_own_values():
-    """Three updates of real GPU work, a line due after each: no line is read at its own batch end (that
-    would drain the GPU); each comes at the next one with its interval's loss and tokens, the last at the end
-    of training, and the events' seconds add up to the synchronized wall-clock time of the work."""
-    import io
-    import json
-    import time
-    from types import SimpleNamespace
-
-    from callbacks.runfab_metrics import CudaEventClock, RunFabMetrics
-
-    dev = torch.device("cuda")
-    stream = io.StringIO()
-    metrics = RunFabMetrics(interval_seconds=0.0, stream=stream)
-    trainer = SimpleNamespace(global_step=0, is_global_zero=True, world_size=1, sanity_checking=False,
-                              optimizers=[SimpleNamespace(param_groups=[{"lr": 0.5}])])
-    module = SimpleNamespace(device=dev, last_grad_norm=None, val_loss=None)
-    work = torch.randn(4096, 4096, device=dev)
-    torch.cuda.synchronize()
-    metrics.on_train_start(trainer, module)
-    assert isinstance(metrics._clock, CudaEventClock)
-    batch, written = {"input_ids": torch.zeros(2, 4)}, []
-    started = time.perf_counter()
-    for i, (loss_sum, tokens) in enumerate([(20.0, 10), (90.0, 30), (8.0, 2)]):
-        metrics.on_train_batch_start(trainer, module, batch, i)
-        for _ in range(30):
-            work = (work @ work).clamp_(-1.0, 1.0)
-        trainer.global_step += 1
-        loss = torch.tensor(loss_sum, device=dev) + 0.0 * work[0, 0]  # a device value behind the update's work
-        metrics.on_train_batch_end(trainer, module, {"loss_sum": loss, "target_tokens": tokens}, batch, i)
-        written.append(len(stream.getvalue().splitlines()))
-    metrics.on_train_end(trainer, module)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - started
-    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
-    assert written == [0, 1, 2]
-    assert [line["step"] for line in lines] == [1, 2, 3]
-    assert [line["loss"] for line in lines] == [2.0, 3.0, 4.0]
-    elapsed = [line["elapsed_seconds"] for line in lines]
-    assert 0 < elapsed[0] < elapsed[1] < elapsed[2] <= wall
-    assert elapsed[2] > 0.5 * wall  # the work dominates the wall time here, and the events cover it
-    seconds = [tokens / line["tokens_per_second"] for line, tokens in zip(lines, (10, 30, 2))]
-    assert sum(seconds) == pytest.approx(elapsed[2], rel=0.01)

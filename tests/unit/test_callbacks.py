@@ -90,69 +90,6 @@ def test_time_waiting_for_input_is_reported_as_waiting_and_left_out_of_the_throu
     assert metrics.summary(trainer, module)["normal_region"]["seconds"] == pytest.approx(2.0)
 
 
-class HandDrivenClock:
-    """A deferred clock whose marks are times the test sets, like CUDA events whose work the test completes."""
-
-    deferred = True
-
-    def __init__(self) -> None:
-        self.now, self.read = 0.0, []
-
-    def mark(self) -> dict:
-        return {"at": self.now}
-
-    def seconds(self, start: dict, end: dict) -> float:
-        self.read.append(end["at"])
-        return end["at"] - start["at"]
-
-    def to_host(self, values: torch.Tensor) -> torch.Tensor:
-        return values.clone()
-
-
-def drive_updates(metrics: RunFabMetrics, clock: HandDrivenClock, updates: list[tuple[float, int, float]], stream):
-    """One microbatch per update: (summed loss, target tokens, the clock when the update's work ends); the
-    lines written after each update's batch end."""
-    trainer = SimpleNamespace(global_step=0, is_global_zero=True, world_size=1, sanity_checking=False,
-                              optimizers=[SimpleNamespace(param_groups=[{"lr": 0.5}])])
-    module = SimpleNamespace(device=torch.device("cpu"), last_grad_norm=None, val_loss=None)
-    metrics.on_train_start(trainer, module)
-    metrics._clock = clock
-    batch = {"input_ids": torch.zeros(2, 4)}
-    written = []
-    for i, (loss_sum, tokens, ends_at) in enumerate(updates):
-        metrics.on_train_batch_start(trainer, module, batch, i)
-        trainer.global_step += 1
-        clock.now = ends_at
-        metrics.on_train_batch_end(trainer, module, {"loss_sum": torch.tensor(loss_sum), "target_tokens": tokens}, batch, i)
-        written.append([json.loads(line)["step"] for line in stream.getvalue().splitlines()])
-    metrics.on_train_end(trainer, module)
-    return written, [json.loads(line) for line in stream.getvalue().splitlines()]
-
-
-def test_on_a_gpu_a_line_is_written_at_the_next_batch_end_with_its_own_interval_and_the_last_at_the_end():
-    """With a clock whose marks pass later (CUDA events), closing an interval reads nothing: its line comes
-    one microbatch later, carrying that interval's loss, tokens and seconds, not the ones accumulated since;
-    the end of training writes what is still pending."""
-    stream, clock = io.StringIO(), HandDrivenClock()
-    metrics = RunFabMetrics(interval_seconds=0.0, stream=stream)
-    written, lines = drive_updates(metrics, clock, [(20.0, 10, 1.0), (90.0, 30, 3.0), (8.0, 2, 6.0)], stream)
-    assert written == [[], [1], [1, 2]]  # each line one batch end late
-    assert [line["step"] for line in lines] == [1, 2, 3]
-    assert [line["loss"] for line in lines] == [2.0, 3.0, 4.0]
-    assert [line["tokens_per_second"] for line in lines] == pytest.approx([10 / 1.0, 30 / 2.0, 2 / 3.0], rel=1e-6)
-    assert [line["elapsed_seconds"] for line in lines] == [1.0, 3.0, 6.0]
-    assert metrics.summary(SimpleNamespace(world_size=1, global_step=3), SimpleNamespace(device=torch.device("cpu")))[
-        "normal_region"] == {"first_update": 1, "last_update": 3, "updates": 3, "seconds": 6.0, "target_tokens": 42}
-
-
-def test_on_a_gpu_a_non_finite_loss_still_stops_the_run_naming_its_update():
-    stream, clock = io.StringIO(), HandDrivenClock()
-    metrics = RunFabMetrics(interval_seconds=0.0, stream=stream)
-    with pytest.raises(NonFiniteLossError, match="optimizer step 2"):
-        drive_updates(metrics, clock, [(20.0, 10, 1.0), (float("nan"), 30, 3.0), (8.0, 2, 6.0)], stream)
-    assert [json.loads(line)["step"] for line in stream.getvalue().splitlines()] == [1]
-
-
 class PoisonWeights(L.Callback):
     """Turns the embedding into NaN before the given microbatch, as a diverging run would."""
 
