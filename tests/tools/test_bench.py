@@ -418,6 +418,7 @@ def test_tiles_head_chunk_times_both_softmax_routes_and_holds_the_single_pass_to
 
     import torch
 
+    import model
     from model import fused_mlp, loss, quack_linear
     from tools.bench import tiles
 
@@ -430,8 +431,10 @@ def test_tiles_head_chunk_times_both_softmax_routes_and_holds_the_single_pass_to
         value = two_pass(logits, targets, vocab, ignore_index)
         return value * 1.5  # a single pass that is off: reported against the two-pass
 
-    monkeypatch.setitem(sys.modules, "model.quack_lse", types.SimpleNamespace(
-        logits_and_log_normalizer=loss.reference_logits_and_log_normalizer))
+    reference_lse = types.SimpleNamespace(logits_and_log_normalizer=loss.reference_logits_and_log_normalizer)
+    monkeypatch.setitem(sys.modules, "model.quack_lse", reference_lse)
+    # `from model import quack_lse` takes the package's attribute where an earlier test imported the real module
+    monkeypatch.setattr(model, "quack_lse", reference_lse, raising=False)
     monkeypatch.setitem(sys.modules, "model.triton_cross_entropy", types.SimpleNamespace(
         loss_and_gradient_in_place=two_pass, gradient_in_place=single_pass))
     monkeypatch.setattr(quack_linear, "quack_product", quack_linear.torch_product)
