@@ -62,14 +62,19 @@ def _loss_and_gradient_rows(logits, row_loss, targets, row_stride, vocab, padded
     _write_gradient(start_of_row, log_normalizer, target, valid, vocab, padded, BLOCK)
 
 
+def _row_losses(logits: torch.Tensor) -> torch.Tensor:
+    """The kernels' per-row loss buffer, after checking ``logits`` is [rows, columns] with contiguous rows."""
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError("the Triton cross-entropy takes logits [rows, columns] with contiguous rows")
+    return torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+
+
 def loss_and_gradient_in_place(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, ignore_index: int,
                                block_columns: int = BLOCK_COLUMNS, warps: int = WARPS) -> torch.Tensor:
     """The summed loss (fp32) of ``logits`` [rows, padded vocabulary] against ``targets`` [rows];
     ``logits`` is overwritten with d(loss)/d(logits) in its own dtype."""
-    if logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError("the Triton cross-entropy takes logits [rows, columns] with contiguous rows")
+    row_loss = _row_losses(logits)
     rows, padded = logits.shape
-    row_loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
         _loss_and_gradient_rows[(rows,)](logits, row_loss, targets.contiguous(), logits.stride(0), vocab_size,
                                          padded, ignore_index, BLOCK=block_columns, num_warps=warps)
@@ -95,10 +100,8 @@ def gradient_in_place(logits: torch.Tensor, log_normalizers: torch.Tensor, targe
     """``loss_and_gradient_in_place`` given each row's log-sum-exp over its first ``vocab_size`` logits
     (``log_normalizers`` [rows] fp32): one read and one write of ``logits``, whose columns past ``vocab_size``
     are not read."""
-    if logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError("the Triton cross-entropy takes logits [rows, columns] with contiguous rows")
+    row_loss = _row_losses(logits)
     rows, padded = logits.shape
-    row_loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
         _gradient_rows[(rows,)](logits, log_normalizers.contiguous(), row_loss, targets.contiguous(), logits.stride(0),
                                 vocab_size, padded, ignore_index, BLOCK=block_columns, num_warps=warps)
