@@ -68,6 +68,11 @@ class Interrupted(RuntimeError):
     """A signal (SIGTERM or SIGINT) stopped the run; what was trained is exported when it can be."""
 
 
+# A worker that a signal stopped (Interrupted) exits with the shell's status for a SIGTERM'd process. Its peers
+# then often fail too, in the collective it left half done; this status lets the report name the cause first.
+STOPPED_EXIT = 128 + signal.SIGTERM
+
+
 class InputFailed(RuntimeError):
     """The input failed after training started; the model trained so far was exported."""
 
@@ -502,9 +507,10 @@ def wait_for_workers(processes, tails, feeder_error=lambda: None, on_first_exit=
         time.sleep(POLL_SECONDS)
 
 def _failures(codes: list[int | None]) -> list[tuple[int, int]]:
-    """(rank, code) of the ranks that failed, those killed by a signal first, then by rank."""
+    """(rank, code) of the ranks that failed: those killed by a signal first, then those a signal stopped
+    (STOPPED_EXIT), then the others, each by rank."""
     return sorted(((rank, code) for rank, code in enumerate(codes) if code not in (None, 0)),
-                  key=lambda failure: (failure[1] >= 0, failure[0]))
+                  key=lambda failure: (failure[1] >= 0, failure[1] != STOPPED_EXIT, failure[0]))
 
 
 def _failure_message(failures: list[tuple[int, int]], tails: list[deque]) -> str:

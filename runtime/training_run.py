@@ -454,6 +454,15 @@ def run_worker() -> int:
     if resolve_accelerator(cfg) == "gpu":
         torch.set_num_threads(1)  # a GPU worker only launches kernels; RunFab's 2 cores serve feeder and workers
     platform_fraction = spec.get("platform_memory_fraction")
+    try:
+        return _run_worker(cfg, spec, world, rank, platform_fraction)
+    except launcher.Interrupted as stopped:  # its own line and status: the launcher names this rank before its peers
+        print(f"error: rank {rank}: {stopped}", file=sys.stderr)
+        return launcher.STOPPED_EXIT
+
+
+def _run_worker(cfg: RunConfig, spec: dict, world: int, rank: int, platform_fraction: float | None) -> int:
+    """The rank's share of the probe or of training; its exit status."""
     if spec.get("probe"):
         run_probe_local(cfg, spec["microbatch"], world, spec["effective"], platform_fraction)
         sys.stdout.flush()

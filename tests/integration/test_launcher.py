@@ -259,3 +259,18 @@ def test_a_failure_report_names_the_killed_rank_before_the_peers_it_brought_down
     message = str(failure.value)
     assert message.startswith("worker rank 1 exited with code -9 (killed by SIGKILL)")
     assert message.endswith("then rank 0 exited with code 1")
+
+
+def test_a_failure_report_names_the_rank_a_signal_stopped_before_the_peer_left_in_its_collective():
+    """Both ranks of a probe get SIGTERM; one leaves fit at once and exits STOPPED_EXIT, while the other fails
+    in the collective its peer left ("gloo: collective mismatch"). The report quotes the stopped rank."""
+    from collections import deque
+
+    from runtime import launcher
+
+    tails = [deque(["RuntimeError: gloo: collective mismatch"]), deque(["error: rank 1: received SIGTERM during the probe"])]
+    with pytest.raises(launcher.WorkerFailed) as failure:
+        launcher.wait_for_workers([_Exits(1), _Exits(None, launcher.STOPPED_EXIT)], tails)
+    message = str(failure.value)
+    assert message.startswith("worker rank 1 exited with code 143:\nerror: rank 1: received SIGTERM during the probe")
+    assert message.endswith("then rank 0 exited with code 1")
