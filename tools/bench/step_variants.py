@@ -338,6 +338,7 @@ def main(argv: list[str]) -> int:
     configured = (cfg.model.loss_kernel, cfg.model.loss_softmax)  # the inductor variants' loss (the loop below changes it)
     default_loss = "chunked-compiled" if configured == loss_settings("chunked-compiled") else cfg.model.loss_kernel
     result["inductor_loss"] = default_loss
+    torch.manual_seed(cfg.seed)  # the same initial weights in every job and tree: learning rows compare across them
     lit = device_policy.build_module(cfg, torch.device("cuda"))
     initial = {k: v.clone() for k, v in lit.state_dict().items()}
     lit.model.compile_trunk()
