@@ -198,7 +198,7 @@ class GPT(nn.Module):
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Final-LayerNorm hidden states [B, T, d].
+        """Final-LayerNorm hidden states [B, T, d], in the compute dtype (autocast's where it is on).
 
         ``positions`` None means one document per row; ``cu_seqlens`` (document offsets in the
         flattened rows, see attention.document_offsets) may come with the batch to spare a device
@@ -227,11 +227,14 @@ class GPT(nn.Module):
             log.info("linear: %s", quack_linear.describe(linear))
         # fp32 keeps the embeddings' dtype (fp32 weights); a half dtype makes every residual add half too.
         residual = None if self.config.residual_in_fp32 or dtype == self.wte.weight.dtype else dtype
+        # Under autocast the final norm's output leaves in the compute dtype, in which the head's products take it
+        # anyway: the cast fuses into the norm's kernel, and the gradient coming back is half as wide.
+        out = None if dtype == self.wte.weight.dtype else dtype
         if compiled:
             if cu_seqlens is not None:
                 torch._dynamo.mark_dynamic(cu_seqlens, 0)  # document counts vary: one graph for all
-            return self._compiled_trunk(input_ids, positions, cu_seqlens, kernel, mlp, residual, linear)
-        return self._trunk(input_ids, positions, cu_seqlens, kernel, mlp, residual, linear)
+            return self._compiled_trunk(input_ids, positions, cu_seqlens, kernel, mlp, residual, linear, out=out)
+        return self._trunk(input_ids, positions, cu_seqlens, kernel, mlp, residual, linear, out=out)
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.wte.weight.dtype
@@ -245,7 +248,7 @@ class GPT(nn.Module):
     def _trunk(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
         kernel: str = "sdpa", mlp: str = "torch", residual: torch.dtype | None = None, linear: str = "torch",
-        blocks: list[nn.Module] | None = None,
+        blocks: list[nn.Module] | None = None, out: torch.dtype | None = None,
     ) -> torch.Tensor:
         b, t = input_ids.shape
         layout = DocumentLayout(positions, cu_seqlens, kernel)
@@ -259,7 +262,7 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, layout, mlp, linear, use_reentrant=False)
             else:
                 x = block(x, layout, mlp, linear)
-        return self.ln_f(x)
+        return self.ln_f(x) if out is None else self.ln_f(x).to(out)
 
     def compile_trunk(self) -> None:
         """torch.compile the trunk for training (the loss compiles its own per-chunk arithmetic).

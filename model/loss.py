@@ -208,29 +208,36 @@ def triton_chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, voca
 
 def gemm_lse_chunk_loss_and_grad(rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
                                  dtype: torch.dtype):
-    """One chunk (bf16): its logits with each row's log-sum-exp from one quack GEMM (``logits_and_log_normalizer``),
-    then the Triton kernel's single pass, which writes the gradient over the logits."""
+    """One chunk (bf16): its logits with each row's log-sum-exp by column tiles from one quack GEMM
+    (``logits_and_tile_log_normalizers``), then the Triton kernel's single pass, which folds the tiles' values and
+    writes the gradient over the logits."""
     from model.triton_cross_entropy import gradient_in_place  # Triton: CUDA builds of PyTorch only
 
-    logits, log_normalizer = logits_and_log_normalizer(rows, weight, vocab_size)
-    loss = gradient_in_place(logits, log_normalizer, targets, vocab_size, IGNORE_INDEX)
+    logits, tile_log_normalizers = logits_and_tile_log_normalizers(rows, weight, vocab_size)
+    loss = gradient_in_place(logits, tile_log_normalizers, targets, vocab_size, IGNORE_INDEX)
     return loss, logits.to(dtype)
 
 
-def logits_and_log_normalizer(rows: torch.Tensor, padded_weight: torch.Tensor, vocab_size: int):
-    """``model.quack_lse.logits_and_log_normalizer``, imported on first use (it imports quack and the CuTe DSL);
-    tests swap in ``reference_logits_and_log_normalizer`` where quack is absent."""
+def logits_and_tile_log_normalizers(rows: torch.Tensor, padded_weight: torch.Tensor, vocab_size: int):
+    """``model.quack_lse.logits_and_tile_log_normalizers``, imported on first use (it imports quack and the CuTe DSL);
+    tests swap in ``reference_logits_and_tile_log_normalizers`` where quack is absent."""
     from model import quack_lse
 
-    return quack_lse.logits_and_log_normalizer(rows, padded_weight, vocab_size)
+    return quack_lse.logits_and_tile_log_normalizers(rows, padded_weight, vocab_size)
 
 
-def reference_logits_and_log_normalizer(rows: torch.Tensor, padded_weight: torch.Tensor, vocab_size: int):
-    """What ``logits_and_log_normalizer`` computes, in PyTorch: the logits in the rows' dtype (NaN past the
-    vocabulary, where quack's are left unwritten), and each row's log-sum-exp of those logits, in fp32."""
+REFERENCE_TILE_COLUMNS = 192  # quack's default tile width for the head's product on Hopper
+
+
+def reference_logits_and_tile_log_normalizers(rows: torch.Tensor, padded_weight: torch.Tensor, vocab_size: int,
+                                              tile_columns: int = REFERENCE_TILE_COLUMNS):
+    """What ``logits_and_tile_log_normalizers`` computes, in PyTorch: the logits in the rows' dtype (NaN past the
+    vocabulary, where quack's are left unwritten), and each row's log-sum-exp of those logits within each tile of
+    ``tile_columns`` of its first ``vocab_size`` columns (the last tile ragged), in fp32 [rows, tiles]."""
     logits = rows @ padded_weight.t()
     logits[:, vocab_size:] = float("nan")
-    return logits, torch.logsumexp(logits[:, :vocab_size].float(), dim=-1)
+    tiles = logits[:, :vocab_size].float().split(tile_columns, dim=1)
+    return logits, torch.stack([torch.logsumexp(tile, dim=-1) for tile in tiles], dim=1)
 
 
 _compiled_chunk: Callable | None = None
@@ -268,16 +275,22 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = torch.empty_like(hidden)
             grad_weight = torch.zeros(padded, width, dtype=exact, device=weight.device)
             loss = torch.zeros((), dtype=exact, device=hidden.device)
-            # CUDA takes half-precision products into an fp32 sum inside the GEMM (one kernel, no rounded
-            # partial); elsewhere the product is widened and added.
-            accumulate_in_gemm = w.is_cuda and dtype in (torch.bfloat16, torch.float16) and exact == torch.float32
+            # On CUDA the two gradient products of half-precision operands write where their results go: the
+            # hidden gradient in its own dtype straight into its rows, the head's added into its fp32 sum by the
+            # GEMM itself (out aliasing the sum: no copy of it, no rounded partial). Elsewhere the products are
+            # widened, then stored and added.
+            in_gemm = w.is_cuda and dtype in (torch.bfloat16, torch.float16) and exact == torch.float32
             for start in range(0, hidden.shape[0], chunk_tokens):
-                h = hidden[start : start + chunk_tokens].to(dtype)
-                chunk_loss, grad_logits = chunk_fn(h, w, targets[start : start + chunk_tokens], vocab, dtype)
+                stop = start + chunk_tokens
+                h = hidden[start:stop].to(dtype)
+                chunk_loss, grad_logits = chunk_fn(h, w, targets[start:stop], vocab, dtype)
                 loss += chunk_loss
-                grad_hidden[start : start + chunk_tokens] = (grad_logits @ w).to(hidden.dtype)
-                if accumulate_in_gemm:
-                    grad_weight = torch.addmm(grad_weight, grad_logits.t(), h, out_dtype=exact)
+                if in_gemm and grad_hidden.dtype in (dtype, exact):
+                    torch.mm(grad_logits, w, out_dtype=grad_hidden.dtype, out=grad_hidden[start:stop])
+                else:
+                    grad_hidden[start:stop] = (grad_logits @ w).to(hidden.dtype)
+                if in_gemm:
+                    torch.addmm(grad_weight, grad_logits.t(), h, out_dtype=exact, out=grad_weight)
                 else:
                     grad_weight += (grad_logits.t() @ h).to(exact)
         ctx.save_for_backward(grad_hidden, grad_weight[:vocab])

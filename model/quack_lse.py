@@ -17,6 +17,11 @@ for bit (a subnormal logit, under 1.2e-38, may be folded as a value 2^-133 from 
 exponential). Its three fp32 operations cost less in the epilogue than the hardware's conversion to bf16 and back
 (docs/PERFORMANCE.md).
 
+quack returns the log-sum-exp of each row within each output tile of N columns, and would fold those partials
+into one value per row with a few small PyTorch kernels after the GEMM; here they are returned raw, [rows, tiles],
+and the gradient kernel folds each row's while it reads the row's target logit (as quack's own ``gemm_rms`` leaves
+its partials to the kernel after it).
+
 The head is padded to a multiple of 128 rows with zeros, whose logits (0) are not classes: the product runs over
 the vocabulary's rows alone and writes into the first ``vocab`` columns of a buffer as wide as the padded head, so
 the rows stay aligned for the gradient products, and quack's epilogue leaves the columns past its N out of the
@@ -62,17 +67,20 @@ if gemm_epilogue is not None:
         return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], _ROUND_TO_BF16, "=f,f",
                                        has_side_effects=False, loc=loc, ip=ip))
 
-    @gemm_epilogue(outs={"lse": OnlineLSEReduce("lse")})
+    _LSE = OnlineLSEReduce("lse")
+    _LSE.host_finalize = None  # the per-tile partials come back raw: ``gradient_in_place`` folds them
+
+    @gemm_epilogue(outs={"lse": _LSE})
     def logits_and_lse_epilogue(acc):
         """The stored logit, and the same value into the row's online log-sum-exp."""
         logit = rounded_to_bf16(acc)
         return {"D": logit, "lse": logit}
 
 
-def logits_and_log_normalizer(rows: torch.Tensor, padded_weight: torch.Tensor, vocab: int):
-    """(logits [n, padded] bf16, whose columns past ``vocab`` are left unwritten; each row's log-sum-exp of its
-    first ``vocab`` logits [n] fp32) for rows [n, k] and the zero-padded head [padded, k], both bf16, by quack's
-    default Hopper tile."""
+def logits_and_tile_log_normalizers(rows: torch.Tensor, padded_weight: torch.Tensor, vocab: int):
+    """(logits [n, padded] bf16, whose columns past ``vocab`` are left unwritten; each row's log-sum-exp within each
+    of quack's output tiles of its first ``vocab`` logits [n, tiles] fp32) for rows [n, k] and the zero-padded head
+    [padded, k], both bf16, by quack's default Hopper tile."""
     logits = torch.empty(rows.shape[0], padded_weight.shape[0], dtype=rows.dtype, device=rows.device)
-    lse = logits_and_lse_epilogue(rows, padded_weight[:vocab].t(), out={"D": logits[:, :vocab]}, tuned=False)["lse"]
-    return logits, lse.reshape(-1)
+    partials = logits_and_lse_epilogue(rows, padded_weight[:vocab].t(), out={"D": logits[:, :vocab]}, tuned=False)["lse"]
+    return logits, partials.reshape(rows.shape[0], partials.shape[-1])

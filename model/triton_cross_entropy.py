@@ -7,8 +7,9 @@ Here one program per row reads the row twice and writes it once: an online max a
 exponentials, then the gradient written over the logits it was computed from. Triton ships with
 every CUDA build of PyTorch, so this needs nothing RunFab's image lacks.
 
-Where each row's log-sum-exp comes with the logits (quack's GEMM computes it in its epilogue:
-``model.quack_lse``), ``gradient_in_place`` reads the row once and writes it once.
+Where each row's log-sum-exp comes with the logits (quack's GEMM computes it in its epilogue, one value
+per output tile of the row: ``model.quack_lse``), ``gradient_in_place`` folds the row's tile values and
+reads the row once and writes it once.
 
 Columns at or past ``vocab`` are the padding of the LM head (zero rows of the weight): they take
 no probability and get a zero gradient. Rows whose target is ``ignore_index`` take no loss and
@@ -82,13 +83,18 @@ def loss_and_gradient_in_place(logits: torch.Tensor, targets: torch.Tensor, voca
 
 
 @triton.jit
-def _gradient_rows(logits, log_normalizers, row_loss, targets, row_stride, vocab, padded, ignore_index,
-                   BLOCK: tl.constexpr):
+def _gradient_rows(logits, tile_log_normalizers, row_loss, targets, row_stride, tile_row_stride, tile_stride, tiles,
+                   vocab, padded, ignore_index, BLOCK: tl.constexpr, TILES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     start_of_row = logits + row * row_stride
     target = tl.load(targets + row)
     valid = target != ignore_index
-    log_normalizer = tl.load(log_normalizers + row)
+    # the row's log-sum-exp from its tiles' (each tile holds at least one real column: no -inf partial)
+    tile = tl.arange(0, TILES)
+    partial = tl.load(tile_log_normalizers + row * tile_row_stride + tile * tile_stride, mask=tile < tiles,
+                      other=float("-inf"))
+    largest = tl.max(partial, axis=0)
+    log_normalizer = largest + tl.log(tl.sum(tl.exp(partial - largest), axis=0))
     target_logit = tl.load(start_of_row + tl.where(valid, target, 0)).to(tl.float32)
     tl.store(row_loss + row, tl.where(valid, log_normalizer - target_logit, 0.0))
     tl.debug_barrier()  # every warp has read the target's logit before any warp overwrites it
@@ -97,12 +103,14 @@ def _gradient_rows(logits, log_normalizers, row_loss, targets, row_stride, vocab
 
 def gradient_in_place(logits: torch.Tensor, log_normalizers: torch.Tensor, targets: torch.Tensor, vocab_size: int,
                       ignore_index: int, block_columns: int = BLOCK_COLUMNS, warps: int = WARPS) -> torch.Tensor:
-    """``loss_and_gradient_in_place`` given each row's log-sum-exp over its first ``vocab_size`` logits
-    (``log_normalizers`` [rows] fp32): one read and one write of ``logits``, whose columns past ``vocab_size``
-    are not read."""
+    """``loss_and_gradient_in_place`` given each row's log-sum-exp over its first ``vocab_size`` logits, whole
+    (``log_normalizers`` [rows] fp32) or by column tiles ([rows, tiles], folded here): one read and one write of
+    ``logits``, whose columns past ``vocab_size`` are not read."""
     row_loss = _row_losses(logits)
     rows, padded = logits.shape
     if rows:
-        _gradient_rows[(rows,)](logits, log_normalizers.contiguous(), row_loss, targets.contiguous(), logits.stride(0),
-                                vocab_size, padded, ignore_index, BLOCK=block_columns, num_warps=warps)
+        tiles = log_normalizers.reshape(rows, -1)
+        _gradient_rows[(rows,)](logits, tiles, row_loss, targets.contiguous(), logits.stride(0), tiles.stride(0),
+                                tiles.stride(1), tiles.shape[1], vocab_size, padded, ignore_index, BLOCK=block_columns,
+                                TILES=max(16, triton.next_power_of_2(tiles.shape[1])), num_warps=warps)
     return row_loss.sum()

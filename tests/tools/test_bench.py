@@ -431,7 +431,7 @@ def test_tiles_head_chunk_times_both_softmax_routes_and_holds_the_single_pass_to
         value = two_pass(logits, targets, vocab, ignore_index)
         return value * 1.5  # a single pass that is off: reported against the two-pass
 
-    reference_lse = types.SimpleNamespace(logits_and_log_normalizer=loss.reference_logits_and_log_normalizer)
+    reference_lse = types.SimpleNamespace(logits_and_tile_log_normalizers=loss.reference_logits_and_tile_log_normalizers)
     monkeypatch.setitem(sys.modules, "model.quack_lse", reference_lse)
     # `from model import quack_lse` takes the package's attribute where an earlier test imported the real module
     monkeypatch.setattr(model, "quack_lse", reference_lse, raising=False)

@@ -178,10 +178,12 @@ def test_the_reference_for_quacks_logits_with_their_log_sum_exp_leaves_the_paddi
     rows = torch.randn(6, 16).bfloat16()
     weight = torch.zeros(128, 16, dtype=torch.bfloat16)
     weight[:100] = torch.randn(100, 16)
-    logits, lse = loss.reference_logits_and_log_normalizer(rows, weight, 100)
+    logits, tiles = loss.reference_logits_and_tile_log_normalizers(rows, weight, 100, tile_columns=32)
     assert logits.dtype == torch.bfloat16 and bool(logits[:, 100:].isnan().all())  # unwritten, as quack leaves them
     torch.testing.assert_close(logits[:, :100], rows @ weight[:100].t(), rtol=0, atol=0)
-    torch.testing.assert_close(lse, torch.logsumexp(logits[:, :100].float(), dim=-1))
+    assert tiles.shape == (6, 4) and tiles.dtype == torch.float32  # 32, 32, 32 and the ragged 4 columns
+    torch.testing.assert_close(tiles[:, 3], torch.logsumexp(logits[:, 96:100].float(), dim=-1))
+    torch.testing.assert_close(torch.logsumexp(tiles, dim=-1), torch.logsumexp(logits[:, :100].float(), dim=-1))
 
 
 TRITON_INTERPRETED_CHECK = r"""
@@ -189,7 +191,7 @@ import torch
 from model import loss
 from model.loss import IGNORE_INDEX, chunk_loss_and_grad
 from model.quack_linear import torch_product
-from model.triton_cross_entropy import loss_and_gradient_in_place
+from model.triton_cross_entropy import gradient_in_place, loss_and_gradient_in_place
 
 torch.manual_seed(3)
 rows, vocab, padded = 29, 1000, 1024  # several blocks of 256 columns, the last one part padding
@@ -207,7 +209,7 @@ for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
     assert (chunk[:, vocab:] == 0).all() and (chunk[::4] == 0).all()  # padding and ignored rows: no gradient
 
 # the single pass, given each row's log-sum-exp, and the chunk function around it (quack's GEMM by its reference)
-loss.logits_and_log_normalizer = loss.reference_logits_and_log_normalizer
+loss.logits_and_tile_log_normalizers = loss.reference_logits_and_tile_log_normalizers
 hidden, weight = torch.randn(rows, 16), torch.zeros(padded, 16)
 weight[:vocab] = torch.randn(vocab, 16)
 for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
@@ -217,6 +219,15 @@ for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
     torch.testing.assert_close(got_loss, expected_loss, rtol=1e-6, atol=1e-4)
     assert got_grad.dtype == dtype and (got_grad.float() - expected_grad.float()).abs().max() <= tolerance
     assert (got_grad[:, vocab:] == 0).all() and (got_grad[::4] == 0).all()  # NaN past vocab never read
+
+# the kernel folds each row's tile values as the whole row's log-sum-exp: given by tiles or whole, the same
+logits, tiles = loss.reference_logits_and_tile_log_normalizers(hidden.bfloat16(), weight.bfloat16(), vocab)
+assert tiles.shape == (rows, 6)  # 5 x 192 + 40 columns
+by_tiles, whole = logits.clone(), logits.clone()
+loss_by_tiles = gradient_in_place(by_tiles, tiles, targets, vocab, IGNORE_INDEX, block_columns=256)
+loss_whole = gradient_in_place(whole, torch.logsumexp(tiles, dim=-1), targets, vocab, IGNORE_INDEX, block_columns=256)
+torch.testing.assert_close(loss_by_tiles, loss_whole, rtol=1e-6, atol=1e-4)
+assert (by_tiles.float() - whole.float()).abs().max() <= 8e-3 and (by_tiles[:, vocab:] == 0).all()
 print("same")
 """
 

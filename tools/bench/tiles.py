@@ -332,7 +332,7 @@ def head_chunk(args, device: torch.device | None = None) -> None:
         return quack_linear.quack_product(hidden, weight)
 
     def statistics():
-        return quack_lse.logits_and_log_normalizer(hidden, weight, vocab)
+        return quack_lse.logits_and_tile_log_normalizers(hidden, weight, vocab)
 
     def two_pass():
         logits = product()
