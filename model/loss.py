@@ -133,8 +133,9 @@ def fused_loss_sum(hidden: torch.Tensor, head_weight: torch.Tensor, targets: tor
 
 
 def cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The plain path: full logits, widened to at least fp32, and PyTorch's cross-entropy."""
-    logits = F.linear(hidden, head_weight)
+    """The plain path: full logits, widened to at least fp32, and PyTorch's cross-entropy. The product runs in the
+    hidden states' dtype, the compute dtype the trunk hands them in (autocast would cast the weight to it too)."""
+    logits = F.linear(hidden, head_weight.to(hidden.dtype))
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
