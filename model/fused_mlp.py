@@ -26,7 +26,7 @@ from typing import Literal, get_args
 import torch
 import torch.nn.functional as F
 
-from model import flash4, residual_add
+from model import flash4
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +39,9 @@ QUACK_COMPUTE_CAPABILITIES = (9, 10)  # Hopper and Blackwell data-centre parts: 
 ACTIVATION = "gelu_exact_rational"
 
 
-def torch_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor,
-              stream: torch.Tensor | None = None) -> torch.Tensor:
-    """The MLP as PyTorch computes it: fc, exact GELU, proj (no biases); with ``stream``, stream + the MLP, the add
-    inside proj's product (``model.residual_add``)."""
-    activation = F.gelu(F.linear(x, fc_weight))
-    return F.linear(activation, proj_weight) if stream is None else residual_add.add_product(stream, activation, proj_weight)
+def torch_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor) -> torch.Tensor:
+    """The MLP as PyTorch computes it: fc, exact GELU, proj (no biases)."""
+    return F.linear(F.gelu(F.linear(x, fc_weight)), proj_weight)
 
 
 class _GeluEpilogueMLP(torch.autograd.Function):
@@ -54,19 +51,18 @@ class _GeluEpilogueMLP(torch.autograd.Function):
     quack's at these shapes (the weight gradients sum over all tokens into small outputs)."""
 
     @staticmethod
-    def forward(ctx, x, fc_weight, proj_weight, stream):
+    def forward(ctx, x, fc_weight, proj_weight):
         from quack.gemm_interface import gemm_act
 
         preact, postact = gemm_act(x, fc_weight.t(), activation=ACTIVATION, tuned=False)
         ctx.save_for_backward(x, preact, fc_weight, proj_weight)  # the activation is recomputed, as inductor would
-        return postact @ proj_weight.t() if stream is None else torch.addmm(stream, postact, proj_weight.t())
+        return postact @ proj_weight.t()
 
     @staticmethod
     def backward(ctx, dout):
         x, preact, fc_weight, proj_weight = ctx.saved_tensors
         dpreact, postact = gelu_dact(dout.contiguous(), proj_weight, preact)
-        dstream = dout if ctx.needs_input_grad[3] else None  # the stream passes through the add unchanged
-        return dpreact @ fc_weight, dpreact.t() @ x, dout.t() @ postact, dstream
+        return dpreact @ fc_weight, dpreact.t() @ x, dout.t() @ postact
 
 
 # proj's input-gradient product with the GELU derivative in its epilogue. quack gives every Hopper GEMM one default
@@ -110,16 +106,13 @@ def _(dout, proj_weight, preact):
     return torch.empty_like(preact), torch.empty_like(preact)
 
 
-def quack_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor,
-              stream: torch.Tensor | None = None) -> torch.Tensor:
+def quack_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor) -> torch.Tensor:
     """``torch_mlp`` with the GELU and its derivative in quack's GEMM epilogues. Casts to the autocast dtype as
     ``F.linear`` does under autocast (the fp32 weights get their gradients through the casts); each quack GEMM
     runs a fixed tile (quack's default, or ``DACT_TILE_SM90``), since autotuning measured no faster after minutes of
     compilation. Call it where ``choose`` (or ``quack_unavailable_reason``) has found quack usable: that check
-    registers the GELU (``ACTIVATION``) in quack's tables. ``stream`` (in the compute dtype: ``residual_add.fusable``)
-    is added inside proj's product."""
-    stream_rows = None if stream is None else stream.reshape(-1, stream.shape[-1])
-    return on_rows(lambda rows, fc, proj: _GeluEpilogueMLP.apply(rows, fc, proj, stream_rows), x, fc_weight, proj_weight)
+    registers the GELU (``ACTIVATION``) in quack's tables."""
+    return on_rows(_GeluEpilogueMLP.apply, x, fc_weight, proj_weight)
 
 
 def on_rows(function, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
@@ -134,11 +127,9 @@ def on_rows(function, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
 IMPLEMENTATION = {"quack": quack_mlp, "torch": torch_mlp}  # tests swap in references where quack is absent
 
 
-def gelu_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor, kernel: str,
-             stream: torch.Tensor | None = None) -> torch.Tensor:
-    """proj(gelu(fc(x))) by ``kernel`` ("quack" or "torch", from ``choose``); with ``stream``, stream + that, the add
-    inside proj's product (``model.residual_add``)."""
-    return IMPLEMENTATION[kernel](x, fc_weight, proj_weight, stream)
+def gelu_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor, kernel: str) -> torch.Tensor:
+    """proj(gelu(fc(x))) by ``kernel`` ("quack" or "torch", from ``choose``)."""
+    return IMPLEMENTATION[kernel](x, fc_weight, proj_weight)
 
 
 @lru_cache(maxsize=None)

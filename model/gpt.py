@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from model import attention, fused_mlp, loss, quack_linear, residual_add
+from model import attention, fused_mlp, loss, quack_linear
 from model.attention import DocumentLayout, attend
 
 log = logging.getLogger(__name__)
@@ -70,10 +70,6 @@ class GPTConfig:
     LayerNorms, residual adds and saved activations; held-out loss within 1e-4 of the fp32 stream's over 100 updates
     on the same rows (docs/PERFORMANCE.md).
     Runs without autocast (fp32, CPU) are unaffected"""
-    residual_in_gemm: bool = True
-    """Add each block's two products (the attention's output projection, the MLP's proj) to the residual stream
-    inside the product, as torch.addmm, rather than by a separate add (model/residual_add.py). Where the stream is in
-    the compute dtype and model.fp8 is off; elsewhere the add stays separate"""
     fp8: bool = False
     """Train the blocks' Linear layers with torchao's float8 tensorwise scaling (CUDA compute capability 8.9+ and
     torchao, refused otherwise); the LM head and embeddings stay bf16"""
@@ -135,14 +131,11 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor, layout: DocumentLayout, linear_kernel: str = "torch",
-                stream: torch.Tensor | None = None) -> torch.Tensor:
-        """The attention's output; with ``stream``, stream + that, the add inside the output projection's product."""
+    def forward(self, x: torch.Tensor, layout: DocumentLayout, linear_kernel: str = "torch") -> torch.Tensor:
         b, t, d = x.shape
         qkv = quack_linear.linear(x, self.qkv.weight, linear_kernel)
         qkv = qkv.view(b, t, 3, self.n_head, d // self.n_head)  # q, k, v side by side, as split(d) gives
-        mixed = attend(qkv, layout).reshape(b, t, d)
-        return self.proj(mixed) if stream is None else residual_add.add_product(stream, mixed, self.proj.weight)
+        return self.proj(attend(qkv, layout).reshape(b, t, d))
 
 
 class MLP(nn.Module):
@@ -151,8 +144,8 @@ class MLP(nn.Module):
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor, kernel: str = "torch", stream: torch.Tensor | None = None) -> torch.Tensor:
-        return fused_mlp.gelu_mlp(x, self.fc.weight, self.proj.weight, kernel, stream)
+    def forward(self, x: torch.Tensor, kernel: str = "torch") -> torch.Tensor:
+        return fused_mlp.gelu_mlp(x, self.fc.weight, self.proj.weight, kernel)
 
 
 class Block(nn.Module):
@@ -164,11 +157,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout, mlp_kernel: str = "torch",
-                linear_kernel: str = "torch", add_in_gemm: bool = False) -> torch.Tensor:
-        """``add_in_gemm``: each residual add inside the product before it (``model.residual_in_gemm``)."""
-        if add_in_gemm:
-            x = self.attn(self.ln_1(x), layout, linear_kernel, stream=x)
-            return self.mlp(self.ln_2(x), mlp_kernel, stream=x)
+                linear_kernel: str = "torch") -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), layout, linear_kernel)
         x = x + self.mlp(self.ln_2(x), mlp_kernel)
         return x
@@ -268,13 +257,11 @@ class GPT(nn.Module):
         x = self.wte(input_ids) + self.wpe(positions)
         if residual is not None:
             x = x.to(residual)
-        # torchao's float8 layers compute the output projection themselves: their adds stay separate
-        add_in_gemm = self.config.residual_in_gemm and not self.config.fp8 and residual_add.fusable(x)
         for block in blocks or self.blocks:
             if self.config.activation_checkpointing and self.training:
-                x = checkpoint(block, x, layout, mlp, linear, add_in_gemm, use_reentrant=False)
+                x = checkpoint(block, x, layout, mlp, linear, use_reentrant=False)
             else:
-                x = block(x, layout, mlp, linear, add_in_gemm)
+                x = block(x, layout, mlp, linear)
         return self.ln_f(x) if out is None else self.ln_f(x).to(out)
 
     def compile_trunk(self) -> None:

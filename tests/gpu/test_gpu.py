@@ -390,25 +390,6 @@ def test_the_compiled_model_with_quacks_gemms_matches_the_plain_path_without_a_g
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
-@pytest.mark.parametrize("mlp", [pytest.param("quack", marks=needs_quack), "torch"])
-def test_the_compiled_trunk_keeps_the_residual_adds_inside_its_products_and_matches_separate_adds(mlp):
-    """``model.residual_in_gemm``: inductor keeps each block's two addmm whole (it splits an addmm whose sum only
-    pointwise kernels read back into a product and an add), and the loss and gradients are those of the plain
-    path, whose adds are separate kernels on an fp32 stream."""
-    from torch._inductor.utils import run_and_get_code
-
-    fast, plain = twin_models(n_layer=3)
-    fast.config.mlp_kernel, plain.config.mlp_kernel = mlp, "torch"
-    plain.config.residual_in_gemm, plain.config.residual_in_fp32 = False, True
-    assert fast.config.residual_in_gemm and not fast.config.residual_in_fp32  # the defaults
-    fast.compile_trunk()
-    batch = packed_batch(rows=4, seq_len=256, vocab=512, seed=13)
-    with torch._inductor.config.patch(force_disable_caches=True):  # the generated code, not a cached graph
-        _, code = run_and_get_code(assert_same_loss_and_gradients, fast, plain, batch)
-    assert sum(source.count("extern_kernels.addmm(") for source in code) == 2 * fast.config.n_layer
-    assert fast.mlp_kernel == mlp
-
-
 @needs_quack
 def test_quacks_logits_with_their_log_sum_exp_are_its_products_logits_and_their_log_sum_exp():
     """model/quack_lse.py at the trainer's vocabulary: the logits bit for bit those of quack's plain product; each

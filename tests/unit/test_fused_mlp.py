@@ -62,9 +62,9 @@ def test_the_config_names_the_mlp_choices():
 def test_compiled_training_routes_every_block_through_the_chosen_kernel_and_records_it(quack_runs_here, monkeypatch):
     calls = []
 
-    def recording(x, fc_weight, proj_weight, stream=None):
+    def recording(x, fc_weight, proj_weight):
         calls.append(x.shape)
-        return fused_mlp.torch_mlp(x, fc_weight, proj_weight, stream)
+        return fused_mlp.torch_mlp(x, fc_weight, proj_weight)
 
     monkeypatch.setitem(fused_mlp.IMPLEMENTATION, "quack", recording)
     monkeypatch.setattr(GPT, "compute_dtype", lambda self, device: torch.bfloat16)  # as under CUDA autocast
@@ -114,20 +114,15 @@ def test_the_epilogue_mlp_gives_pytorchs_output_and_gradients_with_a_reference_f
     x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
     fc = torch.randn(32, 8, dtype=torch.float64, requires_grad=True)
     proj = torch.randn(8, 32, dtype=torch.float64, requires_grad=True)
-    stream = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
     dout = torch.randn(2, 5, 8, dtype=torch.float64)
+    results = []
     quack = fused_mlp.IMPLEMENTATION["quack"]
-    quack = torch.compile(quack, backend="aot_eager", fullgraph=True) if compiled else quack
-    for added in ((), (stream,)):  # the MLP alone, and the residual stream added inside proj's product
-        results = []
-        for fn in (quack, fused_mlp.torch_mlp):
-            out = fn(x, fc, proj, *added)
-            results.append((out, *torch.autograd.grad(out, (x, fc, proj, *added), dout)))
-        for got, expected in zip(*results):
-            assert got.shape == expected.shape
-            torch.testing.assert_close(got, expected)
-    torch.testing.assert_close(results[0][0], stream + fused_mlp.torch_mlp(x, fc, proj))
-    assert torch.equal(results[0][-1], dout)  # the stream's gradient passes through the add
+    for fn in (torch.compile(quack, backend="aot_eager", fullgraph=True) if compiled else quack, fused_mlp.torch_mlp):
+        out = fn(x, fc, proj)
+        results.append((out, *torch.autograd.grad(out, (x, fc, proj), dout)))
+    for got, expected in zip(*results):
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected)
 
 
 @pytest.fixture
