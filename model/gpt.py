@@ -86,10 +86,6 @@ class GPTConfig:
     model.linear_kernel, in bf16 on Hopper; else triton); as one Triton kernel that reads the logits twice and writes
     the gradient over them (triton); or as inductor-compiled PyTorch (compiled). Eager runs take plain PyTorch;
     run_record.json names what ran"""
-    compile_tuning: bool = False
-    """Compiled trunk: inductor's coordinate-descent tuning of the block sizes of the kernels it writes (the
-    LayerNorms, residual adds and casts, forward and backward): each is timed at neighbouring sizes on the first
-    update, and the winners persist in the compile cache"""
     compile_scope: CompileScope = "trunk"
     """What torch.compile takes: trunk (one graph) or blocks (one graph all blocks share: compiles sooner, needs
     more GPU memory)"""
@@ -277,12 +273,10 @@ class GPT(nn.Module):
         """
         # Process-wide, read when the graph is partitioned on first use.
         torch._functorch.config.activation_memory_budget = self.config.activation_memory_budget
-        options = {"coordinate_descent_tuning": True} if self.config.compile_tuning else None
         if self.config.compile_scope == "blocks":  # a plain list in a partial: no second copy in state_dict
-            self._compiled_trunk = functools.partial(self._trunk, blocks=[torch.compile(b, options=options)
-                                                                          for b in self.blocks])
+            self._compiled_trunk = functools.partial(self._trunk, blocks=[torch.compile(b) for b in self.blocks])
         else:
-            self._compiled_trunk = torch.compile(self._trunk, options=options)
+            self._compiled_trunk = torch.compile(self._trunk)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab_size]."""

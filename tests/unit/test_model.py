@@ -167,18 +167,6 @@ def test_each_compiled_model_sets_its_own_activation_memory_budget():
         torch._functorch.config.activation_memory_budget = saved
 
 
-@pytest.mark.parametrize("scope", ["trunk", "blocks"])
-def test_compile_tuning_asks_inductor_for_coordinate_descent_tuning_in_either_scope(monkeypatch, scope):
-    compiled = []
-    monkeypatch.setattr(torch, "compile", lambda fn, options=None: compiled.append(options) or fn)
-    shape = dict(vocab_size=64, n_layer=2, n_head=2, n_embd=32, max_seq_len=32, compile_scope=scope)
-    GPT(GPTConfig(**shape)).compile_trunk()
-    assert GPTConfig().compile_tuning is False and set(compiled) == {None}  # the default: inductor's own block sizes
-    compiled.clear()
-    GPT(GPTConfig(**shape, compile_tuning=True)).compile_trunk()
-    assert compiled == [{"coordinate_descent_tuning": True}] * (2 if scope == "blocks" else 1)
-
-
 def block_input_dtypes(model: GPT, row: torch.Tensor) -> tuple[set, torch.Tensor]:
     """The dtypes the blocks receive (the residual stream) in a bf16-autocast training forward, and its loss."""
     seen = set()
