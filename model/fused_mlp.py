@@ -199,6 +199,8 @@ def choose(requested: str, device: torch.device, dtype: torch.dtype, compiled: b
 
 def describe(kernel: str) -> str:
     """What ran the MLP, for the log and the run record."""
+    if kernel == "layers":
+        return "the blocks' Linear layers (torchao's float8 ones under model.fp8) and F.gelu"
     if kernel == "quack":
         return f"quack GEMMs with the GELU in their epilogues (quack-kernels {flash4.installed_version(QUACK_PACKAGE) or '?'})"
     return "PyTorch (cuBLAS products, GELU by inductor or eager)"

@@ -25,6 +25,9 @@ from model.attention import DocumentLayout, attend
 
 log = logging.getLogger(__name__)
 
+# The blocks' products by calling their Linear layers rather than kernels on the weights: under model.fp8 torchao
+# has swapped those layers for float8 ones, which a kernel reading the weights would bypass.
+LAYERS = "layers"
 CompileScope = Literal["trunk", "blocks"]
 COMPILE_SCOPES = get_args(CompileScope)
 
@@ -72,7 +75,8 @@ class GPTConfig:
     Runs without autocast (fp32, CPU) are unaffected"""
     fp8: bool = False
     """Train the blocks' Linear layers with torchao's float8 tensorwise scaling (CUDA compute capability 8.9+ and
-    torchao, refused otherwise); the LM head and embeddings stay bf16"""
+    torchao, refused otherwise); the LM head and embeddings stay bf16. The blocks then call those layers, so
+    model.mlp_kernel and model.linear_kernel's qkv product do not apply"""
     loss_chunk_tokens: int = 16384
     """LM head and cross-entropy run over chunks of this many tokens, so the logits of a whole microbatch never
     exist at once; 0: all at once"""
@@ -133,7 +137,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout, linear_kernel: str = "torch") -> torch.Tensor:
         b, t, d = x.shape
-        qkv = quack_linear.linear(x, self.qkv.weight, linear_kernel)
+        qkv = self.qkv(x) if linear_kernel == LAYERS else quack_linear.linear(x, self.qkv.weight, linear_kernel)
         qkv = qkv.view(b, t, 3, self.n_head, d // self.n_head)  # q, k, v side by side, as split(d) gives
         return self.proj(attend(qkv, layout).reshape(b, t, d))
 
@@ -145,6 +149,8 @@ class MLP(nn.Module):
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, kernel: str = "torch") -> torch.Tensor:
+        if kernel == LAYERS:
+            return self.proj(F.gelu(self.fc(x)))
         return fused_mlp.gelu_mlp(x, self.fc.weight, self.proj.weight, kernel)
 
 
@@ -217,7 +223,8 @@ class GPT(nn.Module):
                                              self.config.n_embd // self.config.n_head, positions is not None,
                                              self.attention_kernels)
         compiled = self._compiled_trunk is not None and self.training
-        mlp = fused_mlp.choose(self.config.mlp_kernel, input_ids.device, dtype, compiled, self.config.n_embd)
+        mlp = (LAYERS if self.config.fp8 else
+               fused_mlp.choose(self.config.mlp_kernel, input_ids.device, dtype, compiled, self.config.n_embd))
         if torch.is_grad_enabled() and not torch.compiler.is_compiling() and self.mlp_kernel != mlp:
             self.mlp_kernel = mlp
             log.info("mlp: %s", fused_mlp.describe(mlp))
@@ -230,11 +237,12 @@ class GPT(nn.Module):
         # Under autocast the final norm's output leaves in the compute dtype, in which the head's products take it
         # anyway: the cast fuses into the norm's kernel, and the gradient coming back is half as wide.
         out = None if dtype == self.wte.weight.dtype else dtype
+        qkv = LAYERS if self.config.fp8 else linear  # the head's logits keep ``linear``: the head is not float8
         if compiled:
             if cu_seqlens is not None:
                 torch._dynamo.mark_dynamic(cu_seqlens, 0)  # document counts vary: one graph for all
-            return self._compiled_trunk(input_ids, positions, cu_seqlens, kernel, mlp, residual, linear, out=out)
-        return self._trunk(input_ids, positions, cu_seqlens, kernel, mlp, residual, linear, out=out)
+            return self._compiled_trunk(input_ids, positions, cu_seqlens, kernel, mlp, residual, qkv, out=out)
+        return self._trunk(input_ids, positions, cu_seqlens, kernel, mlp, residual, qkv, out=out)
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.wte.weight.dtype

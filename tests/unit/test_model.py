@@ -200,3 +200,34 @@ def test_residual_in_fp32_changes_nothing_without_autocast():
     wide.config.residual_in_fp32 = True
     with torch.no_grad():
         assert torch.equal(wide(row), narrow(row))
+
+
+class _RecordingLinear(torch.nn.Linear):
+    """A Linear layer that notes its calls, standing in for torchao's float8 layers (which also subclass it)."""
+
+    calls: list = []
+
+    def forward(self, x):
+        _RecordingLinear.calls.append(self.weight.shape)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_under_fp8_every_product_of_the_blocks_goes_through_their_linear_layers(monkeypatch, fp8):
+    """torchao swaps the blocks' Linear layers for float8 ones: a kernel that reads a weight would bypass them."""
+    monkeypatch.setattr(_RecordingLinear, "calls", [])
+    model = tiny_model()
+    model.config.fp8 = fp8
+    for block in model.blocks:
+        for owner, name in ((block.attn, "qkv"), (block.attn, "proj"), (block.mlp, "fc"), (block.mlp, "proj")):
+            layer = getattr(owner, name)
+            swapped = _RecordingLinear(layer.in_features, layer.out_features, bias=False)
+            swapped.load_state_dict(layer.state_dict())
+            setattr(owner, name, swapped)
+    row = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(7))
+    reference = tiny_model()
+    with torch.no_grad():
+        torch.testing.assert_close(model(row), reference(row))
+    d = model.config.n_embd
+    per_block = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] if fp8 else [(d, d)]  # else only the output projection
+    assert _RecordingLinear.calls == per_block * model.config.n_layer
