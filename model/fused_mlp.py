@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 Kernel = Literal["auto", "quack", "torch"]  # model.mlp_kernel
 CHOICES = get_args(Kernel)
+# Not a setting: under model.fp8 the blocks compute their products by calling their Linear layers, which torchao has
+# swapped for float8 ones and which a kernel reading the weights would bypass (model/gpt.py)
+LAYERS = "layers"
 QUACK_PACKAGE = "quack-kernels"
 QUACK_COMPUTE_CAPABILITIES = (9, 10)  # Hopper and Blackwell data-centre parts: quack's GEMMs with epilogues
 # F.gelu's exact GELU, by model/quack_gelu.py's formula, registered in quack's tables under this name once quack imports
@@ -199,7 +202,7 @@ def choose(requested: str, device: torch.device, dtype: torch.dtype, compiled: b
 
 def describe(kernel: str) -> str:
     """What ran the MLP, for the log and the run record."""
-    if kernel == "layers":
+    if kernel == LAYERS:
         return "the blocks' Linear layers (torchao's float8 ones under model.fp8) and F.gelu"
     if kernel == "quack":
         return f"quack GEMMs with the GELU in their epilogues (quack-kernels {flash4.installed_version(QUACK_PACKAGE) or '?'})"

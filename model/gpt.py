@@ -25,9 +25,6 @@ from model.attention import DocumentLayout, attend
 
 log = logging.getLogger(__name__)
 
-# The blocks' products by calling their Linear layers rather than kernels on the weights: under model.fp8 torchao
-# has swapped those layers for float8 ones, which a kernel reading the weights would bypass.
-LAYERS = "layers"
 CompileScope = Literal["trunk", "blocks"]
 COMPILE_SCOPES = get_args(CompileScope)
 
@@ -137,7 +134,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout, linear_kernel: str = "torch") -> torch.Tensor:
         b, t, d = x.shape
-        qkv = self.qkv(x) if linear_kernel == LAYERS else quack_linear.linear(x, self.qkv.weight, linear_kernel)
+        if linear_kernel == fused_mlp.LAYERS:
+            qkv = self.qkv(x)
+        else:
+            qkv = quack_linear.linear(x, self.qkv.weight, linear_kernel)
         qkv = qkv.view(b, t, 3, self.n_head, d // self.n_head)  # q, k, v side by side, as split(d) gives
         return self.proj(attend(qkv, layout).reshape(b, t, d))
 
@@ -149,7 +149,7 @@ class MLP(nn.Module):
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, kernel: str = "torch") -> torch.Tensor:
-        if kernel == LAYERS:
+        if kernel == fused_mlp.LAYERS:
             return self.proj(F.gelu(self.fc(x)))
         return fused_mlp.gelu_mlp(x, self.fc.weight, self.proj.weight, kernel)
 
@@ -223,7 +223,7 @@ class GPT(nn.Module):
                                              self.config.n_embd // self.config.n_head, positions is not None,
                                              self.attention_kernels)
         compiled = self._compiled_trunk is not None and self.training
-        mlp = (LAYERS if self.config.fp8 else
+        mlp = (fused_mlp.LAYERS if self.config.fp8 else
                fused_mlp.choose(self.config.mlp_kernel, input_ids.device, dtype, compiled, self.config.n_embd))
         if torch.is_grad_enabled() and not torch.compiler.is_compiling() and self.mlp_kernel != mlp:
             self.mlp_kernel = mlp
@@ -237,7 +237,7 @@ class GPT(nn.Module):
         # Under autocast the final norm's output leaves in the compute dtype, in which the head's products take it
         # anyway: the cast fuses into the norm's kernel, and the gradient coming back is half as wide.
         out = None if dtype == self.wte.weight.dtype else dtype
-        qkv = LAYERS if self.config.fp8 else linear  # the head's logits keep ``linear``: the head is not float8
+        qkv = fused_mlp.LAYERS if self.config.fp8 else linear  # the head's logits keep ``linear``: it is not float8
         if compiled:
             if cu_seqlens is not None:
                 torch._dynamo.mark_dynamic(cu_seqlens, 0)  # document counts vary: one graph for all
