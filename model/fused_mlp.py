@@ -9,6 +9,10 @@ epilogue of proj's input-gradient product: the MLP's elementwise passes are gone
 exact (erf) one, as ``F.gelu`` computes it, by a cheaper formula than quack's own (``model.quack_gelu``); the
 products accumulate in fp32 as cuBLAS's do.
 
+In the last ``model.mlp_kept_derivatives`` blocks (Hopper), fc's product also writes the GELU's derivative, which
+the backward keeps with the activation in place of the pre-activation: proj's input-gradient product then only
+scales by it (``_KeptDerivativeMLP``), at 4 x width x 2 bytes more per token.
+
 Compiled CUDA training in bf16 or fp16 only: eager runs (the probe, evaluation, CPU) keep PyTorch's
 MLP, so quack's two kernels compile (once per shape; persisted under the output's compile cache)
 inside the first update alone. The choice is made outside the compiled graph and recorded in
@@ -68,6 +72,62 @@ class _GeluEpilogueMLP(torch.autograd.Function):
         return dpreact @ fc_weight, dpreact.t() @ x, dout.t() @ postact
 
 
+class _KeptDerivativeMLP(torch.autograd.Function):
+    """``_GeluEpilogueMLP`` for a block that keeps the GELU's derivative (``model.mlp_kept_derivatives``): fc's
+    product writes the activation and gelu'(preact) in place of the pre-activation, and the backward keeps both, so
+    that proj's input-gradient product only scales by the derivative: no GELU arithmetic and one output where
+    ``gelu_dact`` recomputes the activation and writes it. The cost: the activation kept, 4 x width values a token."""
+
+    @staticmethod
+    def forward(ctx, x, fc_weight, proj_weight):
+        postact, derivative = gelu_keeping_derivative(x, fc_weight)
+        ctx.save_for_backward(x, postact, derivative, fc_weight, proj_weight)
+        return postact @ proj_weight.t()
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, postact, derivative, fc_weight, proj_weight = ctx.saved_tensors
+        dpreact = times_derivative(dout.contiguous(), proj_weight, derivative)
+        return dpreact @ fc_weight, dpreact.t() @ x, dout.t() @ postact
+
+
+def derivative_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which a block keeps gelu'(preact) for compute in ``dtype``: fp16 under bf16, whose 3 more
+    mantissa bits make the gradient's second rounding (of the derivative before the product's is) 8x smaller than
+    a bf16 one; gelu' lies in [-0.17, 1.13], well inside fp16's range. Other dtypes keep their own (the CPU tests'
+    fp64)."""
+    return torch.float16 if dtype == torch.bfloat16 else dtype
+
+
+@torch.library.custom_op("runfab::quack_gelu_keeping_derivative", mutates_args=())
+def gelu_keeping_derivative(x: torch.Tensor, fc_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gelu(x @ fc_weight.t()) and gelu'(x @ fc_weight.t()) (in ``derivative_dtype``), by one quack GEMM."""
+    from model import quack_gelu
+
+    derivative = x.new_empty((x.shape[0], fc_weight.shape[0]), dtype=derivative_dtype(x.dtype))
+    result = quack_gelu.gelu_keeping_derivative(x, fc_weight.t(), out={"derivative": derivative}, tuned=False)
+    return result["D"], derivative
+
+
+@gelu_keeping_derivative.register_fake
+def _(x, fc_weight):
+    shape = (x.shape[0], fc_weight.shape[0])
+    return x.new_empty(shape), x.new_empty(shape, dtype=derivative_dtype(x.dtype))
+
+
+@torch.library.custom_op("runfab::quack_times_derivative", mutates_args=())
+def times_derivative(dout: torch.Tensor, proj_weight: torch.Tensor, derivative: torch.Tensor) -> torch.Tensor:
+    """(dout @ proj_weight) * derivative, rows [tokens, 4 * width] in dout's dtype, by one quack GEMM."""
+    from model import quack_gelu
+
+    return quack_gelu.times_derivative(dout, proj_weight, C=derivative, tuned=False)["D"]
+
+
+@times_derivative.register_fake
+def _(dout, proj_weight, derivative):
+    return dout.new_empty((dout.shape[0], proj_weight.shape[1]))
+
+
 # proj's input-gradient product with the GELU derivative in its epilogue. quack gives every Hopper GEMM one default
 # tile (128 x 192); for this product, whose epilogue (reading the pre-activation, writing two outputs) outweighs its
 # short K = width loop, 128 x 128 measured 1.19x faster at the trainer's shape (`python -m tools bench tiles --mlp`,
@@ -109,6 +169,11 @@ def _(dout, proj_weight, preact):
     return torch.empty_like(preact), torch.empty_like(preact)
 
 
+def quack_kept_derivative_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor) -> torch.Tensor:
+    """``quack_mlp`` keeping the GELU's derivative from the forward (``_KeptDerivativeMLP``)."""
+    return on_rows(_KeptDerivativeMLP.apply, x, fc_weight, proj_weight)
+
+
 def quack_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor) -> torch.Tensor:
     """``torch_mlp`` with the GELU and its derivative in quack's GEMM epilogues. Casts to the autocast dtype as
     ``F.linear`` does under autocast (the fp32 weights get their gradients through the casts); each quack GEMM
@@ -127,7 +192,30 @@ def on_rows(function, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-IMPLEMENTATION = {"quack": quack_mlp, "torch": torch_mlp}  # tests swap in references where quack is absent
+# A block's kernel, not a setting: quack's MLP in a block that keeps the GELU's derivative (model.mlp_kept_derivatives)
+KEPT_DERIVATIVE = "quack, derivative kept"
+IMPLEMENTATION = {"quack": quack_mlp, KEPT_DERIVATIVE: quack_kept_derivative_mlp,
+                  "torch": torch_mlp}  # tests swap in references where quack is absent
+
+
+def kept_derivative_runs(device: torch.device) -> bool:
+    """Whether a block can keep the GELU's derivative on ``device``: quack's epilogues there pass their functions
+    one value at a time (Hopper), as model.quack_gelu's take them, and quack's frontend built those epilogues."""
+    if device.type != "cuda" or flash4.compute_capability(device)[0] != 9:
+        return False
+    from model import quack_gelu
+
+    return hasattr(quack_gelu, "times_derivative")
+
+
+def block_kernels(kernel: str, n_layer: int, kept: int, device: torch.device) -> tuple[str, ...]:
+    """Each block's MLP kernel: ``kernel`` (from ``choose``), with the last ``kept`` blocks keeping the GELU's
+    derivative where ``kernel`` is quack's and ``kept_derivative_runs`` (Hopper: Blackwell's epilogues take pairs
+    of values, which model.quack_gelu's epilogue functions do not)."""
+    if kernel != "quack" or not kept_derivative_runs(device):
+        kept = 0
+    kept = max(0, min(kept, n_layer))
+    return (kernel,) * (n_layer - kept) + (KEPT_DERIVATIVE,) * kept
 
 
 def gelu_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor, kernel: str) -> torch.Tensor:
@@ -147,6 +235,8 @@ def quack_imports() -> str | None:
         from model import quack_gelu
 
         quack_gelu.register(ACTIVATION)
+        if getattr(quack_gelu, "EPILOGUE_PROBLEM", None):  # the blocks then recompute the activation: still quack's
+            log.info("model.mlp_kept_derivatives: not used (%s)", quack_gelu.EPILOGUE_PROBLEM)
     except Exception as error:  # noqa: BLE001 - missing package, missing CUDA libraries, wrong Python
         return f"quack.gemm_interface does not import ({type(error).__name__}: {str(error)[:200]})"
     return dsl_location_problem(cutlass.__file__)
@@ -206,4 +296,6 @@ def describe(kernel: str) -> str:
         return "the blocks' Linear layers (torchao's float8 ones under model.fp8) and F.gelu"
     if kernel == "quack":
         return f"quack GEMMs with the GELU in their epilogues (quack-kernels {flash4.installed_version(QUACK_PACKAGE) or '?'})"
+    if kernel == KEPT_DERIVATIVE:
+        return "quack GEMMs with the GELU in their epilogues, the GELU's derivative kept from the forward"
     return "PyTorch (cuBLAS products, GELU by inductor or eager)"

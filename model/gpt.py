@@ -60,6 +60,12 @@ class GPTConfig:
     """Compiled CUDA training in bf16: quack (the GELU inside the MLP's GEMM epilogues, quack-kernels; an error where it
     cannot run), torch (cuBLAS products and a separate GELU); auto: quack where it imports and the GPU supports it, else
     torch. Eager runs always take torch; run_record.json names what ran"""
+    mlp_kept_derivatives: int = 6
+    """Compiled training with quack's MLP (model.mlp_kernel) on Hopper: in this many blocks, the last ones, fc's
+    product also writes the GELU's derivative, which the backward keeps with the activation in place of the
+    pre-activation, so that proj's input-gradient product only scales by it (no GELU arithmetic, one output
+    instead of two). Each such block keeps 4 x n_embd x 2 bytes more per token: 6 blocks at the defaults add
+    0.035 MiB per microbatch token (docs/PERFORMANCE.md); 0: none"""
     linear_kernel: quack_linear.Kernel = "auto"
     """Compiled CUDA training in bf16: quack (qkv's forward product and the LM head's logits by quack's GEMM,
     quack-kernels; an error where it cannot run), torch (cuBLAS); auto: quack where it imports and the GPU supports it,
@@ -102,6 +108,8 @@ class GPTConfig:
         if self.max_seq_len < 2:  # a row of n tokens trains on n - 1 next-token targets
             found.append(f"model.max_seq_len must be at least 2 (a row needs a token and the next one to predict), "
                          f"not {self.max_seq_len}")
+        if self.mlp_kept_derivatives < 0:
+            found.append(f"model.mlp_kept_derivatives must be >= 0, not {self.mlp_kept_derivatives}")
         if self.loss_chunk_tokens < 0 or self.layer_norm_eps <= 0 or self.init_std <= 0:
             found.append("model.loss_chunk_tokens must be >= 0, model.layer_norm_eps and model.init_std > 0")
         if not 0 <= self.activation_memory_budget <= 1:
@@ -180,6 +188,7 @@ class GPT(nn.Module):
         self._compiled_trunk: Callable | None = None  # what training calls instead of _trunk
         self.attention_kernels: dict[str, str] = {}  # batch kind -> the kernel that ran it (run record, log)
         self.mlp_kernel: str | None = None  # what ran the MLP in the last training batch (run record, log)
+        self.mlp_kept_derivatives = 0  # in how many blocks it kept the GELU's derivative (run record, log)
         self.linear_kernel: str | None = None  # and qkv's forward product and the head's logits
         self.loss_kernel: str | None = None  # the loss kernel of the last training batch (run record)
         self.loss_softmax: str | None = None  # and, with the chunked loss, what ran its chunk softmax
@@ -225,9 +234,14 @@ class GPT(nn.Module):
         compiled = self._compiled_trunk is not None and self.training
         mlp = (fused_mlp.LAYERS if self.config.fp8 else
                fused_mlp.choose(self.config.mlp_kernel, input_ids.device, dtype, compiled, self.config.n_embd))
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling() and self.mlp_kernel != mlp:
-            self.mlp_kernel = mlp
-            log.info("mlp: %s", fused_mlp.describe(mlp))
+        mlp_blocks = fused_mlp.block_kernels(mlp, self.config.n_layer, self.config.mlp_kept_derivatives,
+                                             input_ids.device)
+        kept = mlp_blocks.count(fused_mlp.KEPT_DERIVATIVE)
+        recorded = (self.mlp_kernel, self.mlp_kept_derivatives)
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling() and recorded != (mlp, kept):
+            self.mlp_kernel, self.mlp_kept_derivatives = mlp, kept
+            log.info("mlp: %s%s", fused_mlp.describe(mlp),
+                     f"; the last {kept} blocks keep the GELU's derivative from the forward" if kept else "")
         linear = self.chosen_linear_kernel(input_ids.device)
         if torch.is_grad_enabled() and not torch.compiler.is_compiling() and self.linear_kernel != linear:
             self.linear_kernel = linear
@@ -241,8 +255,8 @@ class GPT(nn.Module):
         if compiled:
             if cu_seqlens is not None:
                 torch._dynamo.mark_dynamic(cu_seqlens, 0)  # document counts vary: one graph for all
-            return self._compiled_trunk(input_ids, positions, cu_seqlens, kernel, mlp, residual, qkv, out=out)
-        return self._trunk(input_ids, positions, cu_seqlens, kernel, mlp, residual, qkv, out=out)
+            return self._compiled_trunk(input_ids, positions, cu_seqlens, kernel, mlp_blocks, residual, qkv, out=out)
+        return self._trunk(input_ids, positions, cu_seqlens, kernel, mlp_blocks, residual, qkv, out=out)
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.wte.weight.dtype
@@ -255,9 +269,10 @@ class GPT(nn.Module):
 
     def _trunk(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-        kernel: str = "sdpa", mlp: str = "torch", residual: torch.dtype | None = None, linear: str = "torch",
-        blocks: list[nn.Module] | None = None, out: torch.dtype | None = None,
+        kernel: str = "sdpa", mlp: str | tuple[str, ...] = "torch", residual: torch.dtype | None = None,
+        linear: str = "torch", blocks: list[nn.Module] | None = None, out: torch.dtype | None = None,
     ) -> torch.Tensor:
+        """``mlp``: one MLP kernel for every block, or one per block (``fused_mlp.block_kernels``)."""
         b, t = input_ids.shape
         layout = DocumentLayout(positions, cu_seqlens, kernel)
         if positions is None:
@@ -265,11 +280,12 @@ class GPT(nn.Module):
         x = self.wte(input_ids) + self.wpe(positions)
         if residual is not None:
             x = x.to(residual)
-        for block in blocks or self.blocks:
+        blocks = blocks or self.blocks
+        for block, block_mlp in zip(blocks, (mlp,) * len(blocks) if isinstance(mlp, str) else mlp, strict=True):
             if self.config.activation_checkpointing and self.training:
-                x = checkpoint(block, x, layout, mlp, linear, use_reentrant=False)
+                x = checkpoint(block, x, layout, block_mlp, linear, use_reentrant=False)
             else:
-                x = block(x, layout, mlp, linear)
+                x = block(x, layout, block_mlp, linear)
         return self.ln_f(x) if out is None else self.ln_f(x).to(out)
 
     def compile_trunk(self) -> None:

@@ -17,6 +17,11 @@ where the GELU is under 6e-9 in magnitude, the formula's relative error grows to
 within 4.2e-7 absolute; in bf16 its outputs are the exact GELU's rounding more often than PyTorch's fp32 kernel's
 are (tests/unit/test_quack_gelu.py).
 
+Beside the activation tables, three epilogues for quack's ``@gemm_epilogue`` frontend use the formula: fc's product
+writing the activation and the GELU's derivative (for the blocks that keep the derivative, model.fused_mlp), proj's
+input-gradient product scaling by that kept derivative, and, measured only (``bench tiles --dact-outputs``), the
+dact product without its activation output.
+
 The formula is written once, over the arithmetic it is given: the CuTe DSL's in the kernels (``register``), and
 PyTorch's in ``cdf_and_density``, which the tests hold to fp64. This module imports the CuTe DSL only where it is
 installed, and ``fused_mlp`` imports it only where it checks that quack's GEMMs import (the DSL takes seconds to
@@ -93,6 +98,37 @@ if cute is not None:
             return tuple(pair[0] for pair in pairs), tuple(pair[1] for pair in pairs)
         cdf, density = _cdf_and_density(x)
         return dout * (x * density + cdf), x * cdf
+
+    try:
+        from quack.epilogue.frontend import gemm_epilogue
+    except Exception:  # noqa: BLE001 - quack absent or older than its epilogue frontend: gemm_act and gemm_dact only
+        gemm_epilogue = None
+
+    # Module globals, so that quack's compile cache finds them again by name in a fresh process. Where quack's
+    # frontend refuses them, blocks recompute the activation as before (fused_mlp.kept_derivative_runs).
+    if gemm_epilogue is not None:
+        try:
+            @gemm_epilogue(outputs=("derivative",))
+            def gelu_keeping_derivative(acc):
+                """fc's product with the GELU: gelu(preact) as the product's output, and gelu'(preact) as a second
+                output that the backward keeps in place of the pre-activation (so that its product only scales)."""
+                cdf, density = _cdf_and_density(acc)
+                return {"D": acc * cdf, "derivative": acc * density + cdf}
+
+            @gemm_epilogue()
+            def times_derivative(acc, c):
+                """proj's input-gradient product times the GELU's derivative kept from the forward, ``c``."""
+                return {"D": acc * c}
+
+            @gemm_epilogue()
+            def gelu_input_gradient(acc, c):
+                """dout @ proj's weight times gelu'(preact), with ``c`` the pre-activation: quack's dact product
+                without its second output (the activation), for a block that kept the activation (measured by
+                ``bench tiles --dact-outputs``; the model keeps the derivative instead)."""
+                cdf, density = _cdf_and_density(c)
+                return {"D": acc * (c * density + cdf)}
+        except Exception as error:  # noqa: BLE001
+            EPILOGUE_PROBLEM = f"quack's epilogue frontend refused the GELU's epilogues: {type(error).__name__}: {error}"
 
 
 def register(name: str) -> None:

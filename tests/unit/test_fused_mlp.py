@@ -152,3 +152,107 @@ def test_the_backward_product_pins_its_measured_tile_on_hopper_only(monkeypatch,
         if pinned:
             assert (config.tile_m, config.tile_n, config.pingpong, config.device_capacity) == (128, 128, True, 9)
             assert fused_mlp.dact_config(torch.device("cuda")) is config
+
+
+@pytest.fixture
+def reference_kept_derivative_gemms(monkeypatch):
+    """model.quack_gelu's two epilogue GEMMs for blocks that keep the GELU's derivative, replaced by what they
+    compute, in the operands' dtype: fc's product with the activation and gelu' as outputs, and proj's
+    input-gradient product scaled by the kept gelu'. Records each call's operand dtypes."""
+    from model import quack_gelu
+
+    calls = []
+
+    def keeping(a, b, out, tuned):
+        preact = a @ b
+        out["derivative"].copy_(torch.ops.aten.gelu_backward(torch.ones_like(preact), preact))
+        calls.append(("forward", out["derivative"].dtype))
+        return {"D": torch.nn.functional.gelu(preact), "derivative": out["derivative"]}
+
+    def scaling(a, b, C, tuned):
+        calls.append(("backward", C.dtype))
+        return {"D": (a @ b) * C}
+
+    monkeypatch.setattr(quack_gelu, "gelu_keeping_derivative", keeping, raising=False)
+    monkeypatch.setattr(quack_gelu, "times_derivative", scaling, raising=False)
+    return calls
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_mlp_keeping_the_gelu_derivative_gives_pytorchs_output_and_gradients(reference_kept_derivative_gemms,
+                                                                                 compiled):
+    """The autograd function around the two GEMMs (saving the activation and the derivative in place of the
+    pre-activation, the backward product scaling by it) gives the plain MLP's output and all three gradients in
+    fp64, also traced by torch.compile, where the products are custom ops seen through their shape functions."""
+    torch.manual_seed(5)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    fc = torch.randn(32, 8, dtype=torch.float64, requires_grad=True)
+    proj = torch.randn(8, 32, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(2, 5, 8, dtype=torch.float64)
+    results = []
+    kept = fused_mlp.IMPLEMENTATION[fused_mlp.KEPT_DERIVATIVE]
+    for fn in (torch.compile(kept, backend="aot_eager", fullgraph=True) if compiled else kept, fused_mlp.torch_mlp):
+        out = fn(x, fc, proj)
+        results.append((out, *torch.autograd.grad(out, (x, fc, proj), dout)))
+    for got, expected in zip(*results):
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected)
+    assert reference_kept_derivative_gemms == [("forward", torch.float64), ("backward", torch.float64)]
+
+
+def test_under_bf16_the_derivative_is_kept_in_fp16():
+    """fp16's 3 more mantissa bits: the derivative's own rounding 8x below the gradient's; other dtypes keep theirs."""
+    assert fused_mlp.derivative_dtype(torch.bfloat16) == torch.float16
+    assert fused_mlp.derivative_dtype(torch.float16) == torch.float16
+    assert fused_mlp.derivative_dtype(torch.float64) == torch.float64
+
+
+def test_the_last_blocks_keep_the_derivative_with_quacks_mlp_on_hopper_only(monkeypatch):
+    from model import quack_gelu
+
+    kept = fused_mlp.KEPT_DERIVATIVE
+    monkeypatch.setattr(flash4, "compute_capability", lambda device: (9, 0))
+    assert not fused_mlp.block_kernels("quack", 3, 2, CUDA).count(kept) and not hasattr(quack_gelu, "times_derivative")
+    monkeypatch.setattr(quack_gelu, "times_derivative", object(), raising=False)  # as where quack's frontend built it
+    assert fused_mlp.block_kernels("quack", 4, 2, CUDA) == ("quack", "quack", kept, kept)
+    assert fused_mlp.block_kernels("quack", 3, 6, CUDA) == (kept,) * 3  # at most every block
+    assert fused_mlp.block_kernels("quack", 3, 0, CUDA) == ("quack",) * 3
+    assert fused_mlp.block_kernels("torch", 3, 2, CUDA) == ("torch",) * 3
+    assert fused_mlp.block_kernels(fused_mlp.LAYERS, 3, 2, CUDA) == (fused_mlp.LAYERS,) * 3
+    monkeypatch.setattr(flash4, "compute_capability", lambda device: (10, 0))  # Blackwell's epilogues take pairs
+    assert fused_mlp.block_kernels("quack", 3, 2, CUDA) == ("quack",) * 3
+    assert not fused_mlp.kept_derivative_runs(torch.device("cpu"))
+
+
+def test_compiled_training_routes_the_last_blocks_through_the_kept_derivative_mlp_and_records_it(quack_runs_here,
+                                                                                                  monkeypatch):
+    calls = []
+
+    def recording(kernel):
+        def mlp(x, fc_weight, proj_weight):
+            calls.append(kernel)
+            return fused_mlp.torch_mlp(x, fc_weight, proj_weight)
+        return mlp
+
+    for kernel in ("quack", fused_mlp.KEPT_DERIVATIVE):
+        monkeypatch.setitem(fused_mlp.IMPLEMENTATION, kernel, recording(kernel))
+    monkeypatch.setattr(fused_mlp, "kept_derivative_runs", lambda device: True)  # as on Hopper with quack
+    monkeypatch.setattr(GPT, "compute_dtype", lambda self, device: torch.bfloat16)
+    torch.manual_seed(0)
+    shape = dict(vocab_size=64, n_layer=3, n_head=2, n_embd=16, max_seq_len=8, residual_in_fp32=True,
+                 linear_kernel="torch")
+    model = GPT(GPTConfig(**shape, mlp_kept_derivatives=2))
+    plain = GPT(GPTConfig(**shape, mlp_kernel="torch"))
+    plain.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 64, (2, 8))
+    model._compiled_trunk = model._trunk
+    plain._compiled_trunk = plain._trunk
+    torch.testing.assert_close(model.hidden_states(ids), plain.hidden_states(ids))
+    assert calls == ["quack", fused_mlp.KEPT_DERIVATIVE, fused_mlp.KEPT_DERIVATIVE]
+    assert (model.mlp_kernel, model.mlp_kept_derivatives) == ("quack", 2)
+    assert (plain.mlp_kernel, plain.mlp_kept_derivatives) == ("torch", 0)
+
+
+def test_a_negative_count_of_kept_derivatives_is_refused():
+    with pytest.raises(ConfigError, match="model.mlp_kept_derivatives must be >= 0, not -1"):
+        load_config("conf/smoke.yaml", ["model.mlp_kept_derivatives=-1"])

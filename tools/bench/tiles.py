@@ -18,6 +18,12 @@ Usage (GPU, with quack-kernels and flash-attn-4 installed):
                                                          epilogue against the two-pass softmax
     python -m tools bench tiles --products               the head's logits, qkv and the attention's output
                                                          projection: cuBLAS against quack's tiles
+    python -m tools bench tiles --dact-outputs           proj's input gradient + GELU derivative writing both
+                                                         outputs against the gradient alone, under tiles
+    python -m tools bench tiles --kept-derivative        the MLP's GELU products against keeping gelu'(preact)
+                                                         from the forward in place of the pre-activation
+    python -m tools bench tiles --weight-gradients       the blocks' weight gradients: cuBLAS against quack's
+                                                         split-K
 """
 
 from __future__ import annotations
@@ -159,6 +165,176 @@ def gelu(args, dev: torch.device | None = None) -> None:
                 share = float((outputs[1][:8192] == exact).float().mean())
                 line += f"  activation equal to the exact GELU's rounding: {share:.5f}"
             print(line, flush=True)
+
+
+DACT_ONLY_CONFIGS = ("default", "pingpong 128x128", "pingpong 128x160", "pingpong 192x128", "cooperative 128x256",
+                     "cooperative 256x128")
+
+
+def dact_outputs(args) -> None:
+    """proj's input-gradient product with the GELU derivative in its epilogue, writing both outputs (quack's
+    ``gemm_dact``: the gradient, and the activation that proj's weight gradient needs) against the gradient alone
+    (``model.quack_gelu.gelu_input_gradient``, for a block that kept its activation from the forward) under
+    candidate tiles; the plain product as the floor. Each gradient against ``gemm_dact``'s: relative difference
+    and the share of bitwise-equal elements."""
+    dev = torch.device("cuda")
+    if quack_missing("tiles --dact-outputs", dev, WIDTH):
+        return
+    from quack.gemm_interface import gemm, gemm_dact
+
+    from model import quack_gelu
+
+    if getattr(quack_gelu, "gelu_input_gradient", None) is None:
+        print("python -m tools bench tiles --dact-outputs: quack.epilogue.frontend does not import", file=sys.stderr)
+        return
+    n = args.microbatch * ROW
+    x, fc, proj, dout = mlp_operands(n, dev)
+    preact = 2.0 * (x @ fc.t())
+    flops = 2 * n * WIDTH * 4 * WIDTH
+    pinned = fused_mlp.dact_config(dev)
+
+    def both():
+        return gemm_dact(dout, proj, preact, activation=fused_mlp.ACTIVATION, tuned=False, config=pinned)[0]
+
+    candidates = {"both outputs (gemm_dact), the pinned tile": both}
+    configs = quack_configs()
+    for name in DACT_ONLY_CONFIGS:
+        candidates[f"the gradient alone, {name}"] = (
+            lambda cfg=configs[name]: quack_gelu.gelu_input_gradient(dout, proj, C=preact, config=cfg, tuned=False)["D"])
+    candidates["floor: the plain product, quack's default tile"] = lambda: gemm(dout, proj, tuned=False)
+    print(f"\nproj input gradient + GELU derivative: [{n}x{WIDTH}] -> {4 * WIDTH}, {flops / 1e9:.0f} GFLOP",
+          flush=True)
+    reference = both()
+    first = None
+    for name, fn in candidates.items():
+        found = measured(name, fn, args.repeats)
+        if found is None:
+            continue
+        out, ms = found
+        first = first or ms
+        line = f"  {name:<56} {ms:7.3f} ms {flops / ms / 1e9:5.0f} TFLOP/s  x{first / ms:.3f}"
+        if "gradient" in name:
+            line += (f"  against gemm_dact's: {relative(out, reference):.1e}, bitwise equal "
+                     f"{float((out == reference).float().mean()):.5f}")
+        print(line, flush=True)
+
+
+def kept_derivative(args) -> None:
+    """The MLP's two GELU products as they are (quack's ``gemm_act`` writing the pre-activation and the activation;
+    ``gemm_dact`` reading the pre-activation and writing the gradient and the activation) against a block that
+    keeps the GELU's derivative from the forward in place of the pre-activation: fc's product writes the activation
+    and gelu'(preact) (``model.quack_gelu.gelu_keeping_derivative``), proj's input-gradient product only scales by it
+    (``times_derivative``). The derivative kept in fp16 or bf16; each gradient against the exact one (fp64)."""
+    dev = torch.device("cuda")
+    if quack_missing("tiles --kept-derivative", dev, WIDTH):
+        return
+    from quack.gemm_interface import gemm_act, gemm_dact
+
+    from model import quack_gelu
+
+    if getattr(quack_gelu, "times_derivative", None) is None:
+        print("python -m tools bench tiles --kept-derivative: quack.epilogue.frontend does not import", file=sys.stderr)
+        return
+    n = args.microbatch * ROW
+    x, fc, proj, dout = mlp_operands(n, dev)
+    x = 2.0 * x  # pre-activations of about unit spread, the tails included
+    flops = 2 * n * WIDTH * 4 * WIDTH
+    configs = quack_configs()
+    preact, postact = gemm_act(x, fc.t(), activation=fused_mlp.ACTIVATION, tuned=False)
+    rows = slice(0, 8192)  # the exact gradient in fp64 on the first rows
+    p64 = preact[rows].double()
+    cdf = 0.5 * torch.special.erfc(-p64 / 2 ** 0.5)
+    exact_derivative = cdf + p64 * torch.exp(-0.5 * p64 * p64) / (2 * torch.pi) ** 0.5
+    exact = (dout[rows].double() @ proj.double()) * exact_derivative
+
+    def error(gradient):
+        return f"{relative(gradient[rows], exact):.2e}"
+
+    def forward(dtype, cfg):
+        derivative = torch.empty(n, 4 * WIDTH, device=dev, dtype=dtype)
+        result = quack_gelu.gelu_keeping_derivative(x, fc.t(), out={"derivative": derivative}, config=cfg, tuned=False)
+        return result["D"], result["derivative"]
+
+    print(f"\nfc + GELU: [{n}x{WIDTH}] -> {4 * WIDTH}, {flops / 1e9:.0f} GFLOP", flush=True)
+    found = measured("gemm_act", lambda: gemm_act(x, fc.t(), activation=fused_mlp.ACTIVATION, tuned=False),
+                     args.repeats)
+    if found is None:
+        return
+    first = found[1]
+    print(f"  {'gemm_act (pre-activation, activation)':<56} {first:7.3f} ms {flops / first / 1e9:5.0f} TFLOP/s",
+          flush=True)
+    kept = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        for name in ("default", "pingpong 128x128", "cooperative 128x256"):
+            label = f"activation and derivative ({str(dtype)[6:]}), {name}"
+            found = measured(label, lambda dtype=dtype, cfg=configs[name]: forward(dtype, cfg), args.repeats)
+            if found is None:
+                continue
+            (activation, derivative), ms = found
+            kept.setdefault(dtype, derivative)
+            same = float((activation == postact).float().mean())
+            print(f"  {label:<56} {ms:7.3f} ms {flops / ms / 1e9:5.0f} TFLOP/s  x{first / ms:.3f}  activation "
+                  f"bitwise gemm_act's {same:.5f}", flush=True)
+    print(f"\nproj input gradient + GELU derivative: [{n}x{WIDTH}] -> {4 * WIDTH}, {flops / 1e9:.0f} GFLOP; "
+          f"gradient against the exact (fp64)", flush=True)
+    pinned = fused_mlp.dact_config(dev)
+    found = measured("gemm_dact", lambda: gemm_dact(dout, proj, preact, activation=fused_mlp.ACTIVATION, tuned=False,
+                                                    config=pinned)[0], args.repeats)
+    if found is None:
+        return
+    reference, first = found
+    print(f"  {'gemm_dact (gradient, activation), the pinned tile':<56} {first:7.3f} ms "
+          f"{flops / first / 1e9:5.0f} TFLOP/s  error {error(reference)}", flush=True)
+    for dtype, derivative in kept.items():
+        for name in ("default", "pingpong 128x128", "pingpong 192x128", "cooperative 128x256"):
+            label = f"times the kept derivative ({str(dtype)[6:]}), {name}"
+            found = measured(label, lambda derivative=derivative, cfg=configs[name]: quack_gelu.times_derivative(
+                dout, proj, C=derivative, config=cfg, tuned=False)["D"], args.repeats)
+            if found is None:
+                continue
+            gradient, ms = found
+            print(f"  {label:<56} {ms:7.3f} ms {flops / ms / 1e9:5.0f} TFLOP/s  x{first / ms:.3f}  error "
+                  f"{error(gradient)}, bitwise gemm_dact's {float((gradient == reference).float().mean()):.5f}",
+                  flush=True)
+
+
+def weight_gradient_shapes() -> dict[str, tuple[int, int]]:
+    """(output rows, output columns) of a block's weight gradients: the weights' shapes."""
+    return {"qkv": (3 * WIDTH, WIDTH), "the attention's output projection": (WIDTH, WIDTH),
+            "fc": (4 * WIDTH, WIDTH), "proj": (WIDTH, 4 * WIDTH)}
+
+
+def weight_gradients(args) -> None:
+    """Each weight gradient of a block (``dout.t() @ rows``: a sum over all the microbatch's tokens into an output
+    of a few tiles) through cuBLAS, as the step computes it, against quack's GEMM at its default tile split along
+    the tokens (split-K: the partial sums occupy the SMs that the few output tiles leave idle)."""
+    device = torch.device("cuda")
+    if quack_missing("tiles --weight-gradients", device, WIDTH):
+        return
+    from quack.gemm_interface import SplitKMode, gemm
+
+    tokens = args.microbatch * ROW
+    gen = torch.Generator(device=device).manual_seed(0)
+    for product, (m, n) in weight_gradient_shapes().items():
+        dout = torch.randn(tokens, m, device=device, generator=gen).bfloat16()
+        rows = torch.randn(tokens, n, device=device, generator=gen).bfloat16()
+        flops = 2 * tokens * m * n
+        print(f"\n{product}'s weight gradient: [{m}x{tokens}] @ [{tokens}x{n}], {flops / 1e9:.0f} GFLOP", flush=True)
+        found = measured("cuBLAS", lambda: dout.t() @ rows, args.repeats)
+        if found is None:
+            continue
+        expected, cublas_ms = found
+        print(f"  {'cuBLAS':<40} {cublas_ms:7.3f} ms {flops / cublas_ms / 1e9:5.0f} TFLOP/s", flush=True)
+        variants = [(split, SplitKMode.SERIAL) for split in (1, 2, 3, 4, 6, 8)] + [(4, SplitKMode.SEPARATE)]
+        for split, mode in variants:
+            label = f"quack, split-K {split}{' separate' if mode == SplitKMode.SEPARATE else ''}"
+            found = measured(label, lambda: gemm(dout.t(), rows, tuned=False, split_k=split, split_k_mode=mode),
+                             args.repeats)
+            if found is None:
+                continue
+            out, ms = found
+            print(f"  {label:<40} {ms:7.3f} ms {flops / ms / 1e9:5.0f} TFLOP/s  x{cublas_ms / ms:.3f} against cuBLAS, "
+                  f"output against cuBLAS's {relative(out, expected):.1e}", flush=True)
 
 
 def wide_products(microbatch: int) -> dict[str, tuple[int, int, int]]:
@@ -367,13 +543,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--softmax", action="store_true", help="the Triton chunk softmax's launch shapes")
     parser.add_argument("--products", action="store_true",
                         help="cuBLAS's wide-output products (head logits, qkv, output projection) against quack's tiles")
+    parser.add_argument("--dact-outputs", action="store_true",
+                        help="the dact product with both outputs against the gradient alone")
+    parser.add_argument("--kept-derivative", action="store_true",
+                        help="the MLP's GELU products against keeping the GELU's derivative from the forward")
+    parser.add_argument("--weight-gradients", action="store_true",
+                        help="the blocks' weight gradients: cuBLAS against quack's split-K")
     parser.add_argument("--layouts", nargs="+", default=["realistic", "one-doc"], choices=["realistic", "one-doc"])
     parser.add_argument("--only", nargs="*", default=None, help="with --attention: only these candidates by name")
     parser.add_argument("--microbatch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
-    if not (args.mlp or args.gelu or args.attention or args.softmax or args.products):
-        parser.error("say what to sweep: --mlp, --gelu, --attention, --softmax, --products")
+    if not (args.mlp or args.gelu or args.attention or args.softmax or args.products or args.dact_outputs
+            or args.kept_derivative or args.weight_gradients):
+        parser.error("say what to sweep: --mlp, --gelu, --attention, --softmax, --products, --dact-outputs, "
+                     "--kept-derivative, --weight-gradients")
     if not torch.cuda.is_available():
         print("python -m tools bench tiles: needs a CUDA device", file=sys.stderr)
         return 2
@@ -391,4 +575,10 @@ def main(argv: list[str]) -> int:
         head_chunk(args)
     if args.products:
         products(args)
+    if args.dact_outputs:
+        dact_outputs(args)
+    if args.kept_derivative:
+        kept_derivative(args)
+    if args.weight_gradients:
+        weight_gradients(args)
     return 0
