@@ -110,14 +110,20 @@ def test_the_epilogue_mlp_gives_pytorchs_output_and_gradients_with_a_reference_f
     fake.gemm_dact = lambda a, b, preact, activation, tuned, config: gemm_dact(a, b, preact, activation)
     monkeypatch.setitem(sys.modules, "quack", types.ModuleType("quack"))
     monkeypatch.setitem(sys.modules, "quack.gemm_interface", fake)
-    torch.manual_seed(4)
+    assert_gives_pytorchs_mlp(fused_mlp.IMPLEMENTATION["quack"], compiled, seed=4)
+
+
+def assert_gives_pytorchs_mlp(implementation, compiled: bool, seed: int) -> None:
+    """``implementation``'s output and its gradients for x and both weights are the plain MLP's, in fp64, eager or
+    traced by torch.compile (aot_eager, one graph)."""
+    torch.manual_seed(seed)
     x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
     fc = torch.randn(32, 8, dtype=torch.float64, requires_grad=True)
     proj = torch.randn(8, 32, dtype=torch.float64, requires_grad=True)
     dout = torch.randn(2, 5, 8, dtype=torch.float64)
     results = []
-    quack = fused_mlp.IMPLEMENTATION["quack"]
-    for fn in (torch.compile(quack, backend="aot_eager", fullgraph=True) if compiled else quack, fused_mlp.torch_mlp):
+    fast = torch.compile(implementation, backend="aot_eager", fullgraph=True) if compiled else implementation
+    for fn in (fast, fused_mlp.torch_mlp):
         out = fn(x, fc, proj)
         results.append((out, *torch.autograd.grad(out, (x, fc, proj), dout)))
     for got, expected in zip(*results):
@@ -184,19 +190,7 @@ def test_the_mlp_keeping_the_gelu_derivative_gives_pytorchs_output_and_gradients
     """The autograd function around the two GEMMs (saving the activation and the derivative in place of the
     pre-activation, the backward product scaling by it) gives the plain MLP's output and all three gradients in
     fp64, also traced by torch.compile, where the products are custom ops seen through their shape functions."""
-    torch.manual_seed(5)
-    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
-    fc = torch.randn(32, 8, dtype=torch.float64, requires_grad=True)
-    proj = torch.randn(8, 32, dtype=torch.float64, requires_grad=True)
-    dout = torch.randn(2, 5, 8, dtype=torch.float64)
-    results = []
-    kept = fused_mlp.IMPLEMENTATION[fused_mlp.KEPT_DERIVATIVE]
-    for fn in (torch.compile(kept, backend="aot_eager", fullgraph=True) if compiled else kept, fused_mlp.torch_mlp):
-        out = fn(x, fc, proj)
-        results.append((out, *torch.autograd.grad(out, (x, fc, proj), dout)))
-    for got, expected in zip(*results):
-        assert got.shape == expected.shape
-        torch.testing.assert_close(got, expected)
+    assert_gives_pytorchs_mlp(fused_mlp.IMPLEMENTATION[fused_mlp.KEPT_DERIVATIVE], compiled, seed=5)
     assert reference_kept_derivative_gemms == [("forward", torch.float64), ("backward", torch.float64)]
 
 

@@ -171,6 +171,20 @@ DACT_ONLY_CONFIGS = ("default", "pingpong 128x128", "pingpong 128x160", "pingpon
                      "cooperative 256x128")
 
 
+def quack_gelu_epilogues(sweep: str, dev: torch.device):
+    """model.quack_gelu where quack's GEMMs and its epilogue frontend run on ``dev``, else None after saying why
+    (for the sweeps of ``model.quack_gelu``'s ``@gemm_epilogue`` epilogues)."""
+    if quack_missing(f"tiles {sweep}", dev, WIDTH):
+        return None
+    from model import quack_gelu
+
+    if getattr(quack_gelu, "times_derivative", None) is None:
+        print(f"python -m tools bench tiles {sweep}: model.quack_gelu's epilogues are not built "
+              f"({getattr(quack_gelu, 'EPILOGUE_PROBLEM', 'quack.epilogue.frontend does not import')})", file=sys.stderr)
+        return None
+    return quack_gelu
+
+
 def dact_outputs(args) -> None:
     """proj's input-gradient product with the GELU derivative in its epilogue, writing both outputs (quack's
     ``gemm_dact``: the gradient, and the activation that proj's weight gradient needs) against the gradient alone
@@ -178,15 +192,11 @@ def dact_outputs(args) -> None:
     candidate tiles; the plain product as the floor. Each gradient against ``gemm_dact``'s: relative difference
     and the share of bitwise-equal elements."""
     dev = torch.device("cuda")
-    if quack_missing("tiles --dact-outputs", dev, WIDTH):
+    quack_gelu = quack_gelu_epilogues("--dact-outputs", dev)
+    if quack_gelu is None:
         return
     from quack.gemm_interface import gemm, gemm_dact
 
-    from model import quack_gelu
-
-    if getattr(quack_gelu, "gelu_input_gradient", None) is None:
-        print("python -m tools bench tiles --dact-outputs: quack.epilogue.frontend does not import", file=sys.stderr)
-        return
     n = args.microbatch * ROW
     x, fc, proj, dout = mlp_operands(n, dev)
     preact = 2.0 * (x @ fc.t())
@@ -226,15 +236,11 @@ def kept_derivative(args) -> None:
     and gelu'(preact) (``model.quack_gelu.gelu_keeping_derivative``), proj's input-gradient product only scales by it
     (``times_derivative``). The derivative kept in fp16 or bf16; each gradient against the exact one (fp64)."""
     dev = torch.device("cuda")
-    if quack_missing("tiles --kept-derivative", dev, WIDTH):
+    quack_gelu = quack_gelu_epilogues("--kept-derivative", dev)
+    if quack_gelu is None:
         return
     from quack.gemm_interface import gemm_act, gemm_dact
 
-    from model import quack_gelu
-
-    if getattr(quack_gelu, "times_derivative", None) is None:
-        print("python -m tools bench tiles --kept-derivative: quack.epilogue.frontend does not import", file=sys.stderr)
-        return
     n = args.microbatch * ROW
     x, fc, proj, dout = mlp_operands(n, dev)
     x = 2.0 * x  # pre-activations of about unit spread, the tails included
