@@ -17,10 +17,10 @@ where the GELU is under 6e-9 in magnitude, the formula's relative error grows to
 within 4.2e-7 absolute; in bf16 its outputs are the exact GELU's rounding more often than PyTorch's fp32 kernel's
 are (tests/unit/test_quack_gelu.py).
 
-Beside the activation tables, three epilogues for quack's ``@gemm_epilogue`` frontend use the formula: fc's product
-writing the activation and the GELU's derivative (for the blocks that keep the derivative, model.fused_mlp), proj's
-input-gradient product scaling by that kept derivative, and, measured only (``bench tiles --dact-outputs``), the
-dact product without its activation output.
+Beside the activation tables, two epilogues for quack's ``@gemm_epilogue`` frontend use the formula: fc's product
+writing the activation and the GELU's derivative (for the blocks that keep the derivative, model.fused_mlp), and
+proj's input-gradient product scaling by that kept derivative (tools/bench/dact_epilogue.py has a third, measured
+only).
 
 The formula is written once, over the arithmetic it is given: the CuTe DSL's in the kernels (``register``), and
 PyTorch's in ``cdf_and_density``, which the tests hold to fp64. This module imports the CuTe DSL only where it is
@@ -76,7 +76,7 @@ if cute is not None:
 
     @dsl_user_op
     @cute.jit
-    def _cdf_and_density(x: Float32, *, loc=None, ip=None):
+    def cdf_and_density_in_kernel(x: Float32, *, loc=None, ip=None):
         tail, density = tail_and_density(x, cute.math.abs(x), _exp2, _reciprocal)
         negative = Boolean(x < 0)
         cdf = tail if negative else 1.0 - tail
@@ -87,7 +87,7 @@ if cute is not None:
         """gelu(x), for quack's forward epilogues (one value or a pair, as quack passes them)."""
         if const_expr(isinstance(x, tuple)):
             return tuple(gelu(value) for value in x)
-        cdf, _ = _cdf_and_density(x)
+        cdf, _ = cdf_and_density_in_kernel(x)
         return x * cdf
 
     @dsl_user_op
@@ -96,7 +96,7 @@ if cute is not None:
         if const_expr(isinstance(x, tuple)):
             pairs = [dgelu(value, grad) for value, grad in zip(x, dout)]
             return tuple(pair[0] for pair in pairs), tuple(pair[1] for pair in pairs)
-        cdf, density = _cdf_and_density(x)
+        cdf, density = cdf_and_density_in_kernel(x)
         return dout * (x * density + cdf), x * cdf
 
     try:
@@ -112,21 +112,13 @@ if cute is not None:
             def gelu_keeping_derivative(acc):
                 """fc's product with the GELU: gelu(preact) as the product's output, and gelu'(preact) as a second
                 output that the backward keeps in place of the pre-activation (so that its product only scales)."""
-                cdf, density = _cdf_and_density(acc)
+                cdf, density = cdf_and_density_in_kernel(acc)
                 return {"D": acc * cdf, "derivative": acc * density + cdf}
 
             @gemm_epilogue()
             def times_derivative(acc, c):
                 """proj's input-gradient product times the GELU's derivative kept from the forward, ``c``."""
                 return {"D": acc * c}
-
-            @gemm_epilogue()
-            def gelu_input_gradient(acc, c):
-                """dout @ proj's weight times gelu'(preact), with ``c`` the pre-activation: quack's dact product
-                without its second output (the activation), for a block that kept the activation (measured by
-                ``bench tiles --dact-outputs``; the model keeps the derivative instead)."""
-                cdf, density = _cdf_and_density(c)
-                return {"D": acc * (c * density + cdf)}
         except Exception as error:  # noqa: BLE001
             EPILOGUE_PROBLEM = f"quack's epilogue frontend refused the GELU's epilogues: {type(error).__name__}: {error}"
 

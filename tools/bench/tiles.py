@@ -188,7 +188,7 @@ def quack_gelu_epilogues(sweep: str, dev: torch.device):
 def dact_outputs(args) -> None:
     """proj's input-gradient product with the GELU derivative in its epilogue, writing both outputs (quack's
     ``gemm_dact``: the gradient, and the activation that proj's weight gradient needs) against the gradient alone
-    (``model.quack_gelu.gelu_input_gradient``, for a block that kept its activation from the forward) under
+    (tools/bench/dact_epilogue.py, for a block that kept its activation from the forward) under
     candidate tiles; the plain product as the floor. Each gradient against ``gemm_dact``'s: relative difference
     and the share of bitwise-equal elements."""
     dev = torch.device("cuda")
@@ -196,6 +196,8 @@ def dact_outputs(args) -> None:
     if quack_gelu is None:
         return
     from quack.gemm_interface import gemm, gemm_dact
+
+    from tools.bench.dact_epilogue import gelu_input_gradient
 
     n = args.microbatch * ROW
     x, fc, proj, dout = mlp_operands(n, dev)
@@ -210,7 +212,7 @@ def dact_outputs(args) -> None:
     configs = quack_configs()
     for name in DACT_ONLY_CONFIGS:
         candidates[f"the gradient alone, {name}"] = (
-            lambda cfg=configs[name]: quack_gelu.gelu_input_gradient(dout, proj, C=preact, config=cfg, tuned=False)["D"])
+            lambda cfg=configs[name]: gelu_input_gradient(dout, proj, C=preact, config=cfg, tuned=False)["D"])
     candidates["floor: the plain product, quack's default tile"] = lambda: gemm(dout, proj, tuned=False)
     print(f"\nproj input gradient + GELU derivative: [{n}x{WIDTH}] -> {4 * WIDTH}, {flops / 1e9:.0f} GFLOP",
           flush=True)
