@@ -451,3 +451,66 @@ def test_tiles_head_chunk_times_both_softmax_routes_and_holds_the_single_pass_to
                      r"\s+loss, gradient against triton 0\.0e\+00 0\.0e\+00", out), out
     assert re.search(r"gemm_lse\s+1\.000 ms\s+x2\.000 against triton\s+\(quack's product with the log-sum-exp 0\.750, "
                      r"single pass 0\.250\)\s+loss, gradient against triton 5\.0e-01 0\.0e\+00", out), out
+
+
+def fake_nvidia_smi(tmp_path, lines: list[str]):
+    """An executable that prints ``lines`` as nvidia-smi's sampling loop would, then keeps looping (sleeps)."""
+    script = tmp_path / "nvidia-smi"
+    script.write_text("#!/bin/sh\n" + "".join(f"echo '{line}'\n" for line in lines) + "exec sleep 60\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_gpu_clocks_summarize_the_busy_samples_and_stop_the_sampling_loop(tmp_path):
+    import time
+
+    from tools.bench.gpu_clocks import GpuClocks
+
+    lines = ["0, 345, 75.10, 31",  # idle before the run: left out
+             "99, 1980, 690.5, 60", "100, 1830, 700.0, 66", "97, 1900, 695.2, 64",
+             "[N/A], 1980, 700, 60",  # a field the GPU does not report: skipped
+             "45, 1980, 300.0, 62"]  # compiling: left out
+    with GpuClocks(command=fake_nvidia_smi(tmp_path, lines), gpu="3") as clocks:
+        deadline = time.monotonic() + 10
+        while len(clocks.samples) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        process = clocks._process
+    assert process.poll() is not None, "the sampling loop outlived the block"
+    assert clocks.argv[-1] == "--id=3" and len(clocks.samples) == 5
+    assert clocks.summary() == {"sm_clock_mhz": 1900.0, "power_watts": 695.2, "max_temperature_c": 66.0,
+                                "busy_samples": 3}
+
+
+def test_gpu_clocks_give_no_figures_where_nvidia_smi_is_absent_or_nothing_was_busy(tmp_path):
+    from tools.bench.gpu_clocks import GpuClocks
+
+    with GpuClocks(command=str(tmp_path / "no-such-nvidia-smi")) as clocks:
+        pass
+    assert clocks.summary() == {}
+    clocks.stop()  # stopping twice is harmless
+    idle = GpuClocks(command=fake_nvidia_smi(tmp_path, ["3, 345, 75, 31"])).start()
+    idle.stop()
+    assert idle.summary() == {}
+
+
+def test_gpu_clocks_name_the_first_visible_gpu(monkeypatch):
+    from tools.bench.gpu_clocks import visible_gpu
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8f1c, 2")
+    assert visible_gpu() == "GPU-8f1c"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert visible_gpu() == "0"
+
+
+def test_the_trainer_table_shows_each_runs_clock_and_power_where_measured(monkeypatch, capsys):
+    import argparse
+
+    monkeypatch.setattr(runs.torch.cuda, "get_device_name", lambda: "a GPU")
+    args = argparse.Namespace(microbatch=32, steps=25, warmup=8, train_flags=[])
+    base = {"tokens_per_second": 500_000.0, "mfu": 0.5, "peak_allocated_gib": 37.5}
+    runs.print_table({"one-doc": {"plain": base, "lightning": {**base, "sm_clock_mhz": 1830.0, "power_watts": 699.6}}},
+                     args, baseline="plain")
+    out = capsys.readouterr().out
+    rows = {line.split()[1]: line for line in out.splitlines() if line.startswith("one-doc")}
+    assert "SM MHz/W" in out
+    assert rows["lightning"].rstrip().endswith("1830/700") and rows["plain"].rstrip().endswith("-")

@@ -36,6 +36,7 @@ from pipeline.stages import ValidationPool
 from runtime import device_policy, hostmem, training_run
 from runtime.batch_split import BatchSplit
 from tools import processes
+from tools.bench.gpu_clocks import GpuClocks
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = {
@@ -195,7 +196,8 @@ def run_lightning(layout: str, args, name: str = "lightning", extra: tuple[str, 
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     sampler = processes.MemorySampler(process)
     sampler.start()
-    stdout, stderr = process.communicate()
+    with GpuClocks() as clocks:
+        stdout, stderr = process.communicate()
     sampler.join()
     if generator is not None:
         generator.kill()
@@ -222,6 +224,7 @@ def run_lightning(layout: str, args, name: str = "lightning", extra: tuple[str, 
         "peak_host_anonymous_gib": sampler.peak_anonymous / GIB,
         "observations": {f: (output / "run" / f).stat().st_size for f in record["observations"]},
         "metric_lines": len(stdout.splitlines()),
+        **clocks.summary(),
     }
 
 
@@ -242,6 +245,7 @@ def run_plain(layout: str, args) -> dict:
     step = microbatches = 0
     tokens = flops = 0.0
     start = None
+    clocks = GpuClocks().start()
     for batch in feeder.iterate():
         batch = {k: v.pin_memory().cuda(non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -264,6 +268,7 @@ def run_plain(layout: str, args) -> dict:
             break
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    clocks.stop()
     feeder.stop()
     generator.kill()
     result = {
@@ -271,6 +276,7 @@ def run_plain(layout: str, args) -> dict:
         "mfu": flops / seconds / cfg.metrics.peak_flops,
         **peak_memory(lit.device),
         "measured_seconds": seconds,
+        **clocks.summary(),
     }
     del lit, optimizer
     release_gpu()
@@ -297,6 +303,7 @@ def run_reference(args) -> dict:
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
     torch.cuda.reset_peak_memory_stats()
+    clocks = GpuClocks().start()
     for step in range(args.steps):
         if step == args.warmup:
             torch.cuda.synchronize()
@@ -309,6 +316,7 @@ def run_reference(args) -> dict:
         optimizer.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    clocks.stop()
     measured = args.steps - args.warmup
     result = {
         "tokens_per_second": measured * inputs.numel() / seconds,
@@ -317,6 +325,7 @@ def run_reference(args) -> dict:
         **peak_memory(lit.device),
         "measured_seconds": seconds,
         "milliseconds_per_step": 1000 * seconds / measured,
+        **clocks.summary(),
     }
     del lit, model, optimizer, loss_of
     release_gpu()
@@ -373,7 +382,7 @@ def print_table(results: dict, args, baseline: str) -> None:
     print(f"\n{torch.cuda.get_device_name()}  microbatch {args.microbatch}  steps {args.steps} (warmup {args.warmup})"
           f"  overrides: {' '.join(args.train_flags) or 'none'}")
     print(f"{'layout':<10} {'run':<36} {'tokens/s':>10} {'MFU':>7} {'peak alloc GiB':>15} {'MiB/token':>10} "
-          f"{'/base':>7} {'data wait':>10} {'host RSS/PSS/anon GiB':>22}")
+          f"{'/base':>7} {'data wait':>10} {'host RSS/PSS/anon GiB':>22} {'SM MHz/W':>11}")
     for layout, runs in results.items():
         for name, r in runs.items():
             ratio = r["tokens_per_second"] / runs[baseline]["tokens_per_second"]
@@ -381,8 +390,9 @@ def print_table(results: dict, args, baseline: str) -> None:
             wait = f"{r['data_wait_seconds']:.2f} s" if "data_wait_seconds" in r else "-"
             host = (f"{r['peak_host_rss_gib']:.2f}/{r['peak_host_pss_gib']:.2f}/{r['peak_host_anonymous_gib']:.2f}"
                     if "peak_host_rss_gib" in r else "-")
+            clock = f"{r['sm_clock_mhz']:.0f}/{r['power_watts']:.0f}" if "sm_clock_mhz" in r else "-"
             print(f"{layout:<10} {name:<36} {r['tokens_per_second']:>10,.0f} {r['mfu']:>7.1%} "
-                  f"{r['peak_allocated_gib']:>15.2f} {per_token:>10.3f} {ratio:>7.3f} {wait:>10} {host:>22}")
+                  f"{r['peak_allocated_gib']:>15.2f} {per_token:>10.3f} {ratio:>7.3f} {wait:>10} {host:>22} {clock:>11}")
 
 
 def save(args, name: str, result) -> None:
