@@ -4,7 +4,9 @@
     step_variants.py      the compiled step under each loss kernel and inductor setting, in one process
     host_pipeline.py      the data pipeline alone, on the CPU
     kernels.py            attention kernels and the model's GEMMs at the trainer's shapes
-    tiles.py              quack's, FA4's and the chunk softmax's kernels under other tiles than their defaults
+    tiles.py              quack's, FA4's and the chunk softmax's kernels under other tiles than their defaults;
+                          dact_epilogue.py, an epilogue only its --dact-outputs sweep measures
+    gpu_clocks.py         the SM clock and power a run ran at (nvidia-smi beside it), for runs.py
     allreduce.py          all-reduce bandwidth between this machine's GPUs
     trace_summary.py      where the GPU time of a profiled window went
     rank_balance.py       how evenly data-parallel ranks share attention work
