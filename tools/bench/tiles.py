@@ -172,8 +172,9 @@ DACT_ONLY_CONFIGS = ("default", "pingpong 128x128", "pingpong 128x160", "pingpon
 
 
 def quack_gelu_epilogues(sweep: str, dev: torch.device):
-    """model.quack_gelu where quack's GEMMs and its epilogue frontend run on ``dev``, else None after saying why
-    (for the sweeps of ``model.quack_gelu``'s ``@gemm_epilogue`` epilogues)."""
+    """model.quack_gelu where quack's GEMMs run on ``dev`` and its epilogue frontend built the module's epilogues,
+    else None after saying why (for the sweeps of ``@gemm_epilogue`` epilogues, the model's and
+    tools/bench/dact_epilogue.py's)."""
     if quack_missing(f"tiles {sweep}", dev, WIDTH):
         return None
     from model import quack_gelu
@@ -192,8 +193,7 @@ def dact_outputs(args) -> None:
     candidate tiles; the plain product as the floor. Each gradient against ``gemm_dact``'s: relative difference
     and the share of bitwise-equal elements."""
     dev = torch.device("cuda")
-    quack_gelu = quack_gelu_epilogues("--dact-outputs", dev)
-    if quack_gelu is None:
+    if quack_gelu_epilogues("--dact-outputs", dev) is None:
         return
     from quack.gemm_interface import gemm, gemm_dact
 
