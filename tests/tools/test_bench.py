@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from runtime import device_policy
@@ -514,3 +515,26 @@ def test_the_trainer_table_shows_each_runs_clock_and_power_where_measured(monkey
     rows = {line.split()[1]: line for line in out.splitlines() if line.startswith("one-doc")}
     assert "SM MHz/W" in out
     assert rows["lightning"].rstrip().endswith("1830/700") and rows["plain"].rstrip().endswith("-")
+
+
+def test_trainer_runs_read_records_written_once_beforehand_enough_for_their_updates(tmp_path):
+    """Every run of a layout reads one file written before the first run, holding at least the rows of --steps
+    updates (and the feeder's read-ahead); one-doc records fill exactly one 4096-token row each."""
+    import train
+    from pipeline.stages import StreamStats, pack_rows
+
+    args = runs.parse(runs.parser("trainer", "records"), ["--steps", "3", "--out", str(tmp_path / "o")])
+    needed_rows = (args.steps + 2) * train.EFFECTIVE_BATCH_SIZE
+    for layout in ("realistic", "one-doc"):
+        path = runs.records_for(layout, args)
+        written = path.stat().st_mtime_ns
+        assert runs.records_for(layout, args) == path and path.stat().st_mtime_ns == written  # written once
+        docs = [np.array([*json.loads(line)["input_ids"], 0]) for line in path.read_text().splitlines()]
+        rows = list(pack_rows(docs, 4096, StreamStats()))
+        assert needed_rows <= len(rows) <= 2 * needed_rows, (layout, len(rows))
+        if layout == "one-doc":
+            assert {len(doc) for doc in docs} == {4096} and len(rows) == len(docs)
+    given = tmp_path / "mine.jsonl"
+    given.write_text('{"input_ids": [1, 2, 3]}\n')
+    mine = runs.parse(runs.parser("trainer", "records"), ["--records", str(given), "--out", str(tmp_path / "p")])
+    assert runs.records_for("realistic", mine) == given and not (tmp_path / "p").exists()

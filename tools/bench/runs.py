@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -39,11 +40,13 @@ from tools import processes
 from tools.bench.gpu_clocks import GpuClocks
 
 ROOT = Path(__file__).resolve().parents[2]
+MEAN_TOKENS = {
+    "realistic": 1000,  # heavy-tailed document lengths (lognormal, sigma 1): many documents per row
+    "one-doc": 4095,  # every document 4095 tokens, + EOS: one document a 4096-token row, nanoGPT's benchmark work
+}
 LAYOUTS = {
-    # Heavy-tailed document lengths with a mean near 1,000 tokens: many documents per row.
-    "realistic": ["--mean-tokens", "1000", "--sigma", "1.0"],
-    # One document spanning each 4096-token row (4095 tokens + EOS): nanoGPT's benchmark work.
-    "one-doc": ["--mean-tokens", "4095", "--sigma", "0"],
+    "realistic": ["--mean-tokens", str(MEAN_TOKENS["realistic"]), "--sigma", "1.0"],
+    "one-doc": ["--mean-tokens", str(MEAN_TOKENS["one-doc"]), "--sigma", "0"],
 }
 GIB = 2**30
 
@@ -61,9 +64,11 @@ def parser(name: str, description: str, runs: bool = True, layouts: bool = True)
         parser.add_argument("--microbatch", type=int, default=32, help="rows per microbatch (default: 32)")
         parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default: 40)")
         parser.add_argument("--warmup", type=int, default=10, help="updates left out of the figures (default: 10)")
-        parser.add_argument("--docs", type=int, default=60_000, help="synthetic documents to generate (default: 60000)")
+        parser.add_argument("--docs", type=int,
+                            help="synthetic documents to write for each layout (default: enough for --steps updates, "
+                                 "with half again to spare)")
         parser.add_argument("--records", type=Path,
-                            help="NDJSON records to feed instead of generating them beside the job")
+                            help="NDJSON records to feed every run instead of synthetic ones")
     if layouts:
         parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS),
                             help="document layouts of the synthetic records (default: all)")
@@ -167,6 +172,31 @@ def records_command(layout: str, docs: int, vocab: int) -> list[str]:
             *LAYOUTS[layout]]
 
 
+def records_for(layout: str, args) -> Path:
+    """The records that every run of ``layout`` in this job reads: ``--records`` if given, else synthetic records
+    written into OUT before the first run. Written beforehand rather than generated beside each run, so that the
+    runs compared read the same bytes and no generator shares the host with the run it feeds."""
+    if args.records:
+        return args.records
+    written = vars(args).setdefault("records_written", {})
+    if layout not in written:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"records-{layout}.jsonl"
+        docs = args.docs or documents_needed(layout, args)
+        with path.open("wb") as f:
+            subprocess.run(records_command(layout, docs, config(args).model.vocab_size), cwd=ROOT, stdout=f,
+                           check=True)
+        written[layout] = path
+    return written[layout]
+
+
+def documents_needed(layout: str, args) -> int:
+    """Documents enough for ``--steps`` updates of train.EFFECTIVE_BATCH_SIZE rows, with half again to spare: the
+    feeder reads an update or two ahead, and lognormal lengths stray from their mean."""
+    tokens = (args.steps + 2) * train.EFFECTIVE_BATCH_SIZE * config(args).model.max_seq_len
+    return math.ceil(1.5 * tokens / (MEAN_TOKENS[layout] + 1))  # + 1: the EOS that ends each document
+
+
 def run_lightning(layout: str, args, name: str = "lightning", extra: tuple[str, ...] = (), cold: bool = False,
                   tree: Path = ROOT) -> dict:
     """`python train.py` with the records on stdin; figures from its run record's summary. ``cold``: no
@@ -185,12 +215,7 @@ def run_lightning(layout: str, args, name: str = "lightning", extra: tuple[str, 
         "--data.val_fraction", "0", "--metrics.interval_seconds", "1", "--optim.warmup_steps", "5",
         "--observe.warmup_updates", str(args.warmup), *args.train_flags, *extra,
     ]
-    if args.records:  # written beforehand: no generator competing for the cores the job is pinned to
-        generator, source = None, args.records.open("rb")
-    else:
-        vocab = config(args).model.vocab_size
-        generator = processes.start(records_command(layout, args.docs, vocab), cwd=ROOT, stdout=subprocess.PIPE)
-        source = generator.stdout
+    source = records_for(layout, args).open("rb")
     started = time.perf_counter()
     process = processes.start([sys.executable, str(tree / "train.py"), *options], stdin=source, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -199,8 +224,6 @@ def run_lightning(layout: str, args, name: str = "lightning", extra: tuple[str, 
     with GpuClocks() as clocks:
         stdout, stderr = process.communicate()
     sampler.join()
-    if generator is not None:
-        generator.kill()
     source.close()
     if process.returncode:
         raise RuntimeError(f"train.py {' '.join(extra)} failed:\n{stderr[-4000:]}")
@@ -233,11 +256,10 @@ def run_plain(layout: str, args) -> dict:
     cfg = config(args, "data.val_fraction=0")
     accumulation = train.EFFECTIVE_BATCH_SIZE // args.microbatch
     encoder = training_run.load_encoder(cfg)
-    generator = processes.start(records_command(layout, args.docs, cfg.model.vocab_size), cwd=ROOT,
-                                stdout=subprocess.PIPE)
+    records = records_for(layout, args).open("rb")
     split = BatchSplit(args.microbatch, accumulation, 1, train.EFFECTIVE_BATCH_SIZE)
     settings = training_run.stream_settings(cfg, encoder, split)
-    feeder = UpdateFeeder(lambda: (generator.stdout, "generator"), settings, encoder.encode_batch_arrays, ValidationPool(0))
+    feeder = UpdateFeeder(lambda: (records, records.name), settings, encoder.encode_batch_arrays, ValidationPool(0))
     lit = device_policy.build_module(cfg, torch.device("cuda"))  # model.fp8 converts the blocks, as in training
     lit.model.compile_trunk()
     optimizer = lit.configure_optimizers()["optimizer"]
@@ -270,7 +292,7 @@ def run_plain(layout: str, args) -> dict:
     seconds = time.perf_counter() - start
     clocks.stop()
     feeder.stop()
-    generator.kill()
+    records.close()
     result = {
         "tokens_per_second": tokens / seconds,
         "mfu": flops / seconds / cfg.metrics.peak_flops,
