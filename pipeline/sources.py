@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import select
@@ -15,16 +16,26 @@ from pipeline.stages import UnusableInputError
 log = logging.getLogger(__name__)
 
 
+PIPE_BYTES = 1 << 20  # Linux's default /proc/sys/fs/pipe-max-size: the most an unprivileged process may ask for
+
+
 class DescriptorReader:
     """``readline`` straight from a file descriptor with ``os.read``.
 
     Python's buffered ``sys.stdin`` holds a lock while a read waits; if training ends while the
     reader thread still waits on an open, silent stdin, interpreter shutdown cannot take that
     lock and aborts the process (exit 134) after a successful run. ``os.read`` holds no lock.
+
+    A pipe (RunFab's worker streams the dataset into stdin) is widened to ``PIPE_BYTES`` and read in
+    chunks as large: while the reader thread waits for room in the feeder's queue, the writer fills
+    the pipe, and the reader then takes a microbatch's records in one or two reads. With the kernel's
+    64 KiB pipe the reader woke for each write instead, and every wakeup takes Python's GIL from the
+    thread that launches the GPU's work.
     """
 
-    def __init__(self, fd: int, chunk_bytes: int = 1 << 16) -> None:
+    def __init__(self, fd: int, chunk_bytes: int = PIPE_BYTES) -> None:
         self.fd, self.chunk_bytes = fd, chunk_bytes
+        self.pipe_bytes = widen_pipe(fd)  # None: not a pipe, or not Linux
         self._buffer, self._start, self._eof = b"", 0, False
         self._waited = 0.0  # seconds waited by the reads since bytes were last ready at once (or the last idle)
 
@@ -85,6 +96,23 @@ class DescriptorReader:
             line = self._buffer[self._start : end]
             self._start = end
             return line
+
+
+def widen_pipe(fd: int, size: int = PIPE_BYTES) -> int | None:
+    """Ask for a ``size``-byte buffer on the pipe ``fd``, or for the system's limit where that is lower;
+    the pipe's buffer size after, or None where ``fd`` is not a pipe or the system cannot say."""
+    if not hasattr(fcntl, "F_SETPIPE_SZ"):
+        return None
+    try:
+        return fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, size)
+    except PermissionError:  # above /proc/sys/fs/pipe-max-size
+        try:
+            limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+            return fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, min(size, limit))
+        except (OSError, ValueError):
+            return None
+    except OSError:  # not a pipe: a file, a terminal, a socket
+        return None
 
 
 ASK_FOR_SAMPLE = "pass --data.source sample (under RunFab's train(), which takes no options: data.source: sample in the bundle's config)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import os
@@ -17,7 +18,7 @@ import lightning as L
 from datamodule import StreamingDataModule
 from pipeline.feeder import INPUT_PENDING, UpdateFeeder
 
-from pipeline.sources import DescriptorReader, open_input
+from pipeline.sources import PIPE_BYTES, DescriptorReader, open_input
 
 from pipeline.stages import (
     assemble_updates,
@@ -456,6 +457,28 @@ def test_the_descriptor_reader_reads_lines_as_a_buffered_reader_does():
             break
     writer.join()
     os.close(read_end)
+
+
+def test_the_descriptor_reader_widens_a_pipe_and_takes_what_waits_there_in_one_read(monkeypatch, tmp_path):
+    """While the reader thread waits for room in the feeder's queue, the writer runs ahead: the widened pipe holds
+    a megabyte of records (the kernel's default, 64 KiB), and the reader takes them in one read, then the end of
+    input in another, where 64 KiB reads would take seventeen. A file is no pipe and is left as it is."""
+    read_end, write_end = os.pipe()
+    ours = DescriptorReader(read_end)
+    assert ours.pipe_bytes == fcntl.fcntl(read_end, fcntl.F_GETPIPE_SZ) == PIPE_BYTES
+    record = b'{"input_ids": [' + b"1, " * 300 + b"2]}\n"
+    data = record * (PIPE_BYTES // len(record))
+    os.write(write_end, data)  # all of it at once: on a 64 KiB pipe this write would wait for a reader
+    os.close(write_end)
+    reads = []
+    real_read = os.read
+    monkeypatch.setattr(os, "read", lambda fd, size: reads.append(size) or real_read(fd, size))
+    assert b"".join(iter(ours.readline, b"")) == data and len(reads) == 2
+    os.close(read_end)
+    file = tmp_path / "records.jsonl"
+    file.write_bytes(record)
+    with file.open("rb") as f:
+        assert DescriptorReader(f.fileno()).pipe_bytes is None
 
 
 def test_the_descriptor_reader_calls_a_silent_pipe_and_a_trickle_idle_and_a_full_one_never():
