@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
+import threading
 
 import pytest
 
@@ -103,3 +106,29 @@ def test_a_plan_the_trainer_would_refuse_is_refused_before_any_probe(tmp_path, m
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1
     assert not (tmp_path / "report").exists()
+
+
+def test_stdin_reaches_the_child_through_a_pipe_written_beside_it(tmp_path):
+    """As RunFab's worker streams the dataset: every byte of the given stdin arrives through a pipe, which is then
+    closed (the end of input); a child that stops reading ends the copy without an error."""
+    data = b"".join(b'{"input_ids": [%d]}\n' % i for i in range(100_000))
+    records = tmp_path / "records.jsonl"
+    records.write_bytes(data)
+    with records.open("rb") as source:
+        child = subprocess.Popen([sys.executable, "-c", "import os, stat, sys; assert stat.S_ISFIFO(os.fstat(0).st_mode); "
+                                  "sys.stdout.buffer.write(sys.stdin.buffer.read())"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        copier = emulate.stream_into(source, child.stdin)
+        watchdog = threading.Timer(60, child.kill)  # a pipe left open would hold the child's read forever
+        watchdog.start()
+        received = child.stdout.read()
+        child.wait()
+        watchdog.cancel()
+        copier.join(timeout=10)
+    assert child.returncode == 0 and received == data and not copier.is_alive()
+    with records.open("rb") as source:
+        child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.buffer.read(10)"], stdin=subprocess.PIPE)
+        copier = emulate.stream_into(source, child.stdin)
+        child.wait()
+        copier.join(timeout=10)
+    assert child.returncode == 0 and not copier.is_alive()

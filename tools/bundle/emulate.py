@@ -3,8 +3,8 @@
 1. Unpack the bundle read-only, as RunFab's /workspace (sandbox.Sandbox).
 2. Probe each candidate microbatch (the divisors of EFFECTIVE_BATCH_SIZE / GPUs, smallest first)
    in a fresh process with RunFab's 120 s limit; stop at the first failure; take the largest fit.
-3. Call ``train(microbatch, accumulation)`` in a fresh process with this process's stdin,
-   ``RUNFABRIC_OUTPUT`` set and TMPDIR in the sandbox, while a watchdog samples host memory of
+3. Call ``train(microbatch, accumulation)`` in a fresh process with this process's stdin streamed
+   into a pipe by a thread, as RunFab's worker streams the dataset, ``RUNFABRIC_OUTPUT`` set and TMPDIR in the sandbox, while a watchdog samples host memory of
    the whole process tree (PSS, as a memory cgroup charges it; RSS beside it), the size of TMPDIR
    and of the output, and stops the run (as the platform would) when one goes over RunFab's
    budget: 8 GiB RAM, 256 MiB /tmp, 3 GiB output.
@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -136,8 +138,11 @@ def run_training(sandbox: Sandbox, microbatch: int, accumulation: int, cuda: boo
     """train() with the records on ``stdin``; metric lines go to ``out`` and a file, as RunFab collects them."""
     command = [sys.executable, "-c", f"import train; train.train({microbatch}, {accumulation})"]
     start = time.monotonic()
-    process = processes.start(command, cwd=sandbox.bundle, env=sandbox.env(cuda), stdin=stdin,
-                              stdout=subprocess.PIPE, start_new_session=True)
+    terminal = stdin.isatty()  # no records given: the child sees the terminal and says what it does then
+    process = processes.start(command, cwd=sandbox.bundle, env=sandbox.env(cuda),
+                              stdin=stdin if terminal else subprocess.PIPE, stdout=subprocess.PIPE,
+                              start_new_session=True)
+    streaming = None if terminal else stream_into(stdin, process.stdin)
     watchdog = processes.MemorySampler(process, check=enforce_budgets(process, sandbox, usage))
     watchdog.start()
     lines = 0
@@ -150,7 +155,40 @@ def run_training(sandbox: Sandbox, microbatch: int, accumulation: int, cuda: boo
             lines += 1
     code = process.wait()
     watchdog.join()
+    if streaming is not None:
+        streaming.join(timeout=5)
     return code, time.monotonic() - start, lines
+
+
+STREAM_CHUNK_BYTES = 1 << 16
+
+
+def stream_into(source, pipe) -> threading.Thread:
+    """Copy ``source`` (this process's stdin) into ``pipe`` (the child's) from a thread, then close it.
+
+    RunFab's worker writes the dataset into a pipe while training reads it; a file given as stdin
+    would let the trainer read ahead in large reads that RunFab's stdin does not allow, so the
+    emulation streams it. The copy ends at the end of ``source`` (the child then sees the end of
+    input) or when the child stops reading."""
+    fd, out = source.fileno(), pipe.fileno()
+
+    def copy() -> None:
+        try:
+            while chunk := os.read(fd, STREAM_CHUNK_BYTES):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(out, view):]
+        except OSError:  # BrokenPipeError: the child stopped reading (it trained what it needed, or it ended)
+            pass
+        finally:
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=copy, name="emulate-stdin", daemon=True)
+    thread.start()
+    return thread
 
 
 # ----------------------------------------------------------------------------- report
