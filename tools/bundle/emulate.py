@@ -138,7 +138,8 @@ def run_training(sandbox: Sandbox, microbatch: int, accumulation: int, cuda: boo
     """train() with the records on ``stdin``; metric lines go to ``out`` and a file, as RunFab collects them."""
     command = [sys.executable, "-c", f"import train; train.train({microbatch}, {accumulation})"]
     start = time.monotonic()
-    terminal = stdin.isatty()  # no records given: the child sees the terminal and says what it does then
+    # No records given (a terminal, or stdin closed): the child gets the same and says what it does then.
+    terminal = stdin is None or stdin.isatty()
     process = processes.start(command, cwd=sandbox.bundle, env=sandbox.env(cuda),
                               stdin=stdin if terminal else subprocess.PIPE, stdout=subprocess.PIPE,
                               start_new_session=True)
