@@ -115,9 +115,9 @@ def test_stdin_reaches_the_child_through_a_pipe_written_beside_it(tmp_path):
     records = tmp_path / "records.jsonl"
     records.write_bytes(data)
     with records.open("rb") as source:
-        child = subprocess.Popen([sys.executable, "-c", "import os, stat, sys; assert stat.S_ISFIFO(os.fstat(0).st_mode); "
-                                  "sys.stdout.buffer.write(sys.stdin.buffer.read())"],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        reads_a_fifo = ("import os, stat, sys; assert stat.S_ISFIFO(os.fstat(0).st_mode); "
+                        "sys.stdout.buffer.write(sys.stdin.buffer.read())")
+        child = subprocess.Popen([sys.executable, "-c", reads_a_fifo], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         copier = emulate.stream_into(source, child.stdin)
         watchdog = threading.Timer(60, child.kill)  # a pipe left open would hold the child's read forever
         watchdog.start()

@@ -4,10 +4,11 @@
 2. Probe each candidate microbatch (the divisors of EFFECTIVE_BATCH_SIZE / GPUs, smallest first)
    in a fresh process with RunFab's 120 s limit; stop at the first failure; take the largest fit.
 3. Call ``train(microbatch, accumulation)`` in a fresh process with this process's stdin streamed
-   into a pipe by a thread, as RunFab's worker streams the dataset, ``RUNFABRIC_OUTPUT`` set and TMPDIR in the sandbox, while a watchdog samples host memory of
-   the whole process tree (PSS, as a memory cgroup charges it; RSS beside it), the size of TMPDIR
-   and of the output, and stops the run (as the platform would) when one goes over RunFab's
-   budget: 8 GiB RAM, 256 MiB /tmp, 3 GiB output.
+   into a pipe by a thread (as RunFab's worker streams the dataset), ``RUNFABRIC_OUTPUT`` set and
+   TMPDIR in the sandbox, while a watchdog samples host memory of the whole process tree (PSS, as
+   a memory cgroup charges it; RSS beside it), the size of TMPDIR and of the output, and stops the
+   run (as the platform would) when one goes over RunFab's budget: 8 GiB RAM, 256 MiB /tmp, 3 GiB
+   output.
 4. Write a summary, SVG plots of loss and throughput over ``elapsed_seconds`` from the metric
    lines, as the platform's graphs show them, and ``report.html``: tools/report.py's page of the
    emulated run's output root, written before the sandbox is removed.
@@ -167,9 +168,9 @@ STREAM_CHUNK_BYTES = 1 << 16
 def stream_into(source, pipe) -> threading.Thread:
     """Copy ``source`` (this process's stdin) into ``pipe`` (the child's) from a thread, then close it.
 
-    RunFab's worker writes the dataset into a pipe while training reads it; a file given as stdin
-    would let the trainer read ahead in large reads that RunFab's stdin does not allow, so the
-    emulation streams it. The copy ends at the end of ``source`` (the child then sees the end of
+    RunFab's worker writes the dataset into a pipe while training reads it. A file handed over as
+    stdin would be there whole for every read, which RunFab's stdin never is, so the emulation
+    streams it. The copy ends at the end of ``source`` (the child then sees the end of
     input) or when the child stops reading."""
     fd, out = source.fileno(), pipe.fileno()
 
