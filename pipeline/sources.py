@@ -27,11 +27,9 @@ class DescriptorReader:
     lock and aborts the process (exit 134) after a successful run. ``os.read`` holds no lock.
 
     A pipe (RunFab's worker streams the dataset into stdin) is widened to ``PIPE_BYTES`` and read in
-    chunks as large: while the reader thread waits for room in the feeder's queue, the writer fills
-    the pipe, and the reader then takes a microbatch's records in a read or two rather than one read
-    per write of the writer. Each of those wakeups takes Python's GIL from the threads that launch the
-    GPU's work: train.py fed through the kernel's 64 KiB pipe ran 4.4 % slower than from a file
-    (docs/PERFORMANCE.md, the levers table).
+    chunks as large: while the reader thread waits for room in the feeder's queue, the writer can fill
+    the pipe, and the reader then takes a microbatch's records in a read or two, not sixteen or more.
+    Every read gives up and takes back Python's GIL, which the threads launching the GPU's work need.
     """
 
     def __init__(self, fd: int, chunk_bytes: int = PIPE_BYTES) -> None:
