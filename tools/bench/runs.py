@@ -182,18 +182,18 @@ def records_for(layout: str, args) -> Path:
     if layout not in written:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"records-{layout}.jsonl"
-        docs = args.docs or documents_needed(layout, args)
+        model = config(args).model
+        docs = args.docs or documents_needed(layout, args.steps, model.max_seq_len)
         with path.open("wb") as f:
-            subprocess.run(records_command(layout, docs, config(args).model.vocab_size), cwd=ROOT, stdout=f,
-                           check=True)
+            subprocess.run(records_command(layout, docs, model.vocab_size), cwd=ROOT, stdout=f, check=True)
         written[layout] = path
     return written[layout]
 
 
-def documents_needed(layout: str, args) -> int:
-    """Documents enough for ``--steps`` updates of train.EFFECTIVE_BATCH_SIZE rows, with half again to spare: the
-    feeder reads an update or two ahead, and lognormal lengths stray from their mean."""
-    tokens = (args.steps + 2) * train.EFFECTIVE_BATCH_SIZE * config(args).model.max_seq_len
+def documents_needed(layout: str, steps: int, seq_len: int) -> int:
+    """Documents enough for ``steps`` updates of train.EFFECTIVE_BATCH_SIZE rows of ``seq_len`` tokens, with half
+    again to spare: the feeder reads an update or two ahead, and lognormal lengths stray from their mean."""
+    tokens = (steps + 2) * train.EFFECTIVE_BATCH_SIZE * seq_len
     return math.ceil(1.5 * tokens / (MEAN_TOKENS[layout] + 1))  # + 1: the EOS that ends each document
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import os
 import shutil
@@ -35,7 +36,7 @@ from runtime.shipping import folder_bytes
 from tools import processes
 from tools import report as run_report
 from tools.bundle import check
-from tools.bundle.sandbox import BundleSource, Sandbox, UsageError
+from tools.bundle.sandbox import BundleSource, Sandbox, UsageError, feed
 from tools.bundle.static_checks import batch_literal, parse_train
 
 RAM_BUDGET = runfab_limits.RAM_BYTES
@@ -172,23 +173,8 @@ def stream_into(source, pipe) -> threading.Thread:
     stdin would be there whole for every read, which RunFab's stdin never is, so the emulation
     streams it. The copy ends at the end of ``source`` (the child then sees the end of
     input) or when the child stops reading."""
-    fd, out = source.fileno(), pipe.fileno()
-
-    def copy() -> None:
-        try:
-            while chunk := os.read(fd, STREAM_CHUNK_BYTES):
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(out, view):]
-        except OSError:  # BrokenPipeError: the child stopped reading (it trained what it needed, or it ended)
-            pass
-        finally:
-            try:
-                pipe.close()
-            except OSError:
-                pass
-
-    thread = threading.Thread(target=copy, name="emulate-stdin", daemon=True)
+    chunks = iter(functools.partial(os.read, source.fileno(), STREAM_CHUNK_BYTES), b"")
+    thread = threading.Thread(target=feed, args=(pipe, chunks), name="emulate-stdin", daemon=True)
     thread.start()
     return thread
 

@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 import zipfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -229,7 +230,7 @@ def run_child(sandbox: Sandbox, mode: str, cuda: bool, microbatch: int, timeout:
             cwd=sandbox.cwd, env=sandbox.env(cuda), stdin=subprocess.PIPE, stdout=out, stderr=err,
             start_new_session=True,
         )
-    feeder = threading.Thread(target=feed, args=(process.stdin, payload), daemon=True)
+    feeder = threading.Thread(target=feed, args=(process.stdin, [payload]), daemon=True)
     feeder.start()
     timed_out = False
     try:
@@ -251,13 +252,18 @@ def run_child(sandbox: Sandbox, mode: str, cuda: bool, microbatch: int, timeout:
     )
 
 
-def feed(pipe, payload: bytes) -> None:
+def feed(pipe, chunks: Iterable[bytes]) -> None:
     """Write the records and close stdin, as a finite source would; a child that exits early just ends it."""
     try:
-        pipe.write(payload)
-        pipe.close()
-    except (BrokenPipeError, OSError, ValueError):
+        for chunk in chunks:
+            pipe.write(chunk)
+    except (OSError, ValueError):  # BrokenPipeError: the child stopped reading
         pass
+    finally:
+        try:
+            pipe.close()
+        except (OSError, ValueError):
+            pass
 
 
 def load_json(path: Path) -> dict | None:
