@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import io
 import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ import lightning as L
 from datamodule import StreamingDataModule
 from pipeline.feeder import INPUT_PENDING, UpdateFeeder
 
-from pipeline.sources import PIPE_BYTES, DescriptorReader, open_input
+from pipeline.sources import PIPE_BYTES, DescriptorReader, open_input, widen_pipe
 
 from pipeline.stages import (
     assemble_updates,
@@ -479,6 +481,26 @@ def test_the_descriptor_reader_widens_a_pipe_and_takes_what_waits_there_in_one_r
     file.write_bytes(record)
     with file.open("rb") as f:
         assert DescriptorReader(f.fileno()).pipe_bytes is None
+
+
+def test_a_pipe_wider_than_the_system_allows_an_unprivileged_user_gets_the_systems_limit(monkeypatch):
+    """Above /proc/sys/fs/pipe-max-size the kernel refuses an unprivileged process outright (EPERM); the
+    reader then asks for the limit instead of keeping the 64 KiB default."""
+    limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+    real_fcntl = fcntl.fcntl
+
+    def unprivileged(fd, cmd, arg=0):
+        if cmd == fcntl.F_SETPIPE_SZ and arg > limit:
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        return real_fcntl(fd, cmd, arg)
+
+    monkeypatch.setattr(fcntl, "fcntl", unprivileged)
+    read_end, write_end = os.pipe()
+    try:
+        assert widen_pipe(read_end, 4 * limit) == limit == real_fcntl(read_end, fcntl.F_GETPIPE_SZ)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
 
 
 def test_the_descriptor_reader_calls_a_silent_pipe_and_a_trickle_idle_and_a_full_one_never():

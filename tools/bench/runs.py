@@ -251,24 +251,13 @@ def run_lightning(layout: str, args, name: str = "lightning", extra: tuple[str, 
     }
 
 
-def run_plain(layout: str, args) -> dict:
-    """The same work in a hand-written loop: no Trainer, no callbacks, nothing between the steps."""
-    cfg = config(args, "data.val_fraction=0")
-    accumulation = train.EFFECTIVE_BATCH_SIZE // args.microbatch
-    encoder = training_run.load_encoder(cfg)
-    records = records_for(layout, args).open("rb")
-    split = BatchSplit(args.microbatch, accumulation, 1, train.EFFECTIVE_BATCH_SIZE)
-    settings = training_run.stream_settings(cfg, encoder, split)
-    feeder = UpdateFeeder(lambda: (records, records.name), settings, encoder.encode_batch_arrays, ValidationPool(0))
-    lit = device_policy.build_module(cfg, torch.device("cuda"))  # model.fp8 converts the blocks, as in training
-    lit.model.compile_trunk()
-    optimizer = lit.configure_optimizers()["optimizer"]
-    torch.cuda.reset_peak_memory_stats()
+def plain_steps(batches, lit, optimizer, cfg, args, accumulation: int) -> tuple[float, float, float]:
+    """``args.steps`` updates of ``accumulation`` microbatches each, by hand; the target tokens, the
+    FLOPs and the seconds of the updates after ``args.warmup``."""
     step = microbatches = 0
     tokens = flops = 0.0
     start = None
-    clocks = GpuClocks().start()
-    for batch in feeder.iterate():
+    for batch in batches:
         batch = {k: v.pin_memory().cuda(non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = lit.model.loss_sum(batch) / batch["update_target_tokens"]
@@ -290,9 +279,28 @@ def run_plain(layout: str, args) -> dict:
             break
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    clocks.stop()
-    feeder.stop()
-    records.close()
+    return tokens, flops, seconds
+
+
+def run_plain(layout: str, args) -> dict:
+    """The same work in a hand-written loop: no Trainer, no callbacks, nothing between the steps."""
+    cfg = config(args, "data.val_fraction=0")
+    accumulation = train.EFFECTIVE_BATCH_SIZE // args.microbatch
+    encoder = training_run.load_encoder(cfg)
+    records = records_for(layout, args).open("rb")
+    split = BatchSplit(args.microbatch, accumulation, 1, train.EFFECTIVE_BATCH_SIZE)
+    settings = training_run.stream_settings(cfg, encoder, split)
+    feeder = UpdateFeeder(lambda: (records, records.name), settings, encoder.encode_batch_arrays, ValidationPool(0))
+    lit = device_policy.build_module(cfg, torch.device("cuda"))  # model.fp8 converts the blocks, as in training
+    lit.model.compile_trunk()
+    optimizer = lit.configure_optimizers()["optimizer"]
+    torch.cuda.reset_peak_memory_stats()
+    try:  # the feeder's reader thread and nvidia-smi end however the loop does
+        with GpuClocks() as clocks:
+            tokens, flops, seconds = plain_steps(feeder.iterate(), lit, optimizer, cfg, args, accumulation)
+    finally:
+        feeder.stop()
+        records.close()
     result = {
         "tokens_per_second": tokens / seconds,
         "mfu": flops / seconds / cfg.metrics.peak_flops,
@@ -325,20 +333,19 @@ def run_reference(args) -> dict:
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
     torch.cuda.reset_peak_memory_stats()
-    clocks = GpuClocks().start()
-    for step in range(args.steps):
-        if step == args.warmup:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_of(model, inputs, targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.gradient_clip_val, foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    clocks.stop()
+    with GpuClocks() as clocks:
+        for step in range(args.steps):
+            if step == args.warmup:
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = loss_of(model, inputs, targets)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.gradient_clip_val, foreach=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
     measured = args.steps - args.warmup
     result = {
         "tokens_per_second": measured * inputs.numel() / seconds,
