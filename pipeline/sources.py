@@ -29,7 +29,7 @@ class DescriptorReader:
     A pipe (RunFab's worker streams the dataset into stdin) is widened to ``PIPE_BYTES`` and read in
     chunks as large: while the reader thread waits for room in the feeder's queue, the writer can fill
     the pipe, and the reader then takes a microbatch's records in a read or two, not sixteen or more.
-    Every read gives up and takes back Python's GIL, which the threads launching the GPU's work need.
+    What that buys is fewer reads; throughput measured the same as with 64 KiB reads (docs/PERFORMANCE.md).
     """
 
     def __init__(self, fd: int, chunk_bytes: int = PIPE_BYTES) -> None:
