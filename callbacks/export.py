@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from callbacks import owned_folders
+from runtime import created_files
 from model.gpt import GPT, GPTConfig
 
 WEIGHTS_NAME = "model.safetensors"
@@ -135,7 +136,7 @@ def _name_portable_tokenizer_class(path: Path) -> None:
     """
     settings = json.loads(path.read_text())
     settings["tokenizer_class"] = "PreTrainedTokenizerFast"
-    path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    created_files.write_text(path, json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
 def export_model(

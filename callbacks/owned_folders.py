@@ -11,6 +11,8 @@ from pathlib import Path
 
 import lightning as L
 
+from runtime import created_files
+
 MARK = ".train-py-output"
 MARK_TEXT = ("train.py wrote this folder. A later run on the same output root moves it aside (previous-NAME/) "
              "instead of mixing its results in; a folder without this file is never moved.\n")
@@ -19,7 +21,7 @@ MARK_TEXT = ("train.py wrote this folder. A later run on the same output root mo
 def mark(folder: Path) -> None:
     """Create ``folder`` if needed and mark it as written by a run."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / MARK).write_text(MARK_TEXT)
+    created_files.write_text(folder / MARK, MARK_TEXT)
 
 
 def is_marked(path: Path) -> bool:

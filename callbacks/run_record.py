@@ -23,6 +23,7 @@ from model import flash4
 from callbacks.observe import ObservationWindows
 from callbacks.runfab_metrics import RunFabMetrics
 from model.flops import count_parameters
+from runtime import created_files
 from runtime.shipping import folder_bytes, shipped_files, source_commit
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ class RunRecord(L.Callback):
             return None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / "run_record.json"
-        path.write_text(json.dumps(self.build(trainer, pl_module), indent=2, default=str) + "\n")
+        created_files.write_text(path, json.dumps(self.build(trainer, pl_module), indent=2, default=str) + "\n")
         log.info("run record written to %s", path)
         return path
 

@@ -21,6 +21,7 @@ from typing import TextIO
 import lightning as L
 import torch
 
+from runtime import created_files
 from runtime.runfab_limits import METRIC_LINE_CHARS
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class RunFabMetrics(L.Callback):
         self._interval_start = self._interval_wait = 0.0
         if self.log_path is not None and trainer.is_global_zero:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log_file = self.log_path.open("w")
+            self._log_file = created_files.open_created(self.log_path)
 
     def _now(self, device: torch.device) -> float:
         if device.type == "cuda":

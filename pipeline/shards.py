@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from pipeline.stages import Row, collate_rows
+from runtime import created_files
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def write_meta(output: str, meta: dict) -> None:
     """``SHARDS_META`` into the prepared folder, or uploaded beside the index at an object-store URL."""
     text = json.dumps(meta, indent=2, sort_keys=True) + "\n"
     if not is_url(output):
-        (Path(output) / SHARDS_META).write_text(text)
+        created_files.write_text(Path(output) / SHARDS_META, text)
         return
     from litdata.streaming.fs_provider import _get_fs_provider
 

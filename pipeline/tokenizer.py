@@ -20,6 +20,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from runtime import created_files
+
 EOS_TOKEN = "<|endoftext|>"
 # GPT-2's pre-tokenization split; HF's ByteLevel(use_regex=True) applies the
 # same expression, so tiktoken must be given exactly this one.
@@ -47,7 +49,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path: str | Path) -> 
     tokenizer.train_from_iterator(texts, trainer=trainer)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(tokenizer.to_str(pretty=True), encoding="utf-8")  # an OSError names the problem; tokenizers' save does not
+    created_files.write_text(path, tokenizer.to_str(pretty=True))  # an OSError names the problem; tokenizers' save does not
 
 
 def byte_to_unicode() -> dict[int, str]:

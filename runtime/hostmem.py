@@ -30,6 +30,7 @@ import torch
 from model.flops import count_parameters
 from model.gpt import GPT
 from model.loss import padded_vocab_size
+from runtime import created_files
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ def record_stage(name: str, rank: int | None = None) -> dict:
     path = os.environ.get(STAGE_LOG_ENV)
     if path and path not in _UNWRITABLE:
         try:
-            with open(path, "a") as f:
+            with created_files.open_created(path, "a") as f:
                 f.write(json.dumps(entry) + "\n")
         except OSError as error:  # an observation, never a reason to lose the run
             _UNWRITABLE.add(path)

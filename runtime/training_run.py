@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from runtime import created_files
 from runtime import hostmem
 from runtime import launcher
 from runtime.batch_split import BatchSplit
@@ -95,7 +96,9 @@ def claimed_output(root: Path, keep: tuple[str, ...] = ()):
     refuse_unsafe_root(root)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        lock = (root / LOCK_NAME).open("a+")
+        lock = created_files.open_created(root / LOCK_NAME, "a+")
+    except created_files.NotCreatedHere as error:  # a planted link: neither written through nor removed
+        raise ConfigError(f"the output root's lock file {error}") from None
     except (FileExistsError, NotADirectoryError):
         file = next(p for p in (root, *root.parents) if p.exists() and not p.is_dir())
         where = "is a file" if file == root else f"lies under {file}, which is a file"
@@ -104,6 +107,7 @@ def claimed_output(root: Path, keep: tuple[str, ...] = ()):
     except OSError as error:
         raise ConfigError(f"cannot write to the output root {root} ({error.strerror}); set RUNFABRIC_OUTPUT "
                           "(or output.root) to a writable folder") from None
+    lock_file = os.fstat(lock.fileno())
     with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -126,7 +130,8 @@ def claimed_output(root: Path, keep: tuple[str, ...] = ()):
             yield
         finally:
             remove_unfinished_exports(root)
-            (root / LOCK_NAME).unlink(missing_ok=True)
+            if created_files.is_same_file(root / LOCK_NAME, lock_file):  # never what replaced it meanwhile
+                (root / LOCK_NAME).unlink()
 
 
 def refuse_unsafe_root(root: Path) -> None:

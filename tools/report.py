@@ -32,6 +32,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import EngFormatter
 
+from runtime import created_files
+
 METRICS_FILE = Path("run/metrics.jsonl")
 RUN_RECORD_FILE = Path("model/run_record.json")
 DEFAULT_PAGE = Path("run/report.html")
@@ -360,7 +362,7 @@ def plot_svg(plot: Plot, lines: list[dict]) -> str:
 def write_plot_svg(plot: Plot, lines: list[dict], path: Path) -> Path:
     """The plot as an SVG file of its own."""
     with matplotlib.rc_context(STYLE_RC):
-        path.write_text(figure_svg(plot_figure(plot, lines), plot.slug), encoding="utf-8")
+        created_files.write_text(path, figure_svg(plot_figure(plot, lines), plot.slug))
     return path
 
 
@@ -682,7 +684,7 @@ def write_report(output_dir: Path, page: Path, metrics_path: Path | None = None)
     """Write the page for the run in ``output_dir`` (metric lines from ``metrics_path`` when given)."""
     run = read_run(output_dir, metrics_path or output_dir / METRICS_FILE)
     page.parent.mkdir(parents=True, exist_ok=True)
-    page.write_text(render(run), encoding="utf-8")
+    created_files.write_text(page, render(run))
     return page
 
 

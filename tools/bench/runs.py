@@ -34,7 +34,7 @@ from model import fused_mlp
 from model.flops import training_flops
 from pipeline.feeder import UpdateFeeder
 from pipeline.stages import ValidationPool
-from runtime import device_policy, hostmem, training_run
+from runtime import created_files, device_policy, hostmem, training_run
 from runtime.batch_split import BatchSplit
 from tools import processes
 from tools.bench.gpu_clocks import GpuClocks
@@ -184,7 +184,7 @@ def records_for(layout: str, args) -> Path:
         path = args.out / f"records-{layout}.jsonl"
         model = config(args).model
         docs = args.docs or documents_needed(layout, args.steps, model.max_seq_len)
-        with path.open("wb") as f:
+        with created_files.open_created(path, "wb") as f:
             subprocess.run(records_command(layout, docs, model.vocab_size), cwd=ROOT, stdout=f, check=True)
         written[layout] = path
     return written[layout]
@@ -229,7 +229,7 @@ def run_lightning(layout: str, args, name: str = "lightning", extra: tuple[str, 
         raise RuntimeError(f"train.py {' '.join(extra)} failed:\n{stderr[-4000:]}")
     record = json.loads((output / "model/run_record.json").read_text())
     summary = record["summary"]
-    (out / f"{name}-{layout}-stderr.log").write_text(stderr)
+    created_files.write_text(out / f"{name}-{layout}-stderr.log", stderr)
     write_timeline(out / f"{name}-{layout}-timeline.jsonl", sampler, started)
     return {
         "stages": read_stages(stages, started),
@@ -372,7 +372,7 @@ def release_gpu() -> None:
 
 def write_timeline(path: Path, sampler: processes.MemorySampler, started: float) -> None:
     wall = time.time() - (time.perf_counter() - started)
-    with path.open("w") as f:
+    with created_files.open_created(path) as f:
         for t, pss, rss, count in sampler.timeline:
             f.write(json.dumps({"seconds": round(t - wall, 1), "pss_gib": round(pss / GIB, 3),
                                 "rss_gib": round(rss / GIB, 3), "processes": count}) + "\n")
@@ -426,5 +426,5 @@ def print_table(results: dict, args, baseline: str) -> None:
 
 def save(args, name: str, result) -> None:
     path = args.out / f"{name}.json"
-    path.write_text(json.dumps(result, indent=2))
+    created_files.write_text(path, json.dumps(result, indent=2))
     print(f"bench: results in {path}", file=sys.stderr)

@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from runtime import created_files
+
 GPU_TOKENS_PER_SECOND = 500_000  # one H200, reference model, realistic packed documents (docs/PERFORMANCE.md)
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +37,7 @@ def sample_corpus(path: Path, rows: int, seq_len: int) -> None:
     """The bundled sample repeated until it holds about ``rows`` rows of GPT-2 tokens (4.3 bytes a token)."""
     sample = (ROOT / "data" / "sample.jsonl").read_bytes()
     copies = max(1, round(rows * seq_len * 4.3 / len(sample)))
-    with path.open("wb") as out:
+    with created_files.open_created(path, "wb") as out:
         for _ in range(copies):
             out.write(sample)
 

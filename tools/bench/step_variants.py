@@ -44,7 +44,7 @@ from model.flops import training_flops
 from model.gpt import GPTConfig
 from pipeline.feeder import UpdateFeeder
 from pipeline.stages import ValidationPool
-from runtime import device_policy, training_run
+from runtime import created_files, device_policy, training_run
 from runtime.batch_split import BatchSplit
 from tools import processes
 from tools.bench import runs as bench
@@ -329,8 +329,8 @@ def main(argv: list[str]) -> int:
 
     def save() -> None:
         result["recommended_overrides"] = recommend(result, args.microbatch)
-        (args.out / "step_variants.json").write_text(json.dumps(result, indent=2))
-        (args.out / "recommended.txt").write_text(" ".join(result["recommended_overrides"]) + "\n")
+        created_files.write_text(args.out / "step_variants.json", json.dumps(result, indent=2))
+        created_files.write_text(args.out / "recommended.txt", " ".join(result["recommended_overrides"]) + "\n")
 
     batches = collect_batches(cfg, args.microbatch, 8, None)
     pairs = sum(b["attention_pairs"] for b in batches) / len(batches)

@@ -31,7 +31,7 @@ import yaml
 
 import train
 from config import CONFIG_ENV, ConfigError, as_dict
-from runtime import hostmem, probe
+from runtime import created_files, hostmem, probe
 from tools import processes
 from tools.bench import runs
 
@@ -160,7 +160,7 @@ def probe_timing(argv: list[str]) -> int:
     env = dict(os.environ, **{hostmem.STAGE_LOG_ENV: str(stages)})
     if args.train_flags:  # the hooks read their configuration from the file RUNFAB_CONFIG names
         merged = args.out / f"{name}-config.yaml"
-        merged.write_text(yaml.safe_dump(as_dict(runs.config(args)), sort_keys=False))
+        created_files.write_text(merged, yaml.safe_dump(as_dict(runs.config(args)), sort_keys=False))
         env[CONFIG_ENV] = str(merged.resolve())
     started = time.perf_counter()
     process = processes.start([sys.executable, "-c", f"import train; train.probe_batch({args.microbatch})"],
@@ -170,7 +170,7 @@ def probe_timing(argv: list[str]) -> int:
     _, stderr = process.communicate()
     sampler.join()
     seconds = time.perf_counter() - started
-    (args.out / f"{name}-stderr.log").write_text(stderr)
+    created_files.write_text(args.out / f"{name}-stderr.log", stderr)
     if process.returncode:
         raise RuntimeError(f"probe failed:\n{stderr[-4000:]}")
     result = {"microbatch": args.microbatch, "seconds": seconds, "peak_host_pss_gib": sampler.peak_pss / runs.GIB,

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from runtime import runfab_limits
+from runtime import created_files, runfab_limits
 from runtime.shipping import folder_bytes
 from tools import processes
 from tools import report as run_report
@@ -149,7 +149,7 @@ def run_training(sandbox: Sandbox, microbatch: int, accumulation: int, cuda: boo
     watchdog = processes.MemorySampler(process, check=enforce_budgets(process, sandbox, usage))
     watchdog.start()
     lines = 0
-    with metrics_path.open("w") as saved:
+    with created_files.open_created(metrics_path) as saved:
         for raw in process.stdout:
             line = raw.decode("utf-8", "replace")
             saved.write(line)
@@ -250,7 +250,7 @@ def emulate(bundle: Path, report: Path, cuda: bool, gpus: int | None, microbatch
         result_files = sorted(p.name for p in model.iterdir()) if model.is_dir() else []
         page = write_report(sandbox.output, report)
     summary = asdict(result) | {"model_files": result_files}
-    (report / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    created_files.write_text(report / "summary.json", json.dumps(summary, indent=2) + "\n")
     u = result.usage
     print(f"emulate: exit {code} after {result.train_seconds} s, {lines} metric lines; peaks: RAM "
           f"{u.peak_pss_bytes / 2**30:.2f} GiB PSS ({u.peak_rss_bytes / 2**30:.2f} GiB RSS), "

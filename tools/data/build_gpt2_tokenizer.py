@@ -30,6 +30,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from runtime import created_files
+
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUTPUT = ROOT / "conf" / "gpt2" / "tokenizer.json"
 
@@ -118,7 +120,7 @@ def main(argv: list[str]) -> int:
         return 1
     tokenizer = build(encoder_json, vocab_bpe)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(args.output), pretty=False)  # compact: the file ships in the bundle
+    created_files.write_text(args.output, tokenizer.to_str(pretty=False))  # compact: the file ships in the bundle
     record = {
         "tokenizer": "GPT-2 byte-level BPE (50,257 tokens, 50,000 merges, <|endoftext|> = 50256)",
         "built_by": "python -m tools gpt2-tokenizer",
@@ -127,6 +129,6 @@ def main(argv: list[str]) -> int:
         "sha256": {**digests, "tokenizer.json": sha256_bytes(args.output.read_bytes())},
     }
     source_path = args.output.with_name("SOURCE.json")
-    source_path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    created_files.write_text(source_path, json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.output} ({args.output.stat().st_size:,} bytes) and {source_path}", file=sys.stderr)
     return 0

@@ -21,6 +21,8 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
+from runtime import created_files
+
 # Directories whose contents are tests, tooling or third-party code rather
 # than documented library API.
 EXCLUDED_DIRS = {
@@ -135,7 +137,7 @@ def main(argv: list[str]) -> int:
     )
     records = build(root, args.min_chars)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.output, "w", encoding="utf-8", newline="\n") as out:
+    with created_files.open_created(args.output) as out:  # text mode writes "\n" as is on POSIX
         for record in records:
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
     size = args.output.stat().st_size
