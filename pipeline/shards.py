@@ -7,8 +7,9 @@ What is stored: one LitData item per packed row, built by the stdin path's own s
 (int32, ``model.max_seq_len`` of them) and ``starts``, the offsets where a document or its
 continuation begins. Positions, targets and document offsets follow from these (``item_row``,
 then ``collate_rows``), so training sees exactly the rows the stdin path would pack. A small file
-beside LitData's index (``SHARDS_META``) records the row length and the tokenizer; training
-refuses rows of another length or tokenizer (``check_meta``), and checks every row's length again.
+beside LitData's index (``SHARDS_META``) records the row length, the tokenizer and the largest token
+id the rows hold; training refuses rows of another length or tokenizer, or with an id beyond its
+vocabulary (``check_meta``), and checks every row's length again.
 
 Why rows are packed when preparing rather than when training: a row is then LitData's unit, and
 LitData already gives every rank the same number of rows (``drop_last``) and resumes a rank's stream
@@ -136,7 +137,9 @@ def read_meta(path: str) -> dict:
 
 def check_meta(meta: dict, path: str, seq_len: int, tokenizer_sha256: str, tokenizer_name: str,
                vocab_size: int) -> None:
-    """Refuse rows this model cannot train from: another format, row length or tokenizer."""
+    """Refuse rows this model cannot train from: another format, row length or tokenizer, or a token id
+    the model's embedding has no row for (the largest id the rows hold, which the preparation recorded;
+    for a preparation that did not record it, the largest its tokenizer can give)."""
     if meta.get("format") != FORMAT:
         raise ShardsError(f"{path} holds rows in format {meta.get('format')!r}, this trainer reads {FORMAT!r}; "
                           "prepare the corpus again with this version's `python -m tools prepare`")
@@ -148,9 +151,11 @@ def check_meta(meta: dict, path: str, seq_len: int, tokenizer_sha256: str, token
         raise ShardsError(f"{path} was tokenized with {meta['tokenizer']} (sha256 {meta['tokenizer_sha256'][:12]}), "
                           f"but data.tokenizer is {tokenizer_name} (sha256 {tokenizer_sha256[:12]}); train with the "
                           "tokenizer the corpus was prepared with, or prepare it again")
-    if meta["vocab_size"] > vocab_size:
-        raise ShardsError(f"{path} holds token ids up to {meta['vocab_size'] - 1} but model.vocab_size is "
-                          f"{vocab_size}; the model's vocabulary must be at least the tokenizer's")
+    largest = meta.get("max_token_id", meta["vocab_size"] - 1)
+    if largest >= vocab_size:
+        raise ShardsError(f"{path} holds token ids up to {largest} but model.vocab_size is {vocab_size}; train "
+                          f"with --model.vocab_size {largest + 1} or more, or prepare the corpus again with "
+                          f"--model.vocab_size {vocab_size} (its records with larger ids are then rejected)")
 
 
 # ----------------------------------------------------------------------------- training

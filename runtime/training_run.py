@@ -134,16 +134,21 @@ def claimed_output(root: Path, keep: tuple[str, ...] = ()):
                 (root / LOCK_NAME).unlink()
 
 
-def refuse_unsafe_root(root: Path) -> None:
-    """Refuse the bundle itself and system folders as the output root: a run writes its folders there."""
-    where = root.resolve()
+def unsafe_folder(folder: Path) -> str | None:
+    """What ``folder`` is when no tool may write its own files into it: the bundle itself, a system
+    folder or the home folder (``python -m tools prepare`` asks too); None for any other."""
+    where = folder.resolve()
     try:
         home = Path(pwd.getpwuid(os.getuid()).pw_dir).resolve()  # the account's, not whatever $HOME says
     except KeyError:
         home = None
-    what = ("the bundle itself (the folder of train.py)" if where == BUNDLE_ROOT else
+    return ("the bundle itself (the folder of train.py)" if where == BUNDLE_ROOT else
             "a system folder" if where in SYSTEM_FOLDERS else "the home folder itself" if where == home else None)
-    if what is not None:
+
+
+def refuse_unsafe_root(root: Path) -> None:
+    """Refuse the bundle itself and system folders as the output root: a run writes its folders there."""
+    if (what := unsafe_folder(root)) is not None:
         raise ConfigError(f"the output root {root} is {what}; a run writes model/, run/, checkpoints/ and data/ into "
                           "it: set RUNFABRIC_OUTPUT (or output.root) to a folder of its own")
 

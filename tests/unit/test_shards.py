@@ -298,5 +298,29 @@ def test_prepare_never_writes_into_a_folder_whose_bin_files_litdata_would_delete
     (output / "pytorch_model.bin").write_bytes(b"someone's weights")
     status, message = run_prepare(capsys, "--input", corpus, "--output", output, "--config", config_file(tmp_path),
                                   "--workers", 1)
-    assert status == 2 and "holds .bin files that are not prepared rows (pytorch_model.bin)" in message
+    assert status == 2 and f"--output {output} holds pytorch_model.bin, and no preparation wrote it" in message
     assert (output / "pytorch_model.bin").read_bytes() == b"someone's weights"
+
+
+# ----------------------------------------------------------------------------- the ids the rows hold
+
+
+def test_training_refuses_rows_holding_ids_beyond_its_vocabulary_in_one_line(tmp_path, capsys):
+    """Rows prepared for a vocabulary of 65,536 (ids up to 60,000) passed the tokenizer's check and
+    failed at the first update with an IndexError; the largest id is recorded and refused up front."""
+    import cli
+
+    corpus = tmp_path / "ids.jsonl"
+    corpus.write_text("".join(json.dumps({"input_ids": [(i * 7919 + j) % 60000 for j in range(40)] + [60000]}) + "\n"
+                              for i in range(50)))
+    output = tmp_path / "rows"
+    status, summary = run_prepare(capsys, "--input", corpus, "--output", output, "--config", config_file(tmp_path),
+                                  "--workers", 1, "--model.vocab_size", 65536)
+    assert status == 0 and summary["max_token_id"] == 60000
+    assert json.loads((output / shards.SHARDS_META).read_text())["max_token_id"] == 60000
+    assert cli.main(["--config", config_file(tmp_path), "--data.source", "litdata", "--data.path", str(output)], 32) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"error: {output} holds token ids up to 60000 but model.vocab_size is 8192; train with "
+                           "--model.vocab_size 60001 or more")
+    meta = json.loads((output / shards.SHARDS_META).read_text())
+    shards.check_meta(meta, "DIR", SEQ_LEN, meta["tokenizer_sha256"], "conf/tokenizer.json", 60001)

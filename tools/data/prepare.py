@@ -13,11 +13,19 @@ one at the end of its input. DIR is a local folder or an object-store URL LitDat
 The settings come from the same configuration as training (``--config``, default conf/config.yaml, and
 ``--section.key VALUE`` overrides): ``model.max_seq_len`` (the row length), ``model.vocab_size``,
 ``data.tokenizer``, ``data.max_record_bytes``, the tokenizer batch and shuffle buffer bounds, ``seed``.
-Training checks the row length and the tokenizer against ``runfab-shards.json``, written last.
+Training checks the row length, the tokenizer and the largest token id against ``runfab-shards.json``,
+written last.
+
+A local DIR is written only when it is new or empty, or when a preparation wrote it (it holds
+``PREPARED_MARK`` and nothing but what a preparation writes): LitData empties a folder of its
+``*.bin`` and ``*index.json`` files before it writes, whoever made them. ``--overwrite`` replaces the
+rows of such a folder; a folder of someone else's is refused either way, as are the bundle, system
+folders and the home folder. A preparation that fails or is stopped removes what it wrote.
 
 stderr carries LitData's progress bar and the summary (records, documents, tokens, rows, rejects by
 reason); stdout carries the same summary as one JSON object. Exit 0 when rows were written, 2 for a
-usage or input problem (nothing usable, nothing matched, an output that already holds rows).
+usage or input problem (nothing usable, nothing matched, an output that is not prepare's to write),
+128 + the signal's number when SIGTERM or SIGINT stopped it.
 """
 
 from __future__ import annotations
@@ -30,15 +38,25 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import sys
 import tempfile
+import traceback
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from runtime import created_files
+from runtime.lifetime import STOP_SIGNALS, exit_with_parent, on_stop_signals
+
 DEFAULT_RANGE_MIB = 64
 CHUNK_BYTES = "64MB"  # LitData's chunk size: large reads from object stores, few files
-CHUNK_NAME = re.compile(r"chunk-\d+-\d+(\.zstd)?\.bin")  # what LitData writes (and removes when it writes again)
+# What LitData writes into a local output folder: its chunks, its index and the index files it merges into it.
+LITDATA_NAME = re.compile(r"chunk-\d+-\d+(\.zstd)?\.bin|(\d+[.-])?index\.json(\.tmp)?")
+PREPARED_MARK = ".prepare-output"
+PREPARED_MARK_TEXT = ("`python -m tools prepare` wrote this folder. Another preparation writes into it only with "
+                      "--overwrite, and then removes only what a preparation writes (LitData's chunks and index, "
+                      "runfab-shards.json); a folder without this file is never written into unless it is empty.\n")
 
 
 @dataclass(frozen=True)
@@ -128,24 +146,29 @@ def prepare_range(piece: tuple[str, int, int, int], settings: PrepareSettings):
                                   s.tokenize_batch_bytes)
         shuffled = shuffle_documents((ids for _, ids in tokens), s.shuffle_buffer_docs, s.shuffle_buffer_tokens,
                                      range_seed(s.seed, index))
+        largest = -1
         for row in pack_rows(shuffled, s.seq_len, stats):
+            largest = max(largest, int(row.tokens.max()))
             yield row_item(row)
     counts = {"records": stats.records, "accepted": stats.accepted, "rejected": dict(stats.rejected),
               "bytes_read": stats.bytes_read, "documents": stats.documents, "document_tokens": stats.document_tokens,
-              "rows": stats.rows, "tail_tokens_dropped": stats.tail_tokens_dropped}
-    Path(s.stats_dir, f"{index}.json").write_text(json.dumps(counts))
+              "rows": stats.rows, "tail_tokens_dropped": stats.tail_tokens_dropped, "max_token_id": largest}
+    created_files.write_text(Path(s.stats_dir, f"{index}.json"), json.dumps(counts))
 
 
 def summarize(stats_dir: Path, ranges: int) -> dict:
-    """The counts of every range, added up."""
+    """The counts of every range, added up; the largest token id any row holds (-1 without rows)."""
     total: Counter = Counter()
     rejected: Counter = Counter()
+    largest = -1
     for file in stats_dir.glob("*.json"):
         counts = json.loads(file.read_text())
         rejected.update(counts.pop("rejected"))
+        largest = max(largest, counts.pop("max_token_id"))
         total.update(counts)
     names = ("records", "accepted", "bytes_read", "documents", "document_tokens", "rows", "tail_tokens_dropped")
-    return {"ranges": ranges, **{name: total[name] for name in names}, "rejected": dict(sorted(rejected.items()))}
+    return {"ranges": ranges, **{name: total[name] for name in names}, "rejected": dict(sorted(rejected.items())),
+            "max_token_id": largest}
 
 
 def summary_line(summary: dict, seq_len: int) -> str:
@@ -153,7 +176,7 @@ def summary_line(summary: dict, seq_len: int) -> str:
     return (f"prepared: {summary['records']} records, {summary['accepted']} accepted, rejected: {rejected}; "
             f"{summary['documents']} documents, {summary['document_tokens']} tokens; {summary['rows']} rows of "
             f"{seq_len} tokens from {summary['ranges']} byte ranges; dropped at range ends: "
-            f"{summary['tail_tokens_dropped']} tokens")
+            f"{summary['tail_tokens_dropped']} tokens; largest token id {summary['max_token_id']}")
 
 
 @contextlib.contextmanager
@@ -169,6 +192,165 @@ def stdout_to_stderr():
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
+
+
+def listing(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
+
+
+class PreparedFolder:
+    """The local output folder of one preparation: whether it may write there, and removing what it wrote."""
+
+    def __init__(self, path: Path, meta_name: str) -> None:
+        self.path, self.meta_name = path, meta_name
+        self.made_folder = self.made_mark = False
+
+    def is_written_name(self, name: str) -> bool:
+        """Whether ``name`` is a file a preparation writes (and so may remove), rather than someone else's."""
+        path = self.path / name
+        return ((name == self.meta_name or LITDATA_NAME.fullmatch(name) is not None) and not path.is_symlink()
+                and path.is_file())
+
+    def problem(self, overwrite: bool) -> str | None:
+        """Why this preparation may not write here, or None."""
+        from runtime.training_run import unsafe_folder
+
+        folder = self.path
+        if (what := unsafe_folder(folder)) is not None:
+            return f"--output {folder} is {what}; give a folder of its own (it is created)"
+        if not os.path.lexists(folder):
+            return None
+        if not folder.is_dir():
+            return f"--output {folder} is a file; give a folder (it is created) or an object-store URL"
+        names = sorted(os.listdir(folder))
+        if not names:
+            return None
+        mark = folder / PREPARED_MARK
+        if mark.is_symlink() or not mark.is_file():
+            return (f"--output {folder} holds {listing(names)}, and no preparation wrote it (it has no "
+                    f"{PREPARED_MARK}): prepare writes only into a new or empty folder, or one it wrote, since LitData "
+                    "deletes *.bin and *index.json files where it writes; give another --output")
+        foreign = [name for name in names if name != PREPARED_MARK and not self.is_written_name(name)]
+        if foreign:
+            return (f"--output {folder} holds {listing(foreign)}, which no preparation wrote; neither a preparation "
+                    "nor --overwrite removes them: move them away, or give another --output")
+        done = [name for name in ("index.json", self.meta_name) if name in names]
+        if done and not overwrite:
+            return (f"{folder} already holds prepared rows ({', '.join(done)}); give a new --output, or "
+                    "--overwrite to replace them")
+        return None
+
+    def claim(self) -> None:
+        """Create the folder if needed and mark it as a preparation's, remembering what was made here."""
+        if not self.path.is_dir():
+            self.path.mkdir(parents=True)
+            self.made_folder = True
+        if not (self.path / PREPARED_MARK).is_file():
+            with created_files.open_created(self.path / PREPARED_MARK, "x") as mark:
+                self.made_mark = True
+                mark.write(PREPARED_MARK_TEXT)
+        (self.path / self.meta_name).unlink(missing_ok=True)  # no stale record beside rows that fail to replace it
+
+    def remove_written(self) -> None:
+        """Remove what a preparation writes here, then the mark and the folder if this one made them."""
+        if not self.path.is_dir():
+            return
+        for name in os.listdir(self.path):
+            if self.is_written_name(name):
+                (self.path / name).unlink(missing_ok=True)
+        if self.made_mark:
+            (self.path / PREPARED_MARK).unlink(missing_ok=True)
+        if self.made_folder:
+            with contextlib.suppress(OSError):  # someone put a file there meanwhile: it stays, and so does the folder
+                self.path.rmdir()
+
+
+class Stopped(Exception):
+    """SIGTERM or SIGINT reached this process while it prepared."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stops_raise_stopped():
+    """The first SIGTERM or SIGINT raises Stopped; later ones are ignored while it is handled."""
+    seen: list[int] = []
+
+    def stop(signum, frame) -> None:
+        if not seen:
+            seen.append(signum)
+            raise Stopped(signum)
+
+    restore = on_stop_signals(stop)
+    try:
+        yield
+    finally:
+        restore()
+
+
+def run_optimize(**optimize_args) -> str | None:
+    """``litdata.optimize(**optimize_args)`` in a child process that leads a process group of its own;
+    LitData's error message when it refused or a worker failed, None when it succeeded.
+
+    LitData's workers are processes this one cannot stop cleanly while optimize runs here: LitData's
+    SIGINT handler ends its process with status 0, and after a SIGTERM a worker blocked on a pipe can
+    outlive it. In a group of their own, out of reach of a terminal's Ctrl-C or a signal to this
+    process's group, they are ended together with SIGKILL when a stop (or any exception) reaches
+    this process, which holds no LitData state and so can remove what they wrote and report."""
+    start = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    receiver, sender = multiprocessing.get_context(start).Pipe(duplex=False)
+    child = multiprocessing.get_context(start).Process(target=_optimize_in_group, args=(sender, optimize_args),
+                                                       name="prepare-optimize")
+    try:
+        child.start()
+        with contextlib.suppress(OSError):  # the child makes its group too; whichever comes first
+            os.setpgid(child.pid, child.pid)
+        sender.close()
+        child.join()
+    except BaseException:
+        if child.pid is not None:
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                child.kill()
+            child.join()
+        raise
+    try:
+        message = receiver.recv() if receiver.poll() else None
+    except EOFError:  # it closed the pipe without a message: it succeeded, or it died
+        message = None
+    if message is None and child.exitcode != 0:
+        message = f"LitData's run ended with status {child.exitcode}; its error is above"
+    return message
+
+
+def _optimize_in_group(report, optimize_args: dict) -> None:
+    """The child of run_optimize: optimize, with LitData's caches in this preparation's own folder."""
+    for sig in STOP_SIGNALS:  # the parent's handler raises Stopped: a stop is the parent's to handle
+        signal.signal(sig, signal.SIG_DFL)
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    exit_with_parent()
+    scratch = Path(optimize_args.pop("scratch"))
+    # LitData empties its cache folders (default /tmp/chunks, /tmp/data) when it starts: never another's.
+    os.environ["DATA_OPTIMIZER_CACHE_FOLDER"] = str(scratch / "chunks")
+    os.environ["DATA_OPTIMIZER_DATA_CACHE_FOLDER"] = str(scratch / "data")
+    status = 0
+    try:
+        from pipeline import shards
+
+        with stdout_to_stderr():
+            shards.import_litdata().optimize(**optimize_args)
+    except RuntimeError as error:  # LitData's own refusals (an output it will not write over) and worker failures
+        report.send(" ".join(str(error).split()))
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # a forked child: none of the parent's exit handlers
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -210,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, overrides)
         encoder = load_encoder(cfg)
-        litdata = shards.import_litdata()
+        shards.import_litdata()  # its one-line refusal when missing, before anything is written
     except (ConfigError, shards.ShardsError) as error:
         return refuse(str(error))
     paths = sorted({os.path.abspath(path) for pattern in args.input for path in glob.glob(os.path.expanduser(pattern))
@@ -221,55 +403,74 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers is not None and args.workers < 1 or args.range_mib <= 0:
         return refuse("--workers must be at least 1 and --range-mib above 0")
     output = args.output if shards.is_url(args.output) else str(Path(args.output).expanduser().resolve())
-    if not shards.is_url(output) and Path(output).is_file():
-        return refuse(f"--output {output} is a file; give a folder (it is created) or an object-store URL")
-    done = [name for name in ("index.json", shards.SHARDS_META) if not shards.is_url(output) and (Path(output) / name).exists()]
-    if done and not args.overwrite:
-        return refuse(f"{output} already holds prepared rows ({', '.join(done)}); give a new --output, or "
-                      "--overwrite to replace them")
-    foreign = [] if shards.is_url(output) or not Path(output).is_dir() else sorted(
-        p.name for p in Path(output).glob("*.bin") if not CHUNK_NAME.fullmatch(p.name))
-    if foreign:  # LitData empties the folder of *.bin files before writing: never someone else's
-        return refuse(f"{output} holds .bin files that are not prepared rows ({', '.join(foreign[:3])}); LitData would "
-                      "delete them: give an empty or new --output")
-    if done:
-        (Path(output) / shards.SHARDS_META).unlink(missing_ok=True)  # no stale record beside new rows, if this fails
+    folder = None if shards.is_url(output) else PreparedFolder(Path(output), shards.SHARDS_META)
+    if folder is not None and (problem := folder.problem(args.overwrite)):
+        return refuse(problem)
     ranges = byte_ranges(paths, max(1, int(args.range_mib * 2**20)))
     if not ranges:
         return refuse(f"the input files are empty: {', '.join(paths)}")
     workers = min(args.workers or len(os.sched_getaffinity(0)), len(ranges))
     tokenizer = bundle_path(cfg.data.tokenizer)
-    with tempfile.TemporaryDirectory(prefix="prepare-stats-") as stats_dir:
-        settings = PrepareSettings(
-            tokenizer=str(tokenizer), seq_len=cfg.model.max_seq_len, vocab_size=cfg.model.vocab_size, seed=cfg.seed,
-            max_record_bytes=cfg.data.max_record_bytes, tokenize_batch_docs=cfg.data.tokenize_batch_docs,
-            tokenize_batch_bytes=cfg.data.tokenize_batch_bytes, shuffle_buffer_docs=cfg.data.shuffle_buffer_docs,
-            shuffle_buffer_tokens=cfg.data.shuffle_buffer_tokens, stats_dir=stats_dir)
-        print(f"python -m tools prepare: {len(paths)} file(s), {len(ranges)} byte range(s), {workers} worker "
-              f"process(es), rows of {cfg.model.max_seq_len} tokens -> {output}", file=sys.stderr)
-        start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+    with tempfile.TemporaryDirectory(prefix="prepare-") as scratch, stops_raise_stopped():
         try:
-            with stdout_to_stderr():
-                litdata.optimize(fn=_bound(settings), inputs=ranges, output_dir=output, num_workers=workers,
-                                 chunk_bytes=CHUNK_BYTES, mode="overwrite" if args.overwrite else None,
-                                 keep_data_ordered=True, reorder_files=False, start_method=start_method)
-        except RuntimeError as error:  # LitData's own refusals (an output it will not write over) and worker failures
-            return refuse(" ".join(str(error).split()))
-        summary = summarize(Path(stats_dir), len(ranges))
-    print(summary_line(summary, cfg.model.max_seq_len), file=sys.stderr)
-    if not summary["rows"]:
-        from pipeline.stages import EXPECTED_RECORD
+            if folder is not None:
+                folder.claim()
+            stats_dir = Path(scratch, "stats")
+            stats_dir.mkdir()
+            settings = PrepareSettings(
+                tokenizer=str(tokenizer), seq_len=cfg.model.max_seq_len, vocab_size=cfg.model.vocab_size,
+                seed=cfg.seed, max_record_bytes=cfg.data.max_record_bytes,
+                tokenize_batch_docs=cfg.data.tokenize_batch_docs, tokenize_batch_bytes=cfg.data.tokenize_batch_bytes,
+                shuffle_buffer_docs=cfg.data.shuffle_buffer_docs, shuffle_buffer_tokens=cfg.data.shuffle_buffer_tokens,
+                stats_dir=str(stats_dir))
+            print(f"python -m tools prepare: {len(paths)} file(s), {len(ranges)} byte range(s), {workers} worker "
+                  f"process(es), rows of {cfg.model.max_seq_len} tokens -> {output}", file=sys.stderr)
+            start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+            failure = run_optimize(fn=_bound(settings), inputs=ranges, output_dir=output, num_workers=workers,
+                                   chunk_bytes=CHUNK_BYTES, mode="overwrite" if args.overwrite else None,
+                                   keep_data_ordered=True, reorder_files=False, start_method=start_method,
+                                   scratch=scratch)
+            if failure is not None:
+                raise PrepareFailed(failure)
+            summary = summarize(stats_dir, len(ranges))
+            print(summary_line(summary, cfg.model.max_seq_len), file=sys.stderr)
+            if not summary["rows"]:
+                from pipeline.stages import EXPECTED_RECORD
 
-        return refuse(f"no complete row of {cfg.model.max_seq_len} tokens: {summary['documents']} usable documents "
-                      f"({summary['document_tokens']} tokens) in {summary['records']} records; expected "
-                      f"{EXPECTED_RECORD}")
-    meta = {"format": shards.FORMAT, "seq_len": cfg.model.max_seq_len, "tokenizer": cfg.data.tokenizer,
-            "tokenizer_sha256": sha256_file(tokenizer), "vocab_size": encoder.vocab_size, "eos_id": encoder.eos_id,
-            "seed": cfg.seed, "inputs": paths, "settings": {k: v for k, v in asdict(settings).items() if k != "stats_dir"},
-            "summary": summary}
-    shards.write_meta(output, meta)
+                raise PrepareFailed(f"no complete row of {cfg.model.max_seq_len} tokens: {summary['documents']} "
+                                    f"usable documents ({summary['document_tokens']} tokens) in {summary['records']} "
+                                    f"records; expected {EXPECTED_RECORD}")
+            meta = {"format": shards.FORMAT, "seq_len": cfg.model.max_seq_len, "tokenizer": cfg.data.tokenizer,
+                    "tokenizer_sha256": sha256_file(tokenizer), "vocab_size": encoder.vocab_size,
+                    "eos_id": encoder.eos_id, "max_token_id": summary["max_token_id"], "seed": cfg.seed,
+                    "inputs": paths, "settings": {k: v for k, v in asdict(settings).items() if k != "stats_dir"},
+                    "summary": summary}
+            shards.write_meta(output, meta)
+        except PrepareFailed as failed:
+            if folder is not None:
+                folder.remove_written()
+            return refuse(f"{failed}; nothing was left in {output}" if folder is not None else str(failed))
+        except Stopped as stop:
+            if folder is not None:
+                folder.remove_written()
+            where = (f"what it had written to {output} was removed" + (" (with --overwrite, the earlier rows too)"
+                                                                        if args.overwrite else "")
+                     if folder is not None else f"the chunks it had uploaded to {output} may remain; prepare again "
+                                                "with --overwrite")
+            # On a line of its own: the killed workers may have left LitData's progress bar mid-line.
+            print(f"\npython -m tools prepare: stopped by {stop}: its worker processes were ended and {where}",
+                  file=sys.stderr)
+            return 128 + stop.signum
+        except BaseException:
+            if folder is not None:
+                folder.remove_written()
+            raise
     print(json.dumps(summary), flush=True)
     return 0
+
+
+class PrepareFailed(Exception):
+    """A preparation that cannot produce rows from this input; the message says why."""
 
 
 def _bound(settings: PrepareSettings):
