@@ -32,7 +32,7 @@ import lightning as L
 import yaml
 from jsonargparse import ArgumentParser
 
-from runtime import launcher
+from runtime import created_files, launcher
 from runtime import training_run
 from runtime.batch_split import BatchSplit, command_line_microbatch
 from callbacks.export import ExportFailed
@@ -78,7 +78,7 @@ class CommandLineError(Exception):
 # What a command line run reports as one line on stderr, with exit code 2, instead of a traceback.
 USER_ERRORS = (
     ConfigError, UnusableInputError, NonFiniteLossError, FileNotFoundError, launcher.WorkerFailed, launcher.Interrupted,
-    launcher.InputFailed, ShardsError, ExportFailed,
+    launcher.InputFailed, ShardsError, ExportFailed, created_files.NotCreatedHere,
 )
 
 

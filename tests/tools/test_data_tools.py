@@ -179,7 +179,7 @@ def test_a_stopped_prepare_ends_promptly_non_zero_and_leaves_nothing(tmp_path, l
     reader.start()
     try:
         assert started.wait(120), "".join(lines)
-        time.sleep(1.0)  # the workers are tokenizing
+        time.sleep(0.5)  # the workers are tokenizing
         family = psutil.Process(process.pid).children(recursive=True)
         assert len(family) >= 3  # LitData's process and its two workers
         sent = time.monotonic()

@@ -43,7 +43,7 @@ def sample_corpus(path: Path, rows: int, seq_len: int) -> None:
 
 
 def prepare(corpus: Path, output: Path, config: str) -> dict:
-    from tools import prepare as prepare_tool
+    from tools.data import prepare as prepare_tool
 
     captured = io.StringIO()
     started = time.perf_counter()

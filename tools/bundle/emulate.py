@@ -198,7 +198,7 @@ def write_report(output_root: Path, folder: Path) -> Path:
             run_report.write_plot_svg(plot, lines, folder / f"{plot.slug}.svg")
     record = output_root / "model" / "run_record.json"
     if record.is_file():  # the sandbox goes away; the record (summary, input counts) stays with the report
-        shutil.copy(record, folder / "run_record.json")
+        created_files.write_bytes(folder / "run_record.json", record.read_bytes())
     return run_report.write_report(output_root, folder / "report.html", metrics)
 
 

@@ -380,6 +380,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
+    with stops_raise_stopped():
+        try:
+            return prepare(args, overrides)
+        except Stopped as stop:  # before anything was written (prepare handles a stop after that)
+            print(f"python -m tools prepare: stopped by {stop} before it wrote anything", file=sys.stderr)
+            return 128 + stop.signum
+
+
+def prepare(args: argparse.Namespace, overrides: list[str]) -> int:
+    """The preparation ``main`` runs; a stop raises Stopped."""
     from config import ConfigError, bundle_path, load_config
     from callbacks.run_record import sha256_file
     from pipeline import shards
@@ -411,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         return refuse(f"the input files are empty: {', '.join(paths)}")
     workers = min(args.workers or len(os.sched_getaffinity(0)), len(ranges))
     tokenizer = bundle_path(cfg.data.tokenizer)
-    with tempfile.TemporaryDirectory(prefix="prepare-") as scratch, stops_raise_stopped():
+    with tempfile.TemporaryDirectory(prefix="prepare-") as scratch:
         try:
             if folder is not None:
                 folder.claim()
