@@ -21,7 +21,6 @@ import ast
 import functools
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
