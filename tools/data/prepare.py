@@ -304,9 +304,13 @@ def run_optimize(**optimize_args) -> str | None:
     child = multiprocessing.get_context(start).Process(target=_optimize_in_group, args=(sender, optimize_args),
                                                        name="prepare-optimize")
     try:
-        child.start()
-        with contextlib.suppress(OSError):  # the child makes its group too; whichever comes first
-            os.setpgid(child.pid, child.pid)
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # a stop waits until the child is known, and killable
+        try:
+            child.start()
+            with contextlib.suppress(OSError):  # the child makes its group too; whichever comes first
+                os.setpgid(child.pid, child.pid)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         sender.close()
         child.join()
     except BaseException:
@@ -332,6 +336,7 @@ def _optimize_in_group(report, optimize_args: dict) -> None:
         signal.signal(sig, signal.SIG_DFL)
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the parent while it forked
     exit_with_parent()
     scratch = Path(optimize_args.pop("scratch"))
     # LitData empties its cache folders (default /tmp/chunks, /tmp/data) when it starts: never another's.
@@ -367,7 +372,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="worker processes (default: the cores this process may use)")
     parser.add_argument("--range-mib", type=float, default=DEFAULT_RANGE_MIB,
                         help=f"bytes of input per work item, in MiB (default {DEFAULT_RANGE_MIB})")
-    parser.add_argument("--overwrite", action="store_true", help="replace rows already prepared in DIR")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the rows a preparation wrote in DIR (a folder holding anything else is refused)")
     args, rest = parser.parse_known_args(argv)
     overrides = []
     for i in range(0, len(rest), 2):
