@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -168,3 +169,82 @@ def test_a_given_checkpoint_that_does_not_load_is_refused_in_one_line(first_run,
     err = capsys.readouterr().err
     assert status == 2 and "Traceback" not in err
     assert f"error: --ckpt_path {torn} does not load" in err
+
+
+# ----------------------------------------------------------------------------- a stop that reaches every process
+
+
+def test_sigterm_to_the_whole_process_group_at_the_default_loader_workers_stops_at_a_checkpoint(first_run, tmp_path):
+    """As SLURM's --signal and Ctrl-C do, the signal reaches the loader's worker too: the run still
+    finishes the update, writes stopped.ckpt and exits 2; the resume keeps only the newest checkpoint."""
+    output = tmp_path / "output"
+    config = tmp_path / "run.yaml"
+    config.write_text(as_yaml(values(output, 60) | {"data.loader_workers": 1, "trainer.checkpoint_every_steps": 50}))
+    command = [sys.executable, "train.py", "fit", "--config", str(config), "--data.source", "litdata", "--data.path",
+               str(first_run["rows"])]
+    with (tmp_path / "stopped.log").open("w") as log:
+        run = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        seen = []
+        for line in run.stdout:
+            seen.append(json.loads(line))
+            if len(seen) == 2:
+                os.killpg(run.pid, signal.SIGTERM)
+        run.wait(timeout=CHILD_TIMEOUT)
+    err = (tmp_path / "stopped.log").read_text()
+    assert run.returncode == 2, err[-3000:]
+    assert f"error: stopped by SIGTERM after optimizer step {seen[-1]['step']}; checkpoint " in err, err[-3000:]
+    assert (output / "checkpoints" / "stopped.ckpt").is_file()
+
+    done = train(config, first_run["rows"], "--ckpt_path", "last")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[0])["step"] == seen[-1]["step"] + 1
+    assert sorted(p.name for p in (output / "checkpoints").glob("*.ckpt")) == ["epoch=0-step=50.ckpt"]
+
+
+@pytest.mark.parametrize("trainer_ends", ["by SIGKILL", "by exiting"])
+def test_a_loader_worker_ignores_the_groups_stop_signals_and_ends_with_its_trainer(first_run, trainer_ends):
+    """SIGTERM and SIGINT from elsewhere (torchrun's agent, SLURM, a terminal) leave a worker running;
+    it ends when its trainer is killed, and a trainer that exits with a worker alive does not hang
+    (multiprocessing terminates it by SIGTERM, from the trainer, and waits)."""
+    script = f"""
+import os, signal, sys
+import psutil
+from pipeline import shards
+batches = iter(shards.open_rows({str(first_run['rows'])!r}, 5, 2, workers=1))
+next(batches)
+(worker,) = [child.pid for child in psutil.Process().children()]
+print(worker, flush=True)
+sys.stdin.readline()
+if {trainer_ends == "by SIGKILL"}:
+    os.kill(os.getpid(), signal.SIGKILL)
+sys.exit(0)
+"""
+    trainer = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)
+    try:
+        worker = int(trainer.stdout.readline())
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            os.kill(worker, sig)
+        time.sleep(1)
+        assert _alive(worker) and trainer.poll() is None
+        trainer.stdin.write("end\n")
+        trainer.stdin.flush()
+        assert trainer.wait(timeout=60) == (-signal.SIGKILL if trainer_ends == "by SIGKILL" else 0)
+    finally:
+        trainer.kill()
+    deadline = time.monotonic() + 3  # the kernel's parent-death signal, not PyTorch's 5 s watchdog poll
+    while time.monotonic() < deadline and _alive(worker):
+        time.sleep(0.05)
+    assert not _alive(worker)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):  # a zombie has exited
+        if Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z"):
+            return False
+    return True
