@@ -14,7 +14,8 @@ What survives a preemption: Lightning's checkpoint in ``output/checkpoints/`` (w
 schedule, loop counters and every rank's position in the rows), written every
 ``trainer.checkpoint_every_steps`` updates and when SIGTERM or SIGINT reaches any rank: the ranks
 agree on one update to finish, write the checkpoint and stop. ``--ckpt_path last`` resumes from the
-newest one and ends with the weights an uninterrupted run would have.
+newest one that loads and ends with the weights an uninterrupted run would have; a resume that
+changed what must not change is refused first (runtime/checkpoints.py).
 """
 
 from __future__ import annotations
