@@ -1,6 +1,9 @@
 """Several nodes on one CPU machine: ``torchrun`` starts two "nodes" of two processes each (gloo), and
 the trainer runs Lightning's own DDP over rows prepared with ``python -m tools prepare``.
 
+torchrun and SLURM's tasks (their variables set as srun sets them, in one process group) are each
+stopped by a signal at the default data.loader_workers and resumed.
+
 Each run is checked against one process that accumulates the same rows: LitData's share for each
 rank is read here as that rank reads it (LitData takes the rank and world size from WORLD_SIZE and
 GLOBAL_RANK), update k is then every rank's k-th share, and a plain loop trains on it with the same
@@ -202,6 +205,50 @@ def test_a_run_stopped_by_sigterm_resumes_from_its_checkpoint_to_the_same_weight
     assert [line["step"] for line in lines] == list(range(stopped_at + 1, steps + 1))
     assert sorted(p.name for p in (tmp_path / "output" / "checkpoints").glob("*.ckpt")) == ["epoch=0-step=50.ckpt"]
 
+    losses, module = accumulate_same_rows(config, rank_rows(prepared, 2, GLOBAL_BATCH // 2, seed=5), steps)
+    assert [line["loss"] for line in seen + lines] == pytest.approx(losses, rel=1e-5)
+    assert_same_weights(tmp_path / "output" / "model", module)
+
+
+def slurm_tasks(config: Path, rows: Path, tmp_path: Path, name: str, *extra: str) -> list[subprocess.Popen]:
+    """train.py as srun starts it on one node with two tasks (SLURM's variables, one process each), in
+    one process group: what SLURM's --signal and a preemption signal."""
+    port = str(free_port())
+    tasks = []
+    for rank in (0, 1):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_NAME": "gpt", "SLURM_JOB_ID": "45",
+               "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
+               "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODELIST": "127.0.0.1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        command = [sys.executable, "train.py", "fit", "--config", str(config), "--data.source", "litdata",
+                   "--data.path", str(rows), "--microbatch", "2", *extra]
+        with (tmp_path / f"{name}-{rank}.log").open("w") as stderr:
+            group = {"process_group": tasks[0].pid if tasks else 0}
+            tasks.append(subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                          env=env, **group))
+    return tasks
+
+
+def test_slurms_signal_to_every_process_of_the_step_stops_at_a_checkpoint_and_resumes_exactly(prepared, tmp_path):
+    steps = 60
+    config = write_config(tmp_path, steps, {"data.loader_workers": 1})
+    tasks = slurm_tasks(config, prepared, tmp_path, "stopped")
+    seen = []
+    for line in tasks[0].stdout:
+        seen.append(json.loads(line))
+        if len(seen) == 2:
+            os.killpg(tasks[0].pid, signal.SIGTERM)  # the tasks and their loader workers
+    statuses = [task.wait(timeout=CHILD_TIMEOUT) for task in tasks]
+    errs = [(tmp_path / f"stopped-{rank}.log").read_text() for rank in (0, 1)]
+    assert statuses == [2, 2], errs[0][-3000:] + errs[1][-3000:]  # what srun reports: the highest
+    assert f"error: stopped by SIGTERM after optimizer step {seen[-1]['step']}; checkpoint " in errs[0]
+    assert (tmp_path / "output" / "checkpoints" / "stopped.ckpt").is_file()
+
+    tasks = slurm_tasks(config, prepared, tmp_path, "resumed", "--ckpt_path", "last")
+    outputs = [task.communicate(timeout=CHILD_TIMEOUT)[0] for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], (tmp_path / "resumed-0.log").read_text()[-3000:]
+    lines = metric_lines(outputs[0])
+    assert [line["step"] for line in lines] == list(range(seen[-1]["step"] + 1, steps + 1))
     losses, module = accumulate_same_rows(config, rank_rows(prepared, 2, GLOBAL_BATCH // 2, seed=5), steps)
     assert [line["loss"] for line in seen + lines] == pytest.approx(losses, rel=1e-5)
     assert_same_weights(tmp_path / "output" / "model", module)
