@@ -2,8 +2,9 @@
 (never one that does not load), which ones stay in ``checkpoints/`` (the newest this trainer
 wrote, nothing else), and the changes of configuration a resume refuses in one line, exit 2.
 
-A first run (four updates, a checkpoint every two) is made once per module; each test resumes a
-copy of its output.
+A first run (four updates, a checkpoint every two) is made once per module; the resume tests each
+resume a copy of its output. Then a stop by SIGTERM to the whole process group (as SLURM's --signal
+and Ctrl-C send it) at the default data.loader_workers, and the loader worker's own lifetime.
 """
 
 from __future__ import annotations
