@@ -124,7 +124,7 @@ def fingerprint(cfg, split, data_fingerprint: str, tokenizer_sha256: str) -> dic
         "model.max_seq_len": cfg.model.max_seq_len,
         "data.path": cfg.data.path if shards.is_url(cfg.data.path) else os.path.abspath(cfg.data.path),
         "data.path contents (sha256 of its index)": data_fingerprint,
-        "seed": cfg.seed, "batch (rows per update)": split.effective,
+        "seed": cfg.seed, "trainer.global_batch_size (rows per update)": split.effective,
         "tokens per update": split.effective * cfg.model.max_seq_len,
         "tokenizer (sha256)": tokenizer_sha256,
     }
