@@ -32,9 +32,14 @@ it, so the RunFab bundle imports this module without it.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 import logging
+import os
+import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,6 +50,7 @@ import torch
 
 from pipeline.stages import Row, collate_rows
 from runtime import created_files
+from runtime.lifetime import exit_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -262,12 +268,55 @@ def open_rows(path: str, seed: int, rows_per_batch: int = 1, workers: int = 0, c
               pin_memory: bool = False):
     """LitData's StreamingDataLoader over the prepared rows: this rank's share (LitData reads the rank
     and world size from torch.distributed or the environment), shuffled with ``seed`` a chunk at a
-    time, every rank the same number of batches."""
+    time, every rank the same number of batches. Its worker processes leave stops to the trainer
+    (``loader_worker_start``)."""
     litdata = import_litdata()
     dataset = litdata.StreamingDataset(path, shuffle=True, drop_last=True, seed=seed)
     same_split_everywhere(dataset)
+    start = functools.partial(loader_worker_start, os.getpid()) if workers else None
     return litdata.StreamingDataLoader(dataset, batch_size=rows_per_batch, num_workers=workers,
-                                       collate_fn=collate_fn, pin_memory=pin_memory)
+                                       collate_fn=collate_fn, pin_memory=pin_memory, worker_init_fn=start)
+
+
+def loader_worker_start(trainer_pid: int, worker_id: int) -> None:
+    """In each loader worker: leave stop signals to the training process, and end with it.
+
+    torchrun stops a rank by signalling its whole process group, SLURM signals every process of a
+    step, and Ctrl-C reaches the terminal's group: the loader's workers get the signal too. Killed
+    by it, they would take the training process down (PyTorch fails a loader whose worker died)
+    before it finished the agreed update and wrote its checkpoint. So SIGINT is ignored, and SIGTERM
+    ends a worker only when the training process itself sends it (PyTorch and multiprocessing
+    terminate the workers they shut down that way, and would wait for ever on one that ignored it).
+    Whatever way the training process ends, the kernel's parent-death signal ends the worker too."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by the thread below instead
+    threading.Thread(target=_end_on_sigterm_from, args=(trainer_pid,), name="sigterm-from-trainer",
+                     daemon=True).start()
+    exit_with_parent(trainer_pid)
+
+
+def _end_on_sigterm_from(trainer_pid: int) -> None:
+    while True:
+        received = signal.sigwaitinfo({signal.SIGTERM})
+        if received.si_pid == trainer_pid:
+            os._exit(128 + signal.SIGTERM)
+
+
+def prepared_fingerprint(path: str) -> str:
+    """SHA-256 over the prepared folder's ``SHARDS_META`` and LitData's ``index.json`` (a folder or an
+    object-store URL): another preparation into the same place gives another value."""
+    digest = hashlib.sha256()
+    with tempfile.TemporaryDirectory() as folder:
+        for name in (SHARDS_META, "index.json"):
+            if is_url(path):
+                from litdata.streaming.fs_provider import _get_fs_provider
+
+                local = Path(folder) / name
+                _get_fs_provider(path).download_file(f"{path.rstrip('/')}/{name}", str(local))
+            else:
+                local = Path(path) / name
+            digest.update(hashlib.sha256(local.read_bytes()).digest())
+    return digest.hexdigest()
 
 
 def same_split_everywhere(dataset) -> None:

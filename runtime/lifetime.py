@@ -3,8 +3,10 @@
 - ``on_stop_signals``: the one installer of SIGTERM/SIGINT handlers. The single-process trainer
   (callbacks/graceful_stop.py), the launcher of data-parallel workers and ``python -m tools`` each
   decide what a signal means; this installs their handler and puts the previous ones back.
-- ``exit_with_parent``: the one parent-death helper. A data-parallel worker calls it for itself;
-  the tools pass it as ``preexec_fn`` to the commands they start, which they cannot change.
+- ``exit_with_parent``: the one parent-death helper. A data-parallel worker calls it for itself, and
+  so does a DataLoader worker of a run from shards (pipeline/shards.py), which ignores the stop
+  signals its process group receives and must still end with the trainer; the tools pass it as
+  ``preexec_fn`` to the commands they start, which they cannot change.
 
 Standard library only, so that the tools use the same mechanisms without importing torch.
 """

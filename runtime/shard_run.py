@@ -14,7 +14,8 @@ What survives a preemption: Lightning's checkpoint in ``output/checkpoints/`` (w
 schedule, loop counters and every rank's position in the rows), written every
 ``trainer.checkpoint_every_steps`` updates and when SIGTERM or SIGINT reaches any rank: the ranks
 agree on one update to finish, write the checkpoint and stop. ``--ckpt_path last`` resumes from the
-newest one and ends with the weights an uninterrupted run would have.
+newest one that loads and ends with the weights an uninterrupted run would have; a resume that
+changed what must not change is refused first (runtime/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElastic
 
 from config import ConfigError, RunConfig, bundle_path
 from pipeline import shards
-from runtime import launcher
+from runtime import checkpoints, launcher
 from runtime.batch_split import BatchSplit
 from runtime.device_policy import resolve_accelerator, setup_process, use_allocator_settings, world_size
 from runtime.training_run import claimed_output, fit, load_encoder
@@ -69,22 +70,30 @@ def environment_rank(per_node: int) -> int:
     return int(os.environ.get("NODE_RANK", 0)) * per_node + int(os.environ.get("LOCAL_RANK", 0))
 
 
-def resolve_checkpoint(ckpt_path: str | None, folder: Path) -> str | None:
-    """``last``: the newest checkpoint in ``folder`` (None when there is none yet: the run starts
-    from the beginning, so the same command serves the first start and every restart); else the path."""
+def resolve_checkpoint(ckpt_path: str | None, folder: Path) -> tuple[str, dict] | None:
+    """The checkpoint to resume from and its contents (memory-mapped, tensors not read), or None.
+
+    ``last``: the newest checkpoint in ``folder`` that loads; a newer one that does not is named on
+    stderr and skipped (None when there is none yet: the run starts from the beginning, so the same
+    command serves the first start and every restart). Else the file given, which must load."""
     if ckpt_path is None:
         return None
     if ckpt_path != "last":
         if not Path(ckpt_path).is_file():
             raise ConfigError(f"--ckpt_path {ckpt_path} is not a file; give a checkpoint file, or last (the newest "
                               f"in {folder})")
-        return ckpt_path
-    found = sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
-    if not found:
-        log.info("--ckpt_path last: no checkpoint in %s yet; training starts from the beginning", folder)
+        try:
+            return ckpt_path, checkpoints.load_metadata(Path(ckpt_path))
+        except Exception as error:  # cut short, or not a checkpoint
+            raise ConfigError(f"--ckpt_path {ckpt_path} does not load ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0] if str(error) else ''}); give another checkpoint, or "
+                              f"last (the newest in {folder} that loads)") from None
+    found = checkpoints.newest_loadable(folder)
+    if found is None:
+        log.info("--ckpt_path last: no checkpoint that loads in %s yet; training starts from the beginning", folder)
         return None
-    log.info("resuming from %s", found[-1])
-    return str(found[-1])
+    log.info("resuming from %s", found[0])
+    return str(found[0]), found[1]
 
 
 class StopAtAgreedUpdate(L.Callback):
@@ -149,28 +158,35 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
 
     shards.import_litdata()
     meta = shards.read_meta(cfg.data.path)
-    shards.check_meta(meta, cfg.data.path, cfg.model.max_seq_len, sha256_file(tokenizer), cfg.data.tokenizer,
+    tokenizer_sha256 = sha256_file(tokenizer)
+    shards.check_meta(meta, cfg.data.path, cfg.model.max_seq_len, tokenizer_sha256, cfg.data.tokenizer,
                       cfg.model.vocab_size)
     root = Path(cfg.output.root)
     first = environment_rank(per_node) == 0  # only rank 0 writes the output (export, record, checkpoints)
     claim = claimed_output(root, keep=("checkpoints",) if ckpt_path else ()) if first else contextlib.nullcontext()
+    unchanged = checkpoints.fingerprint(cfg, split, shards.prepared_fingerprint(cfg.data.path), tokenizer_sha256)
+    resume = resolve_checkpoint(ckpt_path, root / "checkpoints")
+    if resume is not None:  # before the output moves and Lightning loads it: a change is one line, no traceback
+        resume, stored = resume
+        checkpoints.refuse_changes(resume, stored, unchanged)
+        del stored
     with claim:
         use_allocator_settings(cfg)
-        resume = resolve_checkpoint(ckpt_path, root / "checkpoints")
         agreement = shards.UpdateAgreement(cfg.metrics.interval_seconds)
         datamodule = shards.ShardDataModule(
             cfg.data.path, cfg.model.max_seq_len, split.microbatch, split.accumulation, cfg.seed,
             cfg.data.loader_workers, agreement, pin_memory=resolve_accelerator(cfg) == "gpu")
         stop = StopAtAgreedUpdate(agreement, root / "checkpoints" / STOP_CHECKPOINT)
-        overrides: dict = {"devices": per_node, "num_nodes": nodes}
+        overrides: dict = {"devices": per_node, "num_nodes": nodes, "plugins": [checkpoints.DurableCheckpointIO()]}
         if SLURMEnvironment.detect():  # its requeue handler checkpoints between microbatches: not exact
-            overrides["plugins"] = [SLURMEnvironment(auto_requeue=False)]
+            overrides["plugins"].append(SLURMEnvironment(auto_requeue=False))
         log.info("training from %s: %d row(s) of %d tokens prepared; %d node(s) x %d process(es)", cfg.data.path,
                  meta["summary"]["rows"], meta["seq_len"], nodes, per_node)
         summary = {"source": "litdata", "path": cfg.data.path, "resumed_from": resume, **meta["summary"]}
         result = fit(cfg, split, datamodule, encoder, lambda: summary, end_input=agreement.request_stop,
                      early_end=lambda: agreement.stopped_by, report_due=agreement.report_due if world > 1 else None,
-                     ckpt_path=resume, extra_callbacks=(stop,), trainer_overrides=overrides)
+                     ckpt_path=resume, extra_callbacks=(stop, checkpoints.ResumeFingerprint(unchanged)),
+                     trainer_overrides=overrides)
     if agreement.stopped_by is not None:
         where = f"checkpoint {stop.saved}" if stop.saved else "no checkpoint"
         raise launcher.Interrupted(f"stopped by {agreement.stopped_by} after optimizer step {result['steps']}; "

@@ -1,0 +1,154 @@
+"""The checkpoints of a run from prepared shards: how they are written, which one ``last`` is, and
+what a resume must keep.
+
+- ``DurableCheckpointIO``: Lightning's CheckpointIO plugin for ``output/checkpoints/``. A checkpoint
+  is written under a temporary name, synced to disk and renamed, so that a write cut short (a
+  killed process, a full disk, a lost node) never carries a checkpoint's name, and once it is safe,
+  the checkpoints that earlier saves of this trainer wrote there are removed: the newest is kept,
+  across resumes too (Lightning's ModelCheckpoint only tracks its own saves of the current run).
+  What those saves wrote is listed in ``WRITTEN``, so nothing else in the folder is ever removed.
+- ``newest_loadable``: ``--ckpt_path last``, skipping (and naming on stderr) a checkpoint that
+  does not load.
+- ``ResumeFingerprint``: stores in every checkpoint what a resume must not change (the model's
+  shape, the prepared rows, the seed, the batch, the tokenizer); ``refuse_changes`` compares a
+  checkpoint's with this run's before Lightning loads it, in one line naming the key.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from config import ConfigError
+from pipeline import shards
+
+log = logging.getLogger("train")
+
+WRITTEN = ".written-checkpoints"  # the checkpoint files this trainer's saves wrote in the folder, one name a line
+FINGERPRINT_KEY = "runfab_resume"  # where a checkpoint keeps what a resume must not change
+
+
+def _partial_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.partial")
+
+
+def _write_durably(path: Path, write) -> None:
+    """``write(file)`` into a temporary name beside ``path``, fsync, rename over ``path``, fsync the folder."""
+    partial = _partial_name(path)
+    partial.unlink(missing_ok=True)  # a leftover of a write that was cut short: this trainer's own name
+    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(folder)  # the rename itself must survive a crash
+    finally:
+        os.close(folder)
+
+
+def written(folder: Path) -> list[str]:
+    """The names of the checkpoints this trainer's saves wrote in ``folder`` (some may be gone since)."""
+    try:
+        text = (folder / WRITTEN).read_text()
+    except FileNotFoundError:
+        return []
+    return [name for name in text.splitlines() if name and "/" not in name]
+
+
+def _record_written(folder: Path, names: list[str]) -> None:
+    text = "".join(f"{name}\n" for name in dict.fromkeys(names))
+    _write_durably(folder / WRITTEN, lambda file: file.write(text.encode()))
+
+
+class DurableCheckpointIO(TorchCheckpointIO):
+    """Lightning's torch checkpoint format, written so that a torn write is never the newest, and
+    keeping only the newest of the checkpoints this trainer wrote in the folder (runs on global rank 0,
+    where Lightning saves)."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        earlier = [name for name in written(path.parent) if name != path.name]
+        _record_written(path.parent, [*earlier, path.name])  # listed before it exists: a crash leaks no file unlisted
+        _write_durably(path, lambda file: torch.save(checkpoint, file))
+        for name in earlier:  # the new one is safe on disk: the older ones are not needed to resume
+            (path.parent / name).unlink(missing_ok=True)
+        _record_written(path.parent, [path.name])
+
+    def remove_checkpoint(self, path) -> None:
+        Path(path).unlink(missing_ok=True)
+
+
+def load_metadata(path: Path) -> dict:
+    """The checkpoint without reading its tensors (memory-mapped); raises when the file does not load
+    (cut short, or not a checkpoint)."""
+    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ValueError("it holds no Lightning checkpoint")
+    return checkpoint
+
+
+def newest_loadable(folder: Path) -> tuple[Path, dict] | None:
+    """The newest checkpoint in ``folder`` that loads, and its contents (memory-mapped); the ones
+    newer than it that do not load are named on stderr and skipped. None when there is none."""
+    found = sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True) if folder.is_dir() else []
+    for path in found:
+        try:
+            return path, load_metadata(path)
+        except Exception as error:  # any way a file fails to load: a truncated zip, a foreign file, ...
+            log.warning("--ckpt_path last: skipping %s, which does not load (%s: %s); trying the one before it",
+                        path, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+    return None
+
+
+def fingerprint(cfg, split, data_fingerprint: str, tokenizer_sha256: str) -> dict:
+    """What a resume must not change, under the names a user sets them by."""
+    return {
+        "model.vocab_size": cfg.model.vocab_size, "model.n_layer": cfg.model.n_layer,
+        "model.n_head": cfg.model.n_head, "model.n_embd": cfg.model.n_embd,
+        "model.max_seq_len": cfg.model.max_seq_len,
+        "data.path": cfg.data.path if shards.is_url(cfg.data.path) else os.path.abspath(cfg.data.path),
+        "data.path contents (sha256 of its index)": data_fingerprint,
+        "seed": cfg.seed, "trainer.global_batch_size (rows per update)": split.effective,
+        "tokens per update": split.effective * cfg.model.max_seq_len,
+        "tokenizer (sha256)": tokenizer_sha256,
+    }
+
+
+def refuse_changes(path: Path | str, checkpoint: dict, expected: dict) -> None:
+    """A ConfigError naming the first key whose value differs from the one ``checkpoint`` stored."""
+    stored = checkpoint.get(FINGERPRINT_KEY)
+    if stored is None:
+        log.warning("%s stores no record of the run's configuration (an older trainer wrote it): the resume "
+                    "cannot check that the model, the rows, the seed and the batch are unchanged", path)
+        return
+    for key, value in expected.items():
+        if key in stored and stored[key] != value:
+            raise ConfigError(f"cannot resume from {path}: it was trained with {key} {stored[key]!r}, this run has "
+                              f"{value!r}; a resume keeps the model, the rows, the seed and the batch: resume with "
+                              f"{stored[key]!r}, or start a new run in another output.root")
+
+
+class ResumeFingerprint(L.Callback):
+    """Stores ``fingerprint`` in every checkpoint Lightning writes (periodic and on a stop)."""
+
+    def __init__(self, values: dict) -> None:
+        self.values = values
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        checkpoint[FINGERPRINT_KEY] = dict(self.values)
