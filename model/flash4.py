@@ -3,7 +3,7 @@
 ``runfab::fa4_forward`` and ``runfab::fa4_backward`` are ``torch.library`` custom ops with fake
 (shape-only) implementations, so ``torch.compile`` traces the trunk as one graph instead of breaking
 at every layer's CuTe-DSL launch; the forward's autograd formula calls the backward op. Which kernel
-runs is decided in ``model.attention``; this module says whether FA4 can run at all.
+runs is decided in ``model.kernels``; this module says whether FA4 can run at all.
 
 FA4 compiles its kernels at first use (a few seconds each). ``use_cache_folder`` (called by
 ``runtime.device_policy.prepare_compile``) makes those compilations persist under the output's

@@ -1,4 +1,4 @@
-"""One chunk of the LM head's logits with each row's log-sum-exp, from one quack GEMM (``model.loss_softmax: gemm_lse``).
+"""One chunk of the LM head's logits with each row's log-sum-exp, from one quack GEMM (``compute.loss: quack``).
 
 The chunked loss needs, for every row of logits, the log-sum-exp over the vocabulary before it can write the
 gradient softmax - one-hot. Computed after the product, that costs a read of the whole chunk (the two-pass Triton
