@@ -76,7 +76,7 @@ def attend(qkv: torch.Tensor, layout: DocumentLayout, kernel: str = "sdpa") -> t
     it is and returns its gradient packed the same way.
     """
     b, t, _, h, hd = qkv.shape
-    if kernel == "fa4" and qkv.is_cuda:
+    if kernel == "fa4":
         if layout.positions is None:
             return flash4.fa4_attention(qkv)
         return flash4.fa4_attention(qkv.reshape(b * t, 3, h, hd), layout.offsets(), t).view(b, t, h, hd)

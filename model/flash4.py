@@ -117,9 +117,7 @@ def cache_usage_folders() -> dict[str, Path]:
 
 # ----------------------------------------------------------------------------- the custom ops
 #
-# The implementation behind the ops is a pair of functions, FA4's by default; tests on machines
-# without FA4 swap in a reference (see tests/unit/test_attention.py), which is why the ops are
-# registered for every device rather than CUDA alone.
+# Registered for every device, as custom ops are; FA4 itself runs on CUDA alone.
 
 
 def _fa4_forward_impl(q, k, v, cu_seqlens, max_seqlen):
@@ -147,9 +145,6 @@ def _fa4_backward_impl(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dq, dk, 
             buffer.copy_(result)
 
 
-IMPLEMENTATION = {"forward": _fa4_forward_impl, "backward": _fa4_backward_impl}
-
-
 def _lse_shape(qkv: torch.Tensor, varlen: bool) -> tuple[int, ...]:
     if varlen:  # qkv [total, 3, H, hd] -> [H, total]
         return (qkv.shape[2], qkv.shape[0])
@@ -169,7 +164,7 @@ def _out_shape(qkv: torch.Tensor) -> tuple[int, ...]:
 def fa4_forward(qkv: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention and its log-sum-exp (fp32). Dense: qkv [B, T, 3, H, hd], cu_seqlens None.
     Varlen: [total, 3, H, hd] with int32 document offsets ``cu_seqlens`` and the longest length bound."""
-    out, lse = IMPLEMENTATION["forward"](*qkv.unbind(-3), cu_seqlens, max_seqlen)
+    out, lse = _fa4_forward_impl(*qkv.unbind(-3), cu_seqlens, max_seqlen)
     return out.contiguous(), lse.contiguous()  # the layouts the fake implementation promises
 
 
@@ -185,7 +180,7 @@ def fa4_backward(
 ) -> torch.Tensor:
     """The gradient of ``fa4_forward``'s output with respect to ``qkv``, packed as ``qkv``."""
     dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
-    IMPLEMENTATION["backward"](dout, *qkv.unbind(-3), out, lse, cu_seqlens, max_seqlen, *dqkv.unbind(-3))
+    _fa4_backward_impl(dout, *qkv.unbind(-3), out, lse, cu_seqlens, max_seqlen, *dqkv.unbind(-3))
     return dqkv
 
 

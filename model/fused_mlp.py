@@ -203,7 +203,7 @@ def block_kernels(kernel: str, n_layer: int, kept: int, device: torch.device) ->
     """Each block's MLP kernel: ``kernel`` ("quack" or "torch"), with the last ``kept`` blocks keeping the GELU's
     derivative where ``kernel`` is quack's and ``kept_derivative_runs`` (Hopper: Blackwell's epilogues take pairs
     of values, which model.quack_gelu's epilogue functions do not)."""
-    if kernel != "quack" or not kept_derivative_runs(device):
+    if kernel != "quack" or kept <= 0 or not kept_derivative_runs(device):
         kept = 0
     kept = max(0, min(kept, n_layer))
     return (kernel,) * (n_layer - kept) + (KEPT_DERIVATIVE,) * kept
