@@ -124,7 +124,7 @@ def _(dout, proj_weight, derivative):
 
 # proj's input-gradient product with the GELU derivative in its epilogue. quack gives every Hopper GEMM one default
 # tile (128 x 192); this product's epilogue (reading the pre-activation, writing two outputs) outweighs its short
-# K = width loop, and a square tile runs it faster at the trainer's shape (docs/PERFORMANCE.md), while fc's product
+# K = width loop, and a square tile runs it faster at the trainer's shape, while fc's product
 # with the GELU runs fastest at the default. quack takes a pinned tile only outside torch.compile, so the product is
 # a custom op: the compiled backward calls it as it is. Registered for every device, as custom ops are.
 DACT_TILE_SM90 = (128, 128)

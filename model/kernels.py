@@ -64,7 +64,7 @@ class ComputeConfig:
     exist at once; 0: all at once"""
     residual_in_fp32: bool = False
     """true: keep the residual stream (the embeddings and every block's sum) in fp32 under autocast, as autocast
-    alone leaves it; false: in the compute dtype (bf16), as Megatron-LM does by default: half the bytes for the
+    alone leaves it; false: in the compute dtype (bf16), as in Megatron-LM's default, with half the bytes for the
     LayerNorms, residual adds and saved activations. Runs without autocast (fp32, CPU) are unaffected"""
     activation_checkpointing: bool = False
     """Recompute each block in the backward pass: less activation memory for more compute"""
@@ -109,8 +109,8 @@ def pick(option: str, requested: str, kernel: str, problem: str | None, fallback
     if problem is None:
         return kernel
     if requested == kernel:
-        raise RuntimeError(f"{option} is {kernel!r} but it cannot run: {problem}. Install it (docs/configuration.md: "
-                           f"optional kernels) or use 'auto'.")
+        raise RuntimeError(f"{option} is {kernel!r} but it cannot run: {problem}. Use 'auto', or install it where it "
+                           f"runs (docs/configuration.md: optional kernels).")
     if (option, problem) not in _reported:
         _reported.add((option, problem))
         log.info("%s: %s not used (%s); %s instead", option, kernel, problem, fallback)
