@@ -85,7 +85,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
-        self.kernel = "sdpa"  # the attention family (model.attention), which GPT.use_kernels sets
+        self.kernel = "sdpa"  # the attention family (compute.attention), which GPT.use_kernels sets
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         b, t, d = x.shape

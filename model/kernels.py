@@ -87,6 +87,10 @@ class Kernels:
     mlp: tuple[str, ...]
     loss: str
 
+    def mlp_family(self) -> str:
+        """"quack" where any block runs quack's MLP (keeping the derivative or not), else "torch"."""
+        return "torch" if all(kernel == "torch" for kernel in self.mlp) else "quack"
+
     def described(self, compute: ComputeConfig) -> dict:
         """What ran, for the run record: each part's setting and the kernels behind it."""
         kept = self.mlp.count(fused_mlp.KEPT_DERIVATIVE)
@@ -94,8 +98,7 @@ class Kernels:
             "attention": {"requested": compute.attention,
                           "ran": {kind: attention.describe(self.attention, packed)
                                   for kind, packed in (("packed rows", True), ("one-document rows", False))}},
-            "mlp": {"requested": compute.mlp, "ran": self.mlp[0] if self.mlp else "torch",
-                    "blocks_keeping_the_gelu_derivative": kept},
+            "mlp": {"requested": compute.mlp, "ran": self.mlp_family(), "blocks_keeping_the_gelu_derivative": kept},
             "loss": {"requested": compute.loss, "ran": self.loss},
         }
 
@@ -161,7 +164,7 @@ def choose_kernels(compute: ComputeConfig, device: torch.device, dtype: torch.dt
 def describe(kernels: Kernels) -> str:
     """One log line of what runs."""
     kept = kernels.mlp.count(fused_mlp.KEPT_DERIVATIVE)
-    mlp = fused_mlp.describe(kernels.mlp[0] if kernels.mlp else "torch")
+    mlp = fused_mlp.describe(kernels.mlp_family())
     return (f"attention: {attention.describe(kernels.attention, True)} for packed rows, "
             f"{attention.describe(kernels.attention, False)} for one-document rows; mlp: {mlp}"
             f"{f', the last {kept} blocks keeping the GELU derivative' if kept else ''}; loss chunks: "

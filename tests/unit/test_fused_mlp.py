@@ -259,3 +259,11 @@ def test_compiled_training_routes_the_last_blocks_through_the_kept_derivative_ml
 def test_a_negative_count_of_kept_derivatives_is_refused():
     with pytest.raises(ConfigError, match="compute.mlp_kept_derivatives must be >= 0, not -1"):
         load_config("conf/smoke.yaml", ["compute.mlp_kept_derivatives=-1"])
+
+
+def test_the_record_calls_the_mlp_quacks_where_every_block_keeps_the_derivative():
+    every_block = kernels.Kernels(attention="sdpa", mlp=(fused_mlp.KEPT_DERIVATIVE,) * 2, loss="eager")
+    assert every_block.described(ComputeConfig())["mlp"] == {"requested": "auto", "ran": "quack",
+                                                             "blocks_keeping_the_gelu_derivative": 2}
+    plain = kernels.Kernels(attention="sdpa", mlp=("torch",) * 2, loss="eager")
+    assert plain.described(ComputeConfig())["mlp"]["ran"] == "torch"

@@ -246,3 +246,29 @@ def test_eager_every_product_of_the_blocks_goes_through_their_linear_layers(monk
         torch.testing.assert_close(model(row), reference(row))
     d = model.config.n_embd
     assert _RecordingLinear.calls == [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * model.config.n_layer
+
+
+def test_the_kernels_are_chosen_once_and_again_only_when_the_dtype_or_compilation_changes(monkeypatch):
+    from model import kernels
+
+    chosen = []
+    real = kernels.choose_kernels
+
+    def counting(compute, device, dtype, compiled, *shape):
+        chosen.append((dtype, compiled))
+        return real(compute, device, dtype, compiled, *shape)
+
+    monkeypatch.setattr(kernels, "choose_kernels", counting)
+    model = tiny_model()
+    row = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        for _ in range(3):
+            model(row)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(row)
+            model(row)
+    assert chosen == [(torch.float32, False), (torch.bfloat16, False)]
+    model.compile_trunk()
+    with torch.no_grad():
+        model(row)  # evaluation stays eager, but the choice is now for a compiled model
+    assert chosen[-1] == (torch.float32, True) and len(chosen) == 3
