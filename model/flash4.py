@@ -103,9 +103,12 @@ def fa4_unavailable_reason(device: torch.device, head_dim: int) -> str | None:
         return f"compute capability {major}.{minor} is not one FA4 supports here (9.x, 10.x)"
     if head_dim not in FA4_HEAD_DIMS:
         return f"head dimension {head_dim} is not a multiple of 8 up to 128"
-    if fa4_interface() is None:
-        return _fa4_error
-    return None
+    return fa4_import_problem()
+
+
+def fa4_import_problem() -> str | None:
+    """None when FA4's interface imports (tried once), else why not."""
+    return None if fa4_interface() is not None else _fa4_error
 
 
 def cache_usage_folders() -> dict[str, Path]:

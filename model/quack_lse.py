@@ -39,7 +39,7 @@ import torch
 
 SPLITTER = 2.0**16 + 1  # Veltkamp's constant for keeping 24 - 16 = 8 of fp32's significant bits
 # the split in PTX; .rn keeps each operation rounded to nearest (no contraction into a fused multiply-add)
-_ROUND_TO_BF16 = ("{.reg .f32 c, d; mul.rn.f32 c, $1, 0f%08X; sub.rn.f32 d, c, $1; sub.rn.f32 $0, c, d;}"
+ROUND_TO_BF16_PTX = ("{.reg .f32 c, d; mul.rn.f32 c, $1, 0f%08X; sub.rn.f32 d, c, $1; sub.rn.f32 $0, c, d;}"
                   % struct.unpack("<I", struct.pack("<f", SPLITTER))[0])
 
 
@@ -62,7 +62,7 @@ if gemm_epilogue is not None:
     @dsl_user_op
     def rounded_to_bf16(x, *, loc=None, ip=None):
         """``x`` (one fp32 value, as quack passes them on Hopper) rounded to bf16's precision, as an fp32 value."""
-        return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], _ROUND_TO_BF16, "=f,f",
+        return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], ROUND_TO_BF16_PTX, "=f,f",
                                        has_side_effects=False, loc=loc, ip=ip))
 
     _LSE = OnlineLSEReduce("lse")

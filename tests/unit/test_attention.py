@@ -19,8 +19,6 @@ from model.attention import document_offsets
 from model.gpt import GPT, GPTConfig
 from model.kernels import ComputeConfig
 
-from tests.helpers import fake_kernel_gpu
-
 CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
 
 
@@ -29,9 +27,17 @@ CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a G
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """A GPU of the given compute capability and an FA4 that imports (or not)."""
-    return fake_kernel_gpu(monkeypatch, flash4, "fa4_interface", "_fa4_error",
-                           "flash_attn.cute does not import (ModuleNotFoundError)")
+    """A GPU of compute capability ``state["capability"]`` and an FA4 that imports unless ``state["imports"]`` is
+    False; ``state["imported"]`` counts the tries."""
+    state = {"capability": (9, 0), "imports": True, "imported": 0}
+
+    def import_problem():
+        state["imported"] += 1
+        return None if state["imports"] else "flash_attn.cute does not import (ModuleNotFoundError)"
+
+    monkeypatch.setattr(flash4, "compute_capability", lambda device: state["capability"])
+    monkeypatch.setattr(flash4, "fa4_import_problem", import_problem)
+    return state
 
 
 def attention_kernel(requested: str, device, dtype, head_dim: int) -> str:

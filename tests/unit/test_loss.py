@@ -109,7 +109,7 @@ def test_the_log_sum_exp_epilogues_rounding_is_bf16s_round_to_nearest_even():
     torch.testing.assert_close(quack_lse.rounded_like_the_epilogue(normal), normal.bfloat16().float(), rtol=0, atol=0)
     subnormal = binades(0x00000000)
     assert (quack_lse.rounded_like_the_epilogue(subnormal) - subnormal.bfloat16().float()).abs().max() < 2.0**-133
-    assert "mul.rn.f32 c, $1, 0f47800080;" in quack_lse._ROUND_TO_BF16  # 65537.0's bits, in the kernel's split
+    assert "mul.rn.f32 c, $1, 0f47800080;" in quack_lse.ROUND_TO_BF16_PTX  # 65537.0's bits, in the kernel's split
 
 
 REFERENCE_TILE_COLUMNS = 192  # quack's default tile width for the head's product on Hopper
