@@ -26,7 +26,8 @@ from omegaconf.errors import OmegaConfBaseException
 from callbacks.observe import ObserveConfig
 from pipeline.stages import DataConfig
 from lit_module import OptimConfig
-from model.gpt import GPTConfig
+from model.gpt import MOVED_KEYS, REMOVED_KEYS, GPTConfig
+from model.kernels import ComputeConfig
 from runtime.runfab_limits import GIB, OUTPUT_BYTES, RAM_BYTES
 
 BUNDLE_ROOT = Path(__file__).resolve().parent
@@ -187,7 +188,9 @@ class RunConfig:
     seed: int = 1337
     """Seeds every random generator of the run (model init, data shuffle)"""
     model: GPTConfig = field(default_factory=GPTConfig)
-    """The decoder's shape and kernels"""
+    """The decoder's shape"""
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    """How the model computes: kernels, the residual stream's dtype, loss chunks, recomputation"""
     data: DataConfig = field(default_factory=DataConfig)
     """Where records come from, their tokenization, shuffle and packing"""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -276,6 +279,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                               f"{type(values).__name__.removesuffix('Config').lower()}")
         values = lightning_arguments_apart(values)
         given = lightning_arguments_apart(OmegaConf.from_dotlist(overrides or []))
+        refuse_old_model_keys(values, path)
+        refuse_old_model_keys(given, "the command line")
         config = built(RunConfig, OmegaConf.merge(OmegaConf.structured(schema(RunConfig)), values, given))
     except ConfigError:
         raise
@@ -286,6 +291,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     resolve_defaults(config)
     check_config(config)
     return config
+
+
+def refuse_old_model_keys(values: DictConfig, source: object) -> None:
+    """A key the model section no longer has, named with where it went or why it is gone."""
+    model = values.get("model")
+    found = []
+    for name in model if isinstance(model, DictConfig) else ():
+        key = f"model.{name}"
+        if key in MOVED_KEYS:
+            found.append(f"{key} is now {MOVED_KEYS[key]}")
+        elif key in REMOVED_KEYS:
+            found.append(f"{key} was removed: {REMOVED_KEYS[key]}")
+    if found:
+        raise ConfigError(f"{source}: " + "; ".join(found))
 
 
 def lightning_arguments_apart(values: DictConfig) -> DictConfig:
@@ -363,7 +382,7 @@ def check_config(cfg: RunConfig) -> None:
     infinity, which no key has a use for and which slips through range checks, is reported alone."""
     problems = non_finite_keys(cfg) or [
         *([] if cfg.seed in SEED_RANGE else [f"seed must be a whole number in 0..{SEED_RANGE[-1]}, not {cfg.seed}"]),
-        *cfg.model.problems(), *cfg.data.problems(), *cfg.optim.problems(cfg.trainer.max_steps),
+        *cfg.model.problems(), *cfg.compute.problems(), *cfg.data.problems(), *cfg.optim.problems(cfg.trainer.max_steps),
         *cfg.trainer.problems(), *cfg.metrics.problems(), *cfg.observe.problems(), *cfg.output.problems(),
     ]
     if len(problems) == 1:

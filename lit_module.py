@@ -12,6 +12,7 @@ from torch.profiler import record_function
 from torchmetrics.aggregation import MeanMetric
 
 from model.gpt import GPT, GPTConfig
+from model.kernels import ComputeConfig
 
 
 Schedule = Literal["cosine", "constant"]
@@ -89,10 +90,11 @@ class GPTTrainingModule(L.LightningModule):
     however the update is split into microbatches (accumulation) and ranks.
     """
 
-    def __init__(self, model_config: GPTConfig, optim_config: OptimConfig) -> None:
+    def __init__(self, model_config: GPTConfig, optim_config: OptimConfig,
+                 compute_config: ComputeConfig | None = None) -> None:
         super().__init__()
         self.optim_config = optim_config
-        self.model = GPT(model_config)
+        self.model = GPT(model_config, compute_config)
         self.val_loss = MeanMetric()
         self.last_grad_norm: torch.Tensor | None = None
         self._step_marker: record_function | None = None  # open from on_before_optimizer_step to optimizer_step's end

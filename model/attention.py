@@ -1,20 +1,16 @@
-"""Causal attention that never crosses a document boundary, and which kernel computes it.
+"""Causal attention that never crosses a document boundary.
 
-``attend()`` is the one place attention is computed. Its kernel family (``choose``):
+``attend()`` is the one place attention is computed, by one of three kernel families
+(``model.kernels`` chooses which, from ``compute.attention``):
 
 - ``"fa4"``: FlashAttention 4 (``model.flash4``, the optional ``flash-attn-4`` package): varlen for
   packed rows, dense causal for one-document rows;
 - ``"flash"``: PyTorch's own CUDA kernels: ``varlen_attn`` for packed rows, fused causal SDPA for
   one-document rows;
 - ``"sdpa"``: SDPA with a document mask, on every device and dtype.
-
-``model.attention: auto`` takes FA4 where it imports and the GPU is one it supports, else "flash".
 """
 
 from __future__ import annotations
-
-import logging
-from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -25,11 +21,6 @@ try:  # the flash-attention varlen kernel; absent from older PyTorch and CPU-onl
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:
     varlen_attn = None
-
-log = logging.getLogger(__name__)
-
-Kernel = Literal["auto", "fa4", "varlen", "sdpa"]  # model.attention
-CHOICES = get_args(Kernel)
 
 
 def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
@@ -53,27 +44,17 @@ def document_offsets(positions: torch.Tensor) -> torch.Tensor:
 
 
 class DocumentLayout:
-    """Where the documents of a batch of rows start, in the forms the kernels want, and which
-    kernel family runs ("fa4", "flash" or "sdpa").
+    """Where the documents of a batch of rows start, in the forms the kernels want.
 
     Built once per forward and shared by every layer. ``cu_seqlens`` usually comes precomputed
     with the batch (host side, no device sync); the mask is only built if a layer needs it.
     ``positions`` None means one document per row.
     """
 
-    def __init__(self, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None, kernel: str) -> None:
+    def __init__(self, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None) -> None:
         self.positions = positions
         self.cu_seqlens = cu_seqlens
-        self.kernel = kernel
         self._mask: torch.Tensor | None = None
-
-    def use_fa4(self, q: torch.Tensor) -> bool:
-        return self.kernel == "fa4" and q.is_cuda
-
-    def use_varlen(self, q: torch.Tensor) -> bool:
-        if self.positions is None or self.kernel != "flash" or not q.is_cuda or varlen_attn is None:
-            return False
-        return q.dtype in (torch.float16, torch.bfloat16)
 
     def mask(self) -> torch.Tensor | None:
         if self.positions is not None and self._mask is None:
@@ -86,21 +67,22 @@ class DocumentLayout:
         return self.cu_seqlens
 
 
-def attend(qkv: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+def attend(qkv: torch.Tensor, layout: DocumentLayout, kernel: str = "sdpa") -> torch.Tensor:
     """Causal attention over ``qkv`` [B, T, 3, H, hd] (the projection's output, q, k, v packed) that
-    never crosses a document boundary; returns [B, T, H, hd].
+    never crosses a document boundary, by the ``kernel`` family; returns [B, T, H, hd].
 
     FlashAttention 4 or PyTorch's varlen kernel see the documents as separate sequences of the
     flattened rows; SDPA sees one row per sequence, with the document mask. FA4 takes the packing as
     it is and returns its gradient packed the same way.
     """
     b, t, _, h, hd = qkv.shape
-    if layout.use_fa4(qkv):
+    if kernel == "fa4":
         if layout.positions is None:
             return flash4.fa4_attention(qkv)
         return flash4.fa4_attention(qkv.reshape(b * t, 3, h, hd), layout.offsets(), t).view(b, t, h, hd)
     q, k, v = qkv.unbind(2)
-    if layout.use_varlen(q):
+    if (kernel == "flash" and layout.positions is not None and q.is_cuda and varlen_attn is not None
+            and q.dtype in (torch.float16, torch.bfloat16)):
         cu = layout.offsets()
         flat = [z.reshape(b * t, h, hd) for z in (q, k, v)]
         return varlen_attn(*flat, cu, cu, t, t, window_size=(-1, 0)).view(b, t, h, hd)
@@ -113,26 +95,6 @@ def attend(qkv: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
     return y.transpose(1, 2)
 
 
-_reported: set = set()
-
-
-def choose(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    """The kernel family for ``model.attention`` = ``requested`` ("auto", "fa4", "varlen", "sdpa")."""
-    if requested == "sdpa" or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-        return "sdpa"
-    if requested in ("auto", "fa4"):
-        reason = flash4.fa4_unavailable_reason(device, head_dim)
-        if reason is None:
-            return "fa4"
-        if requested == "fa4":
-            raise RuntimeError(f"model.attention is 'fa4' but FlashAttention 4 cannot run: {reason}. "
-                               f"Install it (README: Optional: FlashAttention 4) or use 'auto'.")
-        if (requested, reason) not in _reported:
-            _reported.add((requested, reason))
-            log.info("attention: FlashAttention 4 not used (%s); PyTorch's kernels instead", reason)
-    return "flash"
-
-
 def describe(family: str, packed: bool) -> str:
     """What runs for a batch: packed rows (several documents) or one document per row."""
     if family == "fa4":
@@ -141,18 +103,3 @@ def describe(family: str, packed: bool) -> str:
     if family == "flash":
         return "varlen_attn (FlashAttention 2)" if packed else "SDPA is_causal (cuDNN/flash)"
     return "SDPA with a document mask" if packed else "SDPA is_causal"
-
-
-def choose_and_record(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int, packed: bool,
-                      used: dict[str, str]) -> str:
-    """``choose``, and what ran noted in ``used`` under the batch kind it served (the run record
-    reads it); each change is logged. Nothing is noted while tracing a compiled graph."""
-    kernel = choose(requested, device, dtype, head_dim)
-    if torch.compiler.is_compiling():
-        return kernel
-    kind = "packed rows" if packed else "one-document rows"
-    description = describe(kernel, packed)
-    if used.get(kind) != description:
-        used[kind] = description
-        log.info("attention for %s: %s", kind, description)
-    return kernel

@@ -3,7 +3,7 @@
 ``runfab::fa4_forward`` and ``runfab::fa4_backward`` are ``torch.library`` custom ops with fake
 (shape-only) implementations, so ``torch.compile`` traces the trunk as one graph instead of breaking
 at every layer's CuTe-DSL launch; the forward's autograd formula calls the backward op. Which kernel
-runs is decided in ``model.attention``; this module says whether FA4 can run at all.
+runs is decided in ``model.kernels``; this module says whether FA4 can run at all.
 
 FA4 compiles its kernels at first use (a few seconds each). ``use_cache_folder`` (called by
 ``runtime.device_policy.prepare_compile``) makes those compilations persist under the output's
@@ -103,9 +103,12 @@ def fa4_unavailable_reason(device: torch.device, head_dim: int) -> str | None:
         return f"compute capability {major}.{minor} is not one FA4 supports here (9.x, 10.x)"
     if head_dim not in FA4_HEAD_DIMS:
         return f"head dimension {head_dim} is not a multiple of 8 up to 128"
-    if fa4_interface() is None:
-        return _fa4_error
-    return None
+    return fa4_import_problem()
+
+
+def fa4_import_problem() -> str | None:
+    """None when FA4's interface imports (tried once), else why not."""
+    return None if fa4_interface() is not None else _fa4_error
 
 
 def cache_usage_folders() -> dict[str, Path]:
@@ -117,9 +120,7 @@ def cache_usage_folders() -> dict[str, Path]:
 
 # ----------------------------------------------------------------------------- the custom ops
 #
-# The implementation behind the ops is a pair of functions, FA4's by default; tests on machines
-# without FA4 swap in a reference (see tests/unit/test_attention.py), which is why the ops are
-# registered for every device rather than CUDA alone.
+# Registered for every device, as custom ops are; FA4 itself runs on CUDA alone.
 
 
 def _fa4_forward_impl(q, k, v, cu_seqlens, max_seqlen):
@@ -147,9 +148,6 @@ def _fa4_backward_impl(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dq, dk, 
             buffer.copy_(result)
 
 
-IMPLEMENTATION = {"forward": _fa4_forward_impl, "backward": _fa4_backward_impl}
-
-
 def _lse_shape(qkv: torch.Tensor, varlen: bool) -> tuple[int, ...]:
     if varlen:  # qkv [total, 3, H, hd] -> [H, total]
         return (qkv.shape[2], qkv.shape[0])
@@ -169,7 +167,7 @@ def _out_shape(qkv: torch.Tensor) -> tuple[int, ...]:
 def fa4_forward(qkv: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention and its log-sum-exp (fp32). Dense: qkv [B, T, 3, H, hd], cu_seqlens None.
     Varlen: [total, 3, H, hd] with int32 document offsets ``cu_seqlens`` and the longest length bound."""
-    out, lse = IMPLEMENTATION["forward"](*qkv.unbind(-3), cu_seqlens, max_seqlen)
+    out, lse = _fa4_forward_impl(*qkv.unbind(-3), cu_seqlens, max_seqlen)
     return out.contiguous(), lse.contiguous()  # the layouts the fake implementation promises
 
 
@@ -185,7 +183,7 @@ def fa4_backward(
 ) -> torch.Tensor:
     """The gradient of ``fa4_forward``'s output with respect to ``qkv``, packed as ``qkv``."""
     dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
-    IMPLEMENTATION["backward"](dout, *qkv.unbind(-3), out, lse, cu_seqlens, max_seqlen, *dqkv.unbind(-3))
+    _fa4_backward_impl(dout, *qkv.unbind(-3), out, lse, cu_seqlens, max_seqlen, *dqkv.unbind(-3))
     return dqkv
 
 

@@ -1,4 +1,4 @@
-"""The MLP with its GELU inside the matrix products (``model.mlp_kernel``), through quack's GEMMs.
+"""The MLP with its GELU inside the matrix products (``compute.mlp``), through quack's GEMMs.
 
 PyTorch runs the MLP as cuBLAS products with the GELU between them as its own kernels: the
 forward reads the pre-activation back to apply the GELU, and the backward reads the product's
@@ -9,14 +9,14 @@ epilogue of proj's input-gradient product: the MLP's elementwise passes are gone
 exact (erf) one, as ``F.gelu`` computes it, by a cheaper formula than quack's own (``model.quack_gelu``); the
 products accumulate in fp32 as cuBLAS's do.
 
-In the last ``model.mlp_kept_derivatives`` blocks (Hopper), fc's product also writes the GELU's derivative, which
+In the last ``compute.mlp_kept_derivatives`` blocks (Hopper), fc's product also writes the GELU's derivative, which
 the backward keeps with the activation in place of the pre-activation: proj's input-gradient product then only
 scales by it (``_KeptDerivativeMLP``), at 4 x width x 2 bytes more per token.
 
 Compiled CUDA training in bf16 or fp16 only: eager runs (the probe, evaluation, CPU) keep PyTorch's
 MLP, so quack's two kernels compile (once per shape; persisted under the output's compile cache)
-inside the first update alone. The choice is made outside the compiled graph and recorded in
-run_record.json.
+inside the first update alone. ``model.kernels`` chooses, outside the compiled graph; run_record.json
+says what ran.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import importlib
 import logging
 import os
 from functools import lru_cache
-from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +33,6 @@ from model import flash4
 
 log = logging.getLogger(__name__)
 
-Kernel = Literal["auto", "quack", "torch"]  # model.mlp_kernel
-CHOICES = get_args(Kernel)
-# Not a setting: under model.fp8 the blocks compute their products by calling their Linear layers, which torchao has
-# swapped for float8 ones and which a kernel reading the weights would bypass (model/gpt.py)
-LAYERS = "layers"
 QUACK_PACKAGE = "quack-kernels"
 QUACK_COMPUTE_CAPABILITIES = (9, 10)  # Hopper and Blackwell data-centre parts: quack's GEMMs with epilogues
 # F.gelu's exact GELU, by model/quack_gelu.py's formula, registered in quack's tables under this name once quack imports
@@ -54,8 +48,8 @@ def torch_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tenso
 class _GeluEpilogueMLP(torch.autograd.Function):
     """The MLP on rows [tokens, d] in the compute dtype: quack's fc product with the GELU in its epilogue, and
     quack's input-gradient product of proj with the GELU's derivative in its epilogue (which also gives the
-    activation back for proj's weight gradient). The other four products are cuBLAS's: they measured faster than
-    quack's at these shapes (the weight gradients sum over all tokens into small outputs)."""
+    activation back for proj's weight gradient). The other four products are cuBLAS's, which suit their shapes
+    (the weight gradients sum over all tokens into small outputs)."""
 
     @staticmethod
     def forward(ctx, x, fc_weight, proj_weight):
@@ -73,7 +67,7 @@ class _GeluEpilogueMLP(torch.autograd.Function):
 
 
 class _KeptDerivativeMLP(torch.autograd.Function):
-    """``_GeluEpilogueMLP`` for a block that keeps the GELU's derivative (``model.mlp_kept_derivatives``): fc's
+    """``_GeluEpilogueMLP`` for a block that keeps the GELU's derivative (``compute.mlp_kept_derivatives``): fc's
     product writes the activation and gelu'(preact) in place of the pre-activation, and the backward keeps both, so
     that proj's input-gradient product only scales by the derivative: no GELU arithmetic and one output where
     ``gelu_dact`` recomputes the activation and writes it. The cost: the activation kept, 4 x width values a token."""
@@ -129,21 +123,20 @@ def _(dout, proj_weight, derivative):
 
 
 # proj's input-gradient product with the GELU derivative in its epilogue. quack gives every Hopper GEMM one default
-# tile (128 x 192); for this product, whose epilogue (reading the pre-activation, writing two outputs) outweighs its
-# short K = width loop, 128 x 128 measured 1.19x faster at the trainer's shape (`python -m tools bench tiles --mlp`,
-# docs/PERFORMANCE.md), while fc's product with the GELU measured fastest at the default. quack takes a pinned tile only
-# outside torch.compile, so the product is a custom op: the compiled backward calls it as it is. Registered for every
-# device so that tests on machines without quack can swap in a reference for quack's GEMMs.
+# tile (128 x 192); this product's epilogue (reading the pre-activation, writing two outputs) outweighs its short
+# K = width loop, and a square tile runs it faster at the trainer's shape, while fc's product
+# with the GELU runs fastest at the default. quack takes a pinned tile only outside torch.compile, so the product is
+# a custom op: the compiled backward calls it as it is. Registered for every device, as custom ops are.
 DACT_TILE_SM90 = (128, 128)
 
 
 def dact_config(device: torch.device):
     """The pinned tile for ``gelu_dact`` on ``device``: a quack GemmConfig on Hopper, else None (quack's default)."""
-    return None if device.type != "cuda" else _pinned_dact_config(flash4.compute_capability(device)[0])
+    return None if device.type != "cuda" else pinned_dact_config(flash4.compute_capability(device)[0])
 
 
 @lru_cache(maxsize=None)
-def _pinned_dact_config(major: int):
+def pinned_dact_config(major: int):
     """One config object per architecture: quack caches a launch per pinned config by the object's identity, so a
     new (equal) object at every call would take its slow path each time and grow that cache without bound."""
     if major != 9:
@@ -177,9 +170,9 @@ def quack_kept_derivative_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_wei
 def quack_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor) -> torch.Tensor:
     """``torch_mlp`` with the GELU and its derivative in quack's GEMM epilogues. Casts to the autocast dtype as
     ``F.linear`` does under autocast (the fp32 weights get their gradients through the casts); each quack GEMM
-    runs a fixed tile (quack's default, or ``DACT_TILE_SM90``), since autotuning measured no faster after minutes of
-    compilation. Call it where ``choose`` (or ``quack_unavailable_reason``) has found quack usable: that check
-    registers the GELU (``ACTIVATION``) in quack's tables."""
+    runs a fixed tile (quack's default, or ``DACT_TILE_SM90``): autotuning costs minutes of compilation. Call it
+    where ``quack_unavailable_reason`` has found quack usable: that check registers the GELU (``ACTIVATION``) in
+    quack's tables."""
     return on_rows(_GeluEpilogueMLP.apply, x, fc_weight, proj_weight)
 
 
@@ -192,10 +185,8 @@ def on_rows(function, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-# A block's kernel, not a setting: quack's MLP in a block that keeps the GELU's derivative (model.mlp_kept_derivatives)
+# A block's kernel, not a setting: quack's MLP in a block that keeps the GELU's derivative (compute.mlp_kept_derivatives)
 KEPT_DERIVATIVE = "quack, derivative kept"
-IMPLEMENTATION = {"quack": quack_mlp, KEPT_DERIVATIVE: quack_kept_derivative_mlp,
-                  "torch": torch_mlp}  # tests swap in references where quack is absent
 
 
 def kept_derivative_runs(device: torch.device) -> bool:
@@ -209,18 +200,22 @@ def kept_derivative_runs(device: torch.device) -> bool:
 
 
 def block_kernels(kernel: str, n_layer: int, kept: int, device: torch.device) -> tuple[str, ...]:
-    """Each block's MLP kernel: ``kernel`` (from ``choose``), with the last ``kept`` blocks keeping the GELU's
+    """Each block's MLP kernel: ``kernel`` ("quack" or "torch"), with the last ``kept`` blocks keeping the GELU's
     derivative where ``kernel`` is quack's and ``kept_derivative_runs`` (Hopper: Blackwell's epilogues take pairs
     of values, which model.quack_gelu's epilogue functions do not)."""
-    if kernel != "quack" or not kept_derivative_runs(device):
+    if kernel != "quack" or kept <= 0 or not kept_derivative_runs(device):
         kept = 0
     kept = max(0, min(kept, n_layer))
     return (kernel,) * (n_layer - kept) + (KEPT_DERIVATIVE,) * kept
 
 
 def gelu_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor, kernel: str) -> torch.Tensor:
-    """proj(gelu(fc(x))) by ``kernel`` ("quack" or "torch", from ``choose``)."""
-    return IMPLEMENTATION[kernel](x, fc_weight, proj_weight)
+    """proj(gelu(fc(x))) by ``kernel``, one of ``block_kernels``'."""
+    if kernel == "quack":
+        return quack_mlp(x, fc_weight, proj_weight)
+    if kernel == KEPT_DERIVATIVE:
+        return quack_kept_derivative_mlp(x, fc_weight, proj_weight)
+    return torch_mlp(x, fc_weight, proj_weight)
 
 
 @lru_cache(maxsize=None)
@@ -236,7 +231,7 @@ def quack_imports() -> str | None:
 
         quack_gelu.register(ACTIVATION)
         if getattr(quack_gelu, "EPILOGUE_PROBLEM", None):  # the blocks then recompute the activation: still quack's
-            log.info("model.mlp_kept_derivatives: not used (%s)", quack_gelu.EPILOGUE_PROBLEM)
+            log.info("compute.mlp_kept_derivatives: not used (%s)", quack_gelu.EPILOGUE_PROBLEM)
     except Exception as error:  # noqa: BLE001 - missing package, missing CUDA libraries, wrong Python
         return f"quack.gemm_interface does not import ({type(error).__name__}: {str(error)[:200]})"
     return dsl_location_problem(cutlass.__file__)
@@ -246,7 +241,7 @@ def dsl_location_problem(cutlass_file: str) -> str | None:
     """Why quack's epilogue GEMMs would fail with the CuTe DSL at ``cutlass_file``, or None. quack fingerprints an
     epilogue's functions and everything they reach, except code under a site-packages (or dist-packages) folder;
     a DSL installed elsewhere (pip --target into another folder) is reached, and 4.8.1 holds a value quack refuses
-    (a ContextVar): every such GEMM raises TypeError at its first call (measured, quack-kernels 0.6.5)."""
+    (a ContextVar): every such GEMM raises TypeError at its first call (quack-kernels 0.6.5)."""
     if any(f"{os.sep}{folder}{os.sep}" in cutlass_file for folder in ("site-packages", "dist-packages")):
         return None
     return (f"the CuTe DSL lies outside a site-packages folder ({os.path.dirname(cutlass_file)}), where quack's "
@@ -268,32 +263,8 @@ def quack_unavailable_reason(device: torch.device, dtype: torch.dtype, width: in
     return quack_imports()
 
 
-_reported: set = set()
-
-
-def choose(requested: str, device: torch.device, dtype: torch.dtype, compiled: bool, width: int,
-           option: str = "model.mlp_kernel") -> str:
-    """"quack" or "torch" for the setting ``option`` (``model.mlp_kernel`` or ``model.linear_kernel``) =
-    ``requested`` in a run that is ``compiled`` or not, of a model ``width`` wide. "quack" where it cannot run is an
-    error in compiled training; "auto" falls back with one log line."""
-    if requested == "torch" or not compiled:
-        return "torch"
-    reason = quack_unavailable_reason(device, dtype, width)
-    if reason is None:
-        return "quack"
-    if requested == "quack":
-        raise RuntimeError(f"{option} is 'quack' but quack's GEMMs cannot run: {reason}. "
-                           f"Install it (docs/configuration.md: quack's GEMMs) or use 'auto' or 'torch'.")
-    if (option, reason) not in _reported:
-        _reported.add((option, reason))
-        log.info("%s: quack's GEMMs not used (%s); PyTorch's instead", option, reason)
-    return "torch"
-
-
 def describe(kernel: str) -> str:
-    """What ran the MLP, for the log and the run record."""
-    if kernel == LAYERS:
-        return "the blocks' Linear layers (torchao's float8 ones under model.fp8) and F.gelu"
+    """What ran the MLP, for the log."""
     if kernel == "quack":
         return f"quack GEMMs with the GELU in their epilogues (quack-kernels {flash4.installed_version(QUACK_PACKAGE) or '?'})"
     if kernel == KEPT_DERIVATIVE:

@@ -1,82 +1,45 @@
 """The LM head and the next-token cross-entropy, summed over the target tokens.
 
 The head is the tied token embedding. Its logits are the largest tensor of a step (tokens x
-vocabulary), so in training they never exist all at once. Which kernel computes the head and the
-loss (``choose``, ``model.loss_kernel``):
+vocabulary), so in training they never exist all at once: ``ChunkedLinearCrossEntropy`` computes
+one chunk of logits at a time, with the loss and its gradients in the forward pass, over a
+vocabulary padded to a multiple of ``VOCAB_ALIGNMENT``. Each chunk's logits, loss and logits
+gradient come from a chunk function (``chunk_function``; ``model.kernels`` chooses which, from
+``compute.loss``):
 
-- ``"chunked"``, the default: ``ChunkedLinearCrossEntropy``, pure PyTorch: one chunk of logits at a
-  time, the loss and its gradients computed in the forward pass; it runs everywhere, and neither
-  package is faster at this model's shapes (docs/PERFORMANCE.md).
-- ``"liger"``: Liger-Kernel's fused linear cross-entropy (the optional ``liger-kernel`` package,
-  Triton): the same scheme with its own chunking and loss kernel, on the unpadded vocabulary.
-- ``"cce"``: Cut Cross-Entropy (the optional ``cut-cross-entropy`` package, Triton): the logits are
-  computed tile by tile in on-chip memory and never written; the backward pass recomputes them.
-  No gradient filtering here; it adds its gradient tiles into bf16 buffers.
+- ``"eager"``: PyTorch (CPU runs, the probe, evaluation);
+- ``"triton"``: cuBLAS's logits, then one Triton kernel that reads them twice and writes the
+  gradient over them (``model.triton_cross_entropy``);
+- ``"quack"``: the logits with each row's log-sum-exp from quack's GEMM epilogue (``model.quack_lse``,
+  bf16 on Hopper), then the Triton kernel's single pass.
 
-Validation (no gradients) always takes the chunked path.
-
-Inside the chunked loss, each chunk's softmax and its gradient (``model.loss_softmax``) run in
-compiled CUDA training as a single Triton pass over logits whose log-sum-exp quack's GEMM computed in
-its epilogue (``"gemm_lse"``, the default: ``model.quack_lse``; where quack computes the logits, in
-bf16 on Hopper; else ``"triton"``); as one Triton kernel that reads the logits twice and writes the
-gradient over them (``"triton"``: ``model.triton_cross_entropy``); or as the inductor-compiled
-PyTorch function (``"compiled"``). Eager runs (CPU, the probe) take the PyTorch function as it is.
+Validation (no gradients) takes the plain cross-entropy, chunk by chunk.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import logging
 from collections.abc import Callable
-from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
-
-from model import quack_linear
-
-log = logging.getLogger(__name__)
+from torch import nn
 
 IGNORE_INDEX = -100  # a target that takes no loss: the last token of a document, padding
 VOCAB_ALIGNMENT = 128  # padded vocabulary keeps the head's matmuls on the aligned (fast) GEMM kernels
-Kernel = Literal["chunked", "liger", "cce"]  # model.loss_kernel
-CHOICES = get_args(Kernel)
-Softmax = Literal["triton", "gemm_lse", "compiled"]  # model.loss_softmax
-GEMM_LSE_COMPUTE_CAPABILITY = 9  # Hopper: quack hands its epilogue functions single fp32 values (model.quack_lse)
-SOFTMAX_CHOICES = get_args(Softmax)
-PACKAGES = {"liger": ("liger-kernel", "liger_kernel.ops.fused_linear_cross_entropy"),
-            "cce": ("cut-cross-entropy", "cut_cross_entropy")}
-_modules: dict[str, object] = {}  # kernel -> its imported module
-_errors: dict[str, str] = {}  # kernel -> why it could not be imported
 
 
-def kernel_module(kernel: str):
-    """The optional package behind ``kernel``, imported on first use; None if it does not import."""
-    if kernel not in _modules and kernel not in _errors:
-        package, module = PACKAGES[kernel]
-        try:
-            _modules[kernel] = importlib.import_module(module)
-        except Exception as error:  # noqa: BLE001 - missing package, one built for another torch or Triton
-            _errors[kernel] = f"{package} does not import ({type(error).__name__}: {str(error)[:200]})"
-    return _modules.get(kernel)
+class LMHeadLoss(nn.Module):
+    """The summed next-token loss of hidden states through the tied head, by its chunk function (``kernel``,
+    which ``model.kernels`` sets; a module without parameters: nothing of it is saved)."""
 
+    def __init__(self, chunk_tokens: int) -> None:
+        super().__init__()
+        self.chunk_tokens = chunk_tokens
+        self.kernel = "eager"
 
-_reported: set = set()
-
-
-def choose(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The kernel for ``model.loss_kernel`` = ``requested``. CPU runs and fp32 or fp16 runs take
-    "chunked"; a package that does not import on a CUDA bf16 run is an error."""
-    if requested == "chunked" or device.type != "cuda" or dtype != torch.bfloat16:
-        return "chunked"
-    if kernel_module(requested) is None:
-        raise RuntimeError(f"model.loss_kernel is {requested!r} but {_errors[requested]}. "
-                           f"Install {PACKAGES[requested][0]}, or use 'chunked'.")
-    if requested not in _reported:
-        _reported.add(requested)
-        log.info("LM head and loss: %s (%s)", requested, PACKAGES[requested][0])
-    return requested
+    def forward(self, hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(hidden, head_weight, targets, self.chunk_tokens, self.kernel)
 
 
 def padded_vocab_size(vocab_size: int) -> int:
@@ -84,27 +47,19 @@ def padded_vocab_size(vocab_size: int) -> int:
     return -(-vocab_size // VOCAB_ALIGNMENT) * VOCAB_ALIGNMENT
 
 
-def token_loss_sum(
-    hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 0,
-    kernel: str = "chunked", compiled: bool = False, softmax: str = "triton", linear: str = "torch",
-) -> torch.Tensor:
+def token_loss_sum(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 0,
+                   kernel: str = "eager") -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over targets != IGNORE_INDEX, in fp32.
 
-    Returning the sum lets the caller divide by the whole optimizer update's target count.
-    ``kernel`` is what ``choose`` returned. With "chunked" and ``chunk_tokens`` the
-    full-vocabulary logits never exist at once (0: all at once, the plain path); ``compiled``
-    (compiled training) runs each chunk's softmax arithmetic as one kernel, which ``softmax``
-    names on CUDA, and ``linear`` ("torch" or "quack", ``quack_linear.choose``) says what computes
-    each chunk's logits (``chunk_function``).
+    Returning the sum lets the caller divide by the whole optimizer update's target count. With
+    ``chunk_tokens`` the full-vocabulary logits never exist at once (0: all at once, the plain path);
+    in training each chunk is computed by ``kernel``'s chunk function (``chunk_function``).
     """
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    if kernel != "chunked" and torch.is_grad_enabled():
-        return fused_loss_sum(hidden, head_weight, targets, kernel)
     if not chunk_tokens:
         return cross_entropy_sum(hidden, head_weight, targets)
     if torch.is_grad_enabled():  # a batch of at most chunk_tokens is one chunk: still no saved logits
-        chunk_fn = chunk_function(compiled, softmax, hidden.device, linear, compute_dtype(hidden))
-        return ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, chunk_tokens, chunk_fn)
+        return ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, chunk_tokens, chunk_function(kernel))
     chunks = zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
     return sum(cross_entropy_sum(h, head_weight, t) for h, t in chunks)
 
@@ -113,23 +68,6 @@ def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
     """The dtype the head's products run in: autocast's where it is on, else the tensor's."""
     device = tensor.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensor.dtype
-
-
-def fused_loss_sum(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, kernel: str):
-    """The summed loss through Liger's or Cut Cross-Entropy's kernel, on bf16 operands (``choose``
-    takes them only for bf16 runs): the fp32 weight is cast once per call and autograd carries its
-    gradient back to fp32, as the chunked path does. Liger accumulates the head's gradient in fp32.
-    """
-    with torch.autocast("cuda", enabled=False):
-        h, w = hidden.to(torch.bfloat16), head_weight.to(torch.bfloat16)
-        if kernel == "liger":
-            function = kernel_module("liger").LigerFusedLinearCrossEntropyFunction
-            # input, weight, target, bias, class weights, ignore_index, z-loss scale, label smoothing,
-            # reduction, softcap, return_z_loss, accumulation dtype
-            loss = function.apply(h, w, targets, None, None, IGNORE_INDEX, 0.0, 0.0, "sum", None, False, torch.float32)
-            return loss[0] if isinstance(loss, tuple) else loss
-        return kernel_module("cce").linear_cross_entropy(h, w, targets, ignore_index=IGNORE_INDEX, reduction="sum",
-                                                         filter_eps=None, impl="cce")
 
 
 def cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -161,41 +99,20 @@ def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_size:
     return loss, grad.to(dtype)
 
 
-def chunk_softmax_ran(compiled: bool, softmax: str, device: torch.device, linear: str = "torch",
-                      dtype: torch.dtype = torch.bfloat16) -> str:
-    """What ``chunk_function`` takes for these arguments, by name: "eager", "triton", "gemm_lse" or
-    "compiled". "gemm_lse" needs the logits from quack's GEMM (``linear``) in bf16 on Hopper
-    (``model.quack_lse``); elsewhere on CUDA it is "triton"."""
-    if not compiled:
-        return "eager"
-    if softmax == "compiled" or device.type != "cuda":
-        return "compiled"
-    if softmax == "gemm_lse" and linear == "quack" and dtype == torch.bfloat16 \
-            and torch.cuda.get_device_capability(device)[0] == GEMM_LSE_COMPUTE_CAPABILITY:
-        return "gemm_lse"
-    return "triton"
-
-
-def chunk_function(compiled: bool, softmax: str, device: torch.device, linear: str = "torch",
-                   dtype: torch.dtype = torch.bfloat16) -> Callable:
+def chunk_function(kernel: str) -> Callable:
     """What computes one chunk's loss and logits gradient from its rows and the padded head,
-    ``(rows, padded_weight, targets, vocab_size, dtype) -> (loss, grad_logits)``: the logits by
-    ``linear``'s product, then the PyTorch function in eager runs; in compiled training the Triton
-    kernel on CUDA when ``softmax`` is "triton" (or "gemm_lse" where that cannot run), else the
-    function compiled by inductor; or, for "gemm_lse" (``chunk_softmax_ran``), the logits with their
-    log-sum-exp from quack's GEMM and the Triton kernel's single pass."""
-    ran = chunk_softmax_ran(compiled, softmax, device, linear, dtype)
-    if ran == "gemm_lse":
-        return gemm_lse_chunk_loss_and_grad
-    softmax_fn = {"eager": chunk_loss_and_grad, "triton": triton_chunk_loss_and_grad}.get(ran)
-    return functools.partial(product_then_softmax, quack_linear.PRODUCT[linear],
-                             softmax_fn or compiled_chunk_loss_and_grad())
+    ``(rows, padded_weight, targets, vocab_size, dtype) -> (loss, grad_logits)``, for ``kernel``:
+    "eager", "triton" or "quack" (see the module's docstring)."""
+    if kernel == "quack":
+        return quack_chunk_loss_and_grad
+    softmax = triton_chunk_loss_and_grad if kernel == "triton" else chunk_loss_and_grad
+    return functools.partial(product_then_softmax, softmax)
 
 
-def product_then_softmax(product: Callable, softmax_fn: Callable, rows: torch.Tensor, weight: torch.Tensor,
-                         targets: torch.Tensor, vocab_size: int, dtype: torch.dtype):
-    """One chunk: its logits by ``product`` (``quack_linear.PRODUCT``), then ``softmax_fn`` on them."""
-    return softmax_fn(product(rows, weight), targets, vocab_size, dtype)
+def product_then_softmax(softmax_fn: Callable, rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         vocab_size: int, dtype: torch.dtype):
+    """One chunk: its logits by cuBLAS (on CUDA), then ``softmax_fn`` on them."""
+    return softmax_fn(rows @ weight.t(), targets, vocab_size, dtype)
 
 
 def triton_chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, dtype: torch.dtype):
@@ -207,49 +124,17 @@ def triton_chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, voca
     return loss, logits.to(dtype)
 
 
-def gemm_lse_chunk_loss_and_grad(rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                                 dtype: torch.dtype):
+def quack_chunk_loss_and_grad(rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                              dtype: torch.dtype):
     """One chunk (bf16): its logits with each row's log-sum-exp by column tiles from one quack GEMM
-    (``logits_and_tile_log_normalizers``), then the Triton kernel's single pass, which folds the tiles' values and
-    writes the gradient over the logits."""
+    (``model.quack_lse``), then the Triton kernel's single pass, which folds the tiles' values and writes the
+    gradient over the logits. quack and the CuTe DSL are imported on first use (seconds to load)."""
+    from model import quack_lse
     from model.triton_cross_entropy import gradient_in_place  # Triton: CUDA builds of PyTorch only
 
-    logits, tile_log_normalizers = logits_and_tile_log_normalizers(rows, weight, vocab_size)
+    logits, tile_log_normalizers = quack_lse.logits_and_tile_log_normalizers(rows, weight, vocab_size)
     loss = gradient_in_place(logits, tile_log_normalizers, targets, vocab_size, IGNORE_INDEX)
     return loss, logits.to(dtype)
-
-
-def logits_and_tile_log_normalizers(rows: torch.Tensor, padded_weight: torch.Tensor, vocab_size: int):
-    """``model.quack_lse.logits_and_tile_log_normalizers``, imported on first use (it imports quack and the CuTe DSL);
-    tests swap in ``reference_logits_and_tile_log_normalizers`` where quack is absent."""
-    from model import quack_lse
-
-    return quack_lse.logits_and_tile_log_normalizers(rows, padded_weight, vocab_size)
-
-
-REFERENCE_TILE_COLUMNS = 192  # quack's default tile width for the head's product on Hopper
-
-
-def reference_logits_and_tile_log_normalizers(rows: torch.Tensor, padded_weight: torch.Tensor, vocab_size: int,
-                                              tile_columns: int = REFERENCE_TILE_COLUMNS):
-    """What ``logits_and_tile_log_normalizers`` computes, in PyTorch: the logits in the rows' dtype (NaN past the
-    vocabulary, where quack's are left unwritten), and each row's log-sum-exp of those logits within each tile of
-    ``tile_columns`` of its first ``vocab_size`` columns (the last tile ragged), in fp32 [rows, tiles]."""
-    logits = rows @ padded_weight.t()
-    logits[:, vocab_size:] = float("nan")
-    tiles = logits[:, :vocab_size].float().split(tile_columns, dim=1)
-    return logits, torch.stack([torch.logsumexp(tile, dim=-1) for tile in tiles], dim=1)
-
-
-_compiled_chunk: Callable | None = None
-
-
-def compiled_chunk_loss_and_grad() -> Callable:
-    """``chunk_loss_and_grad`` through torch.compile, made once per process: every chunk has one shape."""
-    global _compiled_chunk
-    if _compiled_chunk is None:
-        _compiled_chunk = torch.compile(chunk_loss_and_grad, dynamic=False)
-    return _compiled_chunk
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):

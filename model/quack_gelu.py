@@ -1,9 +1,8 @@
 """The exact GELU and its derivative for quack's GEMM epilogues, by a formula with two hardware approximations.
 
 quack's own exact GELU (``gelu_erf``) evaluates ``erf`` through the CUDA math library in every element of its
-epilogues; at the trainer's shape that arithmetic, more than the memory traffic, is what the epilogue waits on
-(`bench tiles --gelu`, docs/PERFORMANCE.md: the dact product took 1.51 ms with it, 1.39 with this formula and
-1.19 with a ReLU). Here the normal CDF comes from Abramowitz and Stegun's rational approximation 7.1.26 (absolute
+epilogues; at the trainer's shape that arithmetic, more than the memory traffic, is what the epilogue waits on.
+Here the normal CDF comes from Abramowitz and Stegun's rational approximation 7.1.26 (absolute
 error at most 1.5e-7) around the normal density, which the derivative needs anyway, so an element costs one
 ``ex2``, one ``rcp`` and a dozen multiply-adds:
 
@@ -13,14 +12,13 @@ error at most 1.5e-7) around the normal density, which the derivative needs anyw
 
 The tail is computed directly rather than as 1 - Phi(|x|), so negative inputs keep their relative precision down
 to x = -6 (erf-based kernels, PyTorch's included, lose it to cancellation: F.gelu(-6.0) is 0 in fp32); beyond,
-where the GELU is under 6e-9 in magnitude, the formula's relative error grows to 1 %. Measured against fp64: GELU
-within 4.2e-7 absolute; in bf16 its outputs are the exact GELU's rounding more often than PyTorch's fp32 kernel's
-are (tests/unit/test_quack_gelu.py).
+where the GELU is under 6e-9 in magnitude, the formula's relative error grows to 1 %. Against fp64 the GELU stays
+within fp32's reach, and in bf16 its outputs are the exact GELU's rounding at least as often as PyTorch's fp32
+kernel's are (tests/unit/test_quack_gelu.py holds it to both).
 
 Beside the activation tables, two epilogues for quack's ``@gemm_epilogue`` frontend use the formula: fc's product
 writing the activation and the GELU's derivative (for the blocks that keep the derivative, model.fused_mlp), and
-proj's input-gradient product scaling by that kept derivative (tools/bench/dact_epilogue.py has a third, measured
-only).
+proj's input-gradient product scaling by that kept derivative.
 
 The formula is written once, over the arithmetic it is given: the CuTe DSL's in the kernels (``register``), and
 PyTorch's in ``cdf_and_density``, which the tests hold to fp64. This module imports the CuTe DSL only where it is

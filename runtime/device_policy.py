@@ -20,7 +20,6 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from model import flash4
-from model import fp8
 from runtime import hostmem
 from config import ConfigError, RunConfig
 from runtime.runfab_limits import CPU_CORES
@@ -141,17 +140,15 @@ def build_module(cfg: RunConfig, device: torch.device | None) -> GPTTrainingModu
     """The LightningModule, its weights initialized on ``device``: on a GPU no full fp32 copy of the
     model is ever made in host memory, and no core spends seconds drawing 127M random numbers."""
     with torch.device(device) if device is not None else contextlib.nullcontext():
-        module = GPTTrainingModule(cfg.model, cfg.optim)
-    if cfg.model.fp8:  # before compile_trunk, so the graph is traced with the FP8 layers
-        fp8.convert_blocks(module.model.blocks, device)
-    return module
+        return GPTTrainingModule(cfg.model, cfg.optim, cfg.compute)
 
 
 def check_host_memory(cfg: RunConfig, world: int, microbatch: int) -> None:
     """Refuse, before any data is read or worker started, a run whose host memory cannot fit: a GPU
     count over the job's budget, or a CPU run (activations in host memory) over what the machine has."""
     if resolve_accelerator(cfg) != "gpu":
-        problem = hostmem.cpu_memory_problem(cfg.model, microbatch, world, hostmem.available_host_bytes())
+        problem = hostmem.cpu_memory_problem(cfg.model, microbatch, world, hostmem.available_host_bytes(),
+                                             cfg.compute.loss_chunk_tokens)
     else:
         written = hostmem.output_bytes(cfg)
         problem = hostmem.host_budget_problem(cfg.trainer.host_memory_budget_gib, world, written)

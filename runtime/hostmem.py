@@ -29,6 +29,7 @@ import torch
 
 from model.flops import count_parameters
 from model.gpt import GPT
+from model.kernels import ComputeConfig
 from model.loss import padded_vocab_size
 from runtime import created_files
 
@@ -148,13 +149,14 @@ CPU_FP32_PER_LOGIT = 2.5
 CPU_FP32_PER_ATTENTION_PAIR = 0.5
 
 
-def cpu_process_bytes(model, microbatch: int) -> float:
-    """A CPU training process's peak host memory at ``microbatch`` rows (``model`` a GPTConfig)."""
+def cpu_process_bytes(model, microbatch: int, chunk_tokens: int = ComputeConfig.loss_chunk_tokens) -> float:
+    """A CPU training process's peak host memory at ``microbatch`` rows (``model`` a GPTConfig; ``chunk_tokens``
+    compute.loss_chunk_tokens)."""
     L, C, T = model.n_layer, model.n_embd, model.max_seq_len
     vocab = padded_vocab_size(model.vocab_size)  # the loss's weight copy and gradient are padded; so are its logits
     tokens = microbatch * T
     parameters = vocab * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
-    logits = min(tokens, model.loss_chunk_tokens or tokens) * vocab
+    logits = min(tokens, chunk_tokens or tokens) * vocab
     values = (CPU_FP32_PER_TOKEN_LAYER_WIDTH * tokens * L * C + CPU_FP32_PER_LOGIT * logits
               + CPU_FP32_PER_ATTENTION_PAIR * microbatch * T * T * model.n_head * L)
     return CPU_PROCESS_GIB * GIB + 16 * parameters + 4 * values
@@ -177,14 +179,16 @@ def available_host_bytes() -> float | None:
     return min(found) if found else None
 
 
-def cpu_memory_problem(model, microbatch: int, processes: int, available: float | None) -> str | None:
+def cpu_memory_problem(model, microbatch: int, processes: int, available: float | None,
+                       chunk_tokens: int = ComputeConfig.loss_chunk_tokens) -> str | None:
     """Why ``processes`` CPU training processes at ``microbatch`` rows cannot fit ``available`` bytes, or None."""
     if available is None:
         return None
-    need = processes * cpu_process_bytes(model, microbatch)
+    need = processes * cpu_process_bytes(model, microbatch, chunk_tokens)
     if need <= available:
         return None
-    fits = next((m for m in range(microbatch - 1, 0, -1) if processes * cpu_process_bytes(model, m) <= available), None)
+    fits = next((m for m in range(microbatch - 1, 0, -1)
+                 if processes * cpu_process_bytes(model, m, chunk_tokens) <= available), None)
     advice = f"--microbatch {fits}, " if fits else ""
     return (
         f"training on the CPU at microbatch {microbatch} needs about {need / GIB:.1f} GiB of host memory "

@@ -51,14 +51,14 @@ def probe_batches(microbatch: int, seq_len: int, vocab_size: int, update_microba
 
 
 def probe_model_config(cfg: RunConfig) -> RunConfig:
-    """The configuration the eager probe builds: with ``model.attention: auto``, PyTorch's flash kernels
+    """The configuration the eager probe builds: with ``compute.attention: auto``, PyTorch's flash kernels
     (varlen and fused causal SDPA) stand where training takes FA4. Their peak memory in the probe is
     FA4's (docs/PERFORMANCE.md) and they need no compilation, which costs FA4 seconds per probe; an
     explicit "fa4" is probed as it is, so a probe finds FA4 missing before training would. Without
     PyTorch's varlen kernel the packed rows would take SDPA's document mask (more memory): kept."""
-    if cfg.model.attention != "auto" or attention.varlen_attn is None:
+    if cfg.compute.attention != "auto" or attention.varlen_attn is None:
         return cfg
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="varlen"))
+    return dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, attention="varlen"))
 
 
 def run_probe(cfg: RunConfig, microbatch: int, effective: int) -> dict:

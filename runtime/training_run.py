@@ -407,7 +407,7 @@ def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
             f"CUDA ran out of memory at optimizer step {trainer.global_step} with microbatch {microbatch} "
             f"(x accumulation {accumulation} x {world} device(s)), after the probe had passed. Rows with many short "
             "documents or a fragmented allocator can need more than the probe's worst case: rerun with a smaller "
-            "microbatch, or set model.activation_checkpointing: true. Original error: " + str(error)
+            "microbatch, or set compute.activation_checkpointing: true. Original error: " + str(error)
         ) from error
     log.info("finished: %d optimizer steps; %s", trainer.global_step,
              f"model in {model_dir}" if trainer.global_step else "no model exported")

@@ -78,26 +78,6 @@ def records(n: int = 400) -> bytes:
         return b"".join(json.dumps({"text": r["text"]}).encode() + b"\n" for _, r in zip(range(n), lines))
 
 
-def fake_kernel_gpu(monkeypatch, module, importer: str, error_attribute: str, error: str) -> dict:
-    """A GPU of compute capability ``state["capability"]`` and an optional kernel package (FA4)
-    that imports unless ``state["imports"]`` is False: ``module.importer`` is replaced by a
-    loader that counts its calls in ``state["imported"]`` and, failing, sets ``module.error_attribute``."""
-    from model import flash4
-
-    state = {"capability": (9, 0), "imports": True, "imported": 0}
-
-    def load():
-        state["imported"] += 1
-        if not state["imports"]:
-            monkeypatch.setattr(module, error_attribute, error)
-            return None
-        return object()
-
-    monkeypatch.setattr(flash4, "compute_capability", lambda device: state["capability"])
-    monkeypatch.setattr(module, importer, load)
-    return state
-
-
 def tiktoken_encoder(path: Path):
     """The tokenizer at ``path`` through its fast backend (tiktoken); the test is skipped without tiktoken."""
     import pytest

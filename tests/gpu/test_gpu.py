@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from model import flash4, fused_mlp
+from model import flash4, fused_mlp, kernels
 from model.attention import DocumentLayout, attend, document_offsets, varlen_attn
 from model.gpt import GPT, GPTConfig
+from model.kernels import ComputeConfig
 from model.loss import IGNORE_INDEX, token_loss_sum
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -40,11 +42,13 @@ def packed_batch(rows: int, seq_len: int, vocab: int, seed: int) -> dict:
     return {k: v.cuda() for k, v in batch.items()}
 
 
-def twin_models(**config) -> tuple[GPT, GPT]:
+def twin_models(n_layer: int = 2, fast: dict | None = None, plain: dict | None = None) -> tuple[GPT, GPT]:
+    """A fast model (PyTorch's varlen attention, chunked loss, unless ``fast`` says otherwise) and a plain one (SDPA
+    with the document mask, the whole loss at once, unless ``plain`` says otherwise) with the same weights."""
     torch.manual_seed(0)
-    base = dict(vocab_size=512, n_layer=2, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05) | config
-    fast = GPT(GPTConfig(**base, attention="varlen", loss_chunk_tokens=128)).cuda()
-    plain = GPT(GPTConfig(**base, attention="sdpa", loss_chunk_tokens=0)).cuda()
+    shape = GPTConfig(vocab_size=512, n_layer=n_layer, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05)
+    fast = GPT(shape, ComputeConfig(**(dict(attention="varlen", loss_chunk_tokens=128) | (fast or {})))).cuda()
+    plain = GPT(shape, ComputeConfig(**(dict(attention="sdpa", loss_chunk_tokens=0) | (plain or {})))).cuda()
     plain.load_state_dict(fast.state_dict())
     return fast, plain
 
@@ -116,8 +120,9 @@ def test_one_document_rows_use_fused_causal_sdpa_and_match_the_varlen_kernel(mon
     for path in ("varlen", "sdpa"):
         fast.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            if path == "varlen":  # the several-document path, forced; the final norm's output in bf16 as below
-                hidden = fast._trunk(tokens, positions, cu_seqlens, "flash", out=torch.bfloat16)
+            if path == "varlen":  # the several-document path, forced, with the bf16 stream and output as below
+                fast.use_kernels(tokens.device, torch.bfloat16)
+                hidden = fast.trunk(tokens, positions, cu_seqlens, torch.bfloat16, torch.bfloat16)
             else:
                 calls = []
                 monkeypatch.setattr("model.attention.varlen_attn", lambda *a, **k: calls.append(1))
@@ -130,78 +135,39 @@ def test_one_document_rows_use_fused_causal_sdpa_and_match_the_varlen_kernel(mon
         assert relative_error(results[1][1][name], expected) < 2e-2, name
 
 
-@pytest.mark.parametrize("scope", ["trunk", "blocks"])
-def test_the_compiled_trunk_and_loss_match_eager_forward_and_backward(scope):
+def test_the_compiled_trunk_and_loss_match_eager_forward_and_backward():
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    fast, eager = twin_models(n_layer=3)
-    eager.config.attention = fast.config.attention = "auto"
-    eager.config.loss_chunk_tokens = fast.config.loss_chunk_tokens
-    fast.config.compile_scope = scope
+    fast, eager = twin_models(n_layer=3, fast=dict(attention="auto"), plain=dict(attention="auto", loss_chunk_tokens=128))
     fast.compile_trunk()
     assert_same_loss_and_gradients(fast, eager, packed_batch(rows=4, seq_len=256, vocab=512, seed=5))
-    # the trunk is one graph, and the loss chunk's; or the first block (fp32 embeddings coming in), one graph
-    # the other blocks share, and the loss chunk's
-    assert counters["stats"]["unique_graphs"] <= (3 if scope == "blocks" else 2)  # unshared blocks would make four
+    assert counters["stats"]["unique_graphs"] <= 2  # the trunk, embeddings to final norm, and at most a kernel's own
     assert not counters["graph_break"]  # FA4's custom ops (when installed) trace into the graph
     if FA4_MISSING is None:
-        assert fast.attention_kernels["packed rows"].startswith("FlashAttention 4 varlen")
+        assert fast.kernels_used()["attention"]["ran"]["packed rows"].startswith("FlashAttention 4 varlen")
 
 
 def test_a_bf16_residual_stream_compiled_gives_the_fp32_stream_loss_and_gradients_within_bf16_tolerance():
     torch._dynamo.reset()
-    fast, eager = twin_models(n_layer=3)
-    eager.config.attention = fast.config.attention = "auto"
-    fast.config.residual_in_fp32, eager.config.residual_in_fp32 = False, True
-    fast.config.compile_scope = "blocks"  # the final norm runs outside the graphs: its hook sees the stream's dtype
+    fast, eager = twin_models(n_layer=3, fast=dict(attention="auto"),
+                              plain=dict(attention="auto", residual_in_fp32=True, loss_chunk_tokens=128))
     fast.compile_trunk()
+    batch = packed_batch(rows=4, seq_len=256, vocab=512, seed=6)
+    assert_same_loss_and_gradients(fast, eager, batch)
     seen = set()
     hook = fast.ln_f.register_forward_pre_hook(lambda _, args: seen.add(args[0].dtype))
-    assert_same_loss_and_gradients(fast, eager, packed_batch(rows=4, seq_len=256, vocab=512, seed=6))
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        fast.eval().hidden_states(batch["input_ids"], batch["positions"], batch["cu_seqlens"])  # eager: hooks run
     hook.remove()
     assert seen == {torch.bfloat16}
 
 
-LOSS_PACKAGES = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
-GRADIENT_TOLERANCE = {"liger": 1e-2, "cce": 3e-2}  # cce adds its gradient tiles into bf16 buffers
-
-
-@pytest.mark.parametrize("kernel", ["liger", "cce"])
-def test_each_fused_loss_kernel_matches_the_plain_loss_and_gradients_at_the_trainers_vocabulary(kernel):
-    """8,192 tokens of width 768 against GPT-2's 50,257-word head, under bf16 autocast, with ignored
-    targets: the summed loss and both gradients against the plain path (full fp32 logits)."""
-    pytest.importorskip(LOSS_PACKAGES[kernel])
-    gen = torch.Generator(device="cuda").manual_seed(12)
-    hidden = torch.randn(8192, 768, device="cuda", generator=gen).requires_grad_()
-    weight = (0.05 * torch.randn(50257, 768, device="cuda", generator=gen)).requires_grad_()
-    targets = torch.randint(0, 50257, (8192,), device="cuda", generator=gen)
-    targets[::9] = IGNORE_INDEX
-    results = []
-    for path in (kernel, "plain"):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = token_loss_sum(hidden, weight, targets, chunk_tokens=0, kernel=path if path != "plain" else "chunked")
-        results.append((loss.detach(), *torch.autograd.grad(3.0 * loss, (hidden, weight))))
-    assert relative_error(results[0][0], results[1][0]) < 1e-3
-    for got, expected in zip(results[0][1:], results[1][1:]):
-        assert got.dtype == torch.float32 and relative_error(got, expected) < GRADIENT_TOLERANCE[kernel]
-
-
-@pytest.mark.parametrize("kernel", ["liger", "cce"])
-def test_the_compiled_model_with_a_fused_loss_kernel_matches_the_plain_path(kernel):
-    pytest.importorskip(LOSS_PACKAGES[kernel])
-    fast, plain = twin_models(n_layer=3)
-    fast.config.loss_kernel, plain.config.loss_kernel = kernel, "chunked"
-    fast.compile_trunk()
-    assert_same_loss_and_gradients(fast, plain, packed_batch(rows=4, seq_len=256, vocab=512, seed=8))
-    assert fast.loss_kernel == kernel and plain.loss_kernel == "chunked"
-
-
 def test_the_triton_chunk_kernel_matches_pytorchs_at_the_trainers_vocabulary():
     """One chunk of 4,096 x 50,304 bf16 logits (50,257 real columns), with ignored targets: the
-    in-place Triton kernel's loss and gradient against the PyTorch function's, eager and compiled."""
-    from model.loss import chunk_loss_and_grad, compiled_chunk_loss_and_grad
+    in-place Triton kernel's loss and gradient against the PyTorch function's."""
+    from model.loss import chunk_loss_and_grad
     from model.triton_cross_entropy import loss_and_gradient_in_place
 
     gen = torch.Generator(device="cuda").manual_seed(21)
@@ -210,24 +176,21 @@ def test_the_triton_chunk_kernel_matches_pytorchs_at_the_trainers_vocabulary():
     targets = torch.randint(0, 50257, (4096,), device="cuda", generator=gen)
     targets[::7] = IGNORE_INDEX
     expected_loss, expected_grad = chunk_loss_and_grad(logits.clone(), targets, 50257, torch.bfloat16)
-    compiled_loss, compiled_grad = compiled_chunk_loss_and_grad()(logits.clone(), targets, 50257, torch.bfloat16)
     got_loss = loss_and_gradient_in_place(logits, targets, 50257, IGNORE_INDEX)
-    assert relative_error(got_loss, expected_loss) < 1e-6 and relative_error(compiled_loss, expected_loss) < 1e-6
-    assert relative_error(logits, expected_grad) < 5e-3 and relative_error(compiled_grad, expected_grad) < 5e-3
+    assert relative_error(got_loss, expected_loss) < 1e-6
+    assert relative_error(logits, expected_grad) < 5e-3
     assert (logits[:, 50257:] == 0).all() and (logits[::7] == 0).all()
 
 
-def test_the_compiled_model_takes_the_same_step_with_either_chunk_softmax():
+def test_the_compiled_model_with_the_two_pass_triton_loss_takes_the_plain_step():
     torch.manual_seed(0)  # vocabulary 500: the head is padded to 512 columns inside the loss
-    base = dict(vocab_size=500, n_layer=3, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05, attention="sdpa",
-                loss_chunk_tokens=384)
-    triton_model = GPT(GPTConfig(**base, loss_softmax="triton")).cuda()
-    compiled_model = GPT(GPTConfig(**base, loss_softmax="compiled")).cuda()
-    compiled_model.load_state_dict(triton_model.state_dict())
-    for model in (triton_model, compiled_model):  # the chunk softmax is chosen in compiled training only
-        model.compile_trunk()
-    assert_same_loss_and_gradients(triton_model, compiled_model, packed_batch(rows=4, seq_len=256, vocab=500, seed=9))
-    assert (triton_model.loss_softmax, compiled_model.loss_softmax) == ("triton", "compiled")
+    shape = GPTConfig(vocab_size=500, n_layer=3, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05)
+    triton_model = GPT(shape, ComputeConfig(attention="sdpa", loss_chunk_tokens=384, loss="triton")).cuda()
+    plain = GPT(shape, ComputeConfig(attention="sdpa", loss_chunk_tokens=0)).cuda()
+    plain.load_state_dict(triton_model.state_dict())
+    triton_model.compile_trunk()  # the chunk kernel is chosen in compiled training only
+    assert_same_loss_and_gradients(triton_model, plain, packed_batch(rows=4, seq_len=256, vocab=500, seed=9))
+    assert triton_model.kernels_used()["loss"]["ran"] == "triton" and plain.kernels_used()["loss"]["ran"] == "eager"
 
 
 # ----------------------------------------------------------------------------- FlashAttention 4
@@ -290,10 +253,11 @@ def test_fa4_matches_the_plain_path_forward_and_gradients_at_the_trainers_shapes
 def test_fa4_varlen_never_crosses_documents_and_agrees_with_fa4_dense():
     torch.manual_seed(0)
     base = dict(vocab_size=512, n_layer=2, n_head=2, n_embd=128, max_seq_len=256, init_std=0.05)  # head dim 64
-    fast = GPT(GPTConfig(**base, attention="fa4")).cuda()
+    fast = GPT(GPTConfig(**base), ComputeConfig(attention="fa4")).cuda()
     assert_each_document_as_if_alone(fast, packed_batch(rows=2, seq_len=256, vocab=512, seed=2))
-    assert fast.attention_kernels["packed rows"].startswith("FlashAttention 4 varlen")
-    assert fast.attention_kernels["one-document rows"].startswith("FlashAttention 4 dense causal")
+    ran = fast.kernels_used()["attention"]["ran"]
+    assert ran["packed rows"].startswith("FlashAttention 4 varlen")
+    assert ran["one-document rows"].startswith("FlashAttention 4 dense causal")
 
 
 @needs_fa4
@@ -303,15 +267,14 @@ def test_the_compiled_trunk_runs_fa4_without_a_graph_break_and_matches_eager():
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    base = dict(vocab_size=512, n_layer=3, n_head=2, n_embd=128, max_seq_len=256, init_std=0.05, attention="fa4")
-    fast, eager = GPT(GPTConfig(**base)).cuda(), GPT(GPTConfig(**base)).cuda()
+    shape = GPTConfig(vocab_size=512, n_layer=3, n_head=2, n_embd=128, max_seq_len=256, init_std=0.05)
+    fast, eager = (GPT(shape, ComputeConfig(attention="fa4")).cuda() for _ in range(2))
     eager.load_state_dict(fast.state_dict())
     fast.compile_trunk()
     for seed in (5, 6):  # two document counts: one graph (cu_seqlens is dynamic)
         assert_same_loss_and_gradients(fast, eager, packed_batch(rows=4, seq_len=256, vocab=512, seed=seed))
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] <= 2  # the trunk and the loss chunk
-
+    assert counters["stats"]["unique_graphs"] <= 2  # the trunk, and at most a kernel's own
 
 
 # ----------------------------------------------------------------------------- quack's fused GELU GEMMs
@@ -337,7 +300,7 @@ def test_quacks_mlp_matches_pytorchs_forward_and_gradients_at_the_trainers_width
     expected = (reference, *torch.autograd.grad(reference, (x, fc, proj), dout.float()))
     results = {}
     for kernel in ("quack", fused_mlp.KEPT_DERIVATIVE, "torch"):
-        fn = fused_mlp.IMPLEMENTATION[kernel]
+        fn = functools.partial(fused_mlp.gelu_mlp, kernel=kernel)
         fn = torch.compile(fn) if compiled else fn
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = fn(x, fc, proj)
@@ -381,20 +344,22 @@ def test_the_models_gelu_in_quacks_epilogues_is_the_exact_gelu_to_bf16_rounding(
 
 @needs_quack
 def test_the_compiled_model_with_quacks_gemms_matches_the_plain_path_without_a_graph_break():
-    """quack's MLP epilogues, qkv's product and the head's logits in the compiled trunk and the chunked loss."""
+    """quack's MLP epilogues in the compiled trunk, and on Hopper the head's logits with their log-sum-exp in the
+    chunked loss, against the plain path."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    fast, plain = twin_models(n_layer=3)
-    fast.config.mlp_kernel, plain.config.mlp_kernel = "quack", "torch"
-    fast.config.mlp_kept_derivatives = 1  # the first two blocks recompute the activation, the last keeps gelu'
-    fast.config.linear_kernel, plain.config.linear_kernel = "quack", "torch"
+    # the first two blocks recompute the activation, the last keeps gelu' (on Hopper)
+    fast, plain = twin_models(n_layer=3, fast=dict(mlp="quack", mlp_kept_derivatives=1), plain=dict(mlp="torch"))
     fast.compile_trunk()
     for seed in (11, 12):
         assert_same_loss_and_gradients(fast, plain, packed_batch(rows=4, seq_len=256, vocab=512, seed=seed))
-    assert (fast.mlp_kernel, fast.mlp_kept_derivatives) == ("quack", 1) and plain.mlp_kernel == "torch"
-    assert fast.linear_kernel == "quack" and plain.linear_kernel == "torch"
+    hopper = torch.cuda.get_device_capability()[0] == kernels.LSE_COMPUTE_CAPABILITY
+    used = fast.kernels_used()
+    assert used["mlp"] == {"requested": "quack", "ran": "quack", "blocks_keeping_the_gelu_derivative": int(hopper)}
+    assert used["loss"]["ran"] == ("quack" if hopper else "triton")
+    assert plain.kernels_used()["mlp"]["ran"] == "torch"
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
@@ -403,10 +368,12 @@ def test_quacks_logits_with_their_log_sum_exp_are_its_products_logits_and_their_
     """model/quack_lse.py at the trainer's vocabulary: the logits bit for bit those of quack's plain product; each
     row's log-sum-exp that of those stored logits; and the single-pass Triton kernel on them gives the two-pass
     kernel's loss and gradient."""
-    from model import loss, quack_lse, quack_linear
+    from quack.gemm_interface import gemm
+
+    from model import quack_lse
     from model.triton_cross_entropy import gradient_in_place, loss_and_gradient_in_place
 
-    if torch.cuda.get_device_capability()[0] != loss.GEMM_LSE_COMPUTE_CAPABILITY:
+    if torch.cuda.get_device_capability()[0] != kernels.LSE_COMPUTE_CAPABILITY:
         pytest.skip("the log-sum-exp epilogue is Hopper's")
     gen = torch.Generator(device="cuda").manual_seed(23)
     rows = torch.randn(4096, 768, device="cuda", generator=gen).bfloat16()
@@ -415,7 +382,7 @@ def test_quacks_logits_with_their_log_sum_exp_are_its_products_logits_and_their_
     targets = torch.randint(0, 50257, (4096,), device="cuda", generator=gen)
     targets[::7] = IGNORE_INDEX
     logits, tiles = quack_lse.logits_and_tile_log_normalizers(rows, weight, 50257)
-    plain = quack_linear.quack_product(rows, weight)
+    plain = gemm(rows, weight.t(), tuned=False)
     assert logits.shape == plain.shape and torch.equal(logits[:, :50257], plain[:, :50257])
     stored = torch.logsumexp(plain[:, :50257].double(), dim=-1)
     exact = torch.logsumexp((rows.double() @ weight[:50257].double().t()), dim=-1)
@@ -432,63 +399,23 @@ def test_quacks_logits_with_their_log_sum_exp_are_its_products_logits_and_their_
 
 @needs_quack
 def test_the_compiled_model_takes_the_same_step_with_the_log_sum_exp_from_quacks_epilogue():
-    """model.loss_softmax gemm_lse against triton, both with quack's logits, at a padded vocabulary."""
-    from model import loss
-
+    """compute.loss quack (the logits with their log-sum-exp, then one Triton pass) against triton (cuBLAS's logits,
+    then two), at a padded vocabulary."""
     torch.manual_seed(0)  # vocabulary 500: the head is padded to 512 columns inside the loss
-    base = dict(vocab_size=500, n_layer=3, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05, attention="sdpa",
-                loss_chunk_tokens=384, linear_kernel="quack")
-    lse_model = GPT(GPTConfig(**base, loss_softmax="gemm_lse")).cuda()
-    triton_model = GPT(GPTConfig(**base, loss_softmax="triton")).cuda()
+    shape = GPTConfig(vocab_size=500, n_layer=3, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05)
+    lse_model, triton_model = (GPT(shape, ComputeConfig(attention="sdpa", loss_chunk_tokens=384, loss=kernel)).cuda()
+                               for kernel in ("auto", "triton"))
     triton_model.load_state_dict(lse_model.state_dict())
     for model in (lse_model, triton_model):
         model.compile_trunk()
     assert_same_loss_and_gradients(lse_model, triton_model, packed_batch(rows=4, seq_len=256, vocab=500, seed=10))
-    hopper = torch.cuda.get_device_capability()[0] == loss.GEMM_LSE_COMPUTE_CAPABILITY
-    assert (lse_model.loss_softmax, triton_model.loss_softmax) == ("gemm_lse" if hopper else "triton", "triton")
+    hopper = torch.cuda.get_device_capability()[0] == kernels.LSE_COMPUTE_CAPABILITY
+    ran = lse_model.kernels_used()["loss"]["ran"], triton_model.kernels_used()["loss"]["ran"]
+    assert ran == ("quack" if hopper else "triton", "triton")
 
 
-# ----------------------------------------------------------------------------- FP8
+# ----------------------------------------------------------------------------- whole runs
 
-
-def fp8_missing() -> str | None:
-    from model import fp8
-
-    return fp8.unavailable_reason(torch.device("cuda")) if torch.cuda.is_available() else "no GPU"
-
-
-@pytest.mark.skipif(fp8_missing() is not None, reason=f"fp8: {fp8_missing()}")
-def test_one_compiled_fp8_training_step_gives_the_bf16_loss_within_a_few_percent():
-    from model import fp8
-    from lit_module import GPTTrainingModule, OptimConfig
-
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=512, n_layer=2, n_head=4, n_embd=256, max_seq_len=256, init_std=0.05)
-    modules = [GPTTrainingModule(config, OptimConfig()).cuda() for _ in range(2)]
-    modules[1].load_state_dict(modules[0].state_dict())
-    assert fp8.convert_blocks(modules[1].model.blocks, torch.device("cuda")) == 8  # qkv, proj, fc, proj per block
-    assert list(modules[1].state_dict()) == list(modules[0].state_dict())
-    batch = packed_batch(rows=8, seq_len=256, vocab=512, seed=9)
-    losses = []
-    for module in modules:
-        module.model.compile_trunk()
-        optimizer = module.configure_optimizers()["optimizer"]
-        step_losses = []
-        for _ in range(2):  # the second loss is after one optimizer step
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = module.model.loss_sum(batch) / (batch["targets"] >= 0).sum()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step_losses.append(loss.item())
-        losses.append(step_losses)
-    for bf16, fp8_loss in zip(*losses):
-        assert math.isfinite(fp8_loss) and abs(fp8_loss - bf16) / bf16 < 0.03, losses
-    assert not counters["graph_break"], dict(counters["graph_break"])
 
 def test_a_memory_window_dumps_a_snapshot_the_memory_viz_reads(tmp_path, monkeypatch):
     import io
@@ -567,7 +494,7 @@ def test_the_probe_reports_the_peak_gpu_memory_it_measured():
 
 @needs_fa4
 def test_the_probe_with_pytorchs_attention_measures_at_least_the_peak_with_fa4():
-    """Under model.attention auto the probe runs PyTorch's attention where training takes FA4: a
+    """Under compute.attention auto the probe runs PyTorch's attention where training takes FA4: a
     lower peak than FA4's in the probe would pass a microbatch that training might not fit."""
     import gc
 
@@ -578,7 +505,7 @@ def test_the_probe_with_pytorchs_attention_measures_at_least_the_peak_with_fa4()
     shape = ["model.n_embd=256", "model.n_head=4", "model.max_seq_len=1024"]  # head dimension 64, as FA4 needs
     peaks = {}
     for requested in ("auto", "fa4"):
-        cfg = load_config("conf/smoke.yaml", [*shape, f"model.attention={requested}"])
+        cfg = load_config("conf/smoke.yaml", [*shape, f"compute.attention={requested}"])
         try:
             result = probe.run_probe_local(cfg, microbatch=8, world=1, effective=train.EFFECTIVE_BATCH_SIZE)
         finally:

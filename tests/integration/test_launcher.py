@@ -132,12 +132,14 @@ def test_end_of_input_at_any_record_count_ends_every_rank_without_a_hang(tmp_pat
 
 def test_a_worker_that_raises_fails_the_run_with_its_error(tmp_path):
     start = time.monotonic()
-    # FP8 on a CPU passes the config's checks and fails where the model is built: in each worker.
-    result, out = run_train(tmp_path, "raises", ["--model.fp8", "true", "--trainer.devices", "2",
-                                                 "--microbatch", "4"], sample_records(200), timeout=120)
+    # quack's MLP asked for by name in compiled CPU training passes the config's checks and fails where the
+    # kernels are chosen, at the first forward: in each worker.
+    result, out = run_train(tmp_path, "raises", ["--compute.mlp", "quack", "--trainer.compile", "true",
+                                                 "--trainer.devices", "2", "--microbatch", "4"], sample_records(200),
+                            timeout=120)
     assert result.returncode != 0 and time.monotonic() - start < 90
     stderr = result.stderr.decode()
-    assert "worker rank" in stderr and "model.fp8 is true but" in stderr
+    assert "worker rank" in stderr and "compute.mlp is 'quack' but it cannot run" in stderr
     assert not (out / "model").exists()
 
 

@@ -1,9 +1,9 @@
 """Kernel selection and the FlashAttention 4 custom ops, on CPU.
 
 FA4 itself needs a Hopper or Blackwell GPU (tests/gpu/test_gpu.py runs it there). Here the selection
-runs against fakes of the import and the GPU, and the custom ops run with a float32 reference
-implementation behind them: that checks their fake (shape) functions, their autograd formula and
-that torch.compile traces them without a graph break, on any machine.
+runs against fakes of the import and the GPU, and the custom ops run with a float32 reference of
+FA4's interface behind them: that checks the calls into FA4, the ops' fake (shape) functions, their
+autograd formula and that torch.compile traces them without a graph break, on any machine.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import os
 import pytest
 import torch
 
-from model import attention, flash4
+from model import attention, flash4, kernels
 from model.attention import document_offsets
 from model.gpt import GPT, GPTConfig
-
-from tests.helpers import fake_kernel_gpu
+from model.kernels import ComputeConfig
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
 
@@ -28,42 +27,56 @@ CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a G
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """A GPU of the given compute capability and an FA4 that imports (or not)."""
-    return fake_kernel_gpu(monkeypatch, flash4, "fa4_interface", "_fa4_error",
-                           "flash_attn.cute does not import (ModuleNotFoundError)")
+    """A GPU of compute capability ``state["capability"]`` and an FA4 that imports unless ``state["imports"]`` is
+    False; ``state["imported"]`` counts the tries."""
+    state = {"capability": (9, 0), "imports": True, "imported": 0}
+
+    def import_problem():
+        state["imported"] += 1
+        return None if state["imports"] else "flash_attn.cute does not import (ModuleNotFoundError)"
+
+    monkeypatch.setattr(flash4, "compute_capability", lambda device: state["capability"])
+    monkeypatch.setattr(flash4, "fa4_import_problem", import_problem)
+    return state
+
+
+def attention_kernel(requested: str, device, dtype, head_dim: int) -> str:
+    return kernels.attention_kernel(ComputeConfig(attention=requested), device, dtype, head_dim)
 
 
 def test_auto_takes_fa4_on_hopper_when_it_imports(fake_gpu):
-    assert attention.choose("auto", CUDA, torch.bfloat16, 64) == "fa4"
-    assert attention.choose("fa4", CUDA, torch.float16, 64) == "fa4"
+    assert attention_kernel("auto", CUDA, torch.bfloat16, 64) == "fa4"
+    assert attention_kernel("fa4", CUDA, torch.float16, 64) == "fa4"
     fake_gpu["capability"] = (10, 0)
-    assert attention.choose("auto", CUDA, torch.bfloat16, 64) == "fa4"
+    assert attention_kernel("auto", CUDA, torch.bfloat16, 64) == "fa4"
 
 
-@pytest.mark.parametrize("capability, imports, head_dim", [((8, 0), True, 64), ((9, 0), False, 64), ((9, 0), True, 160)])
-def test_auto_keeps_pytorchs_kernels_where_fa4_cannot_run_and_fa4_says_why(fake_gpu, capability, imports, head_dim):
+@pytest.mark.parametrize("capability, imports, head_dim, says", [
+    ((8, 0), True, 64, "compute capability 8.0 is not one FA4 supports"),
+    ((9, 0), False, 64, "flash_attn.cute does not import"),
+    ((9, 0), True, 160, "head dimension 160 is not a multiple of 8 up to 128")])
+def test_auto_keeps_pytorchs_kernels_where_fa4_cannot_run_and_fa4_says_why(fake_gpu, capability, imports, head_dim,
+                                                                           says):
     fake_gpu.update(capability=capability, imports=imports)
-    assert attention.choose("auto", CUDA, torch.bfloat16, head_dim) == "flash"
-    with pytest.raises(RuntimeError, match="FlashAttention 4 cannot run"):
-        attention.choose("fa4", CUDA, torch.bfloat16, head_dim)
+    assert attention_kernel("auto", CUDA, torch.bfloat16, head_dim) == "flash"
+    with pytest.raises(RuntimeError, match=f"compute.attention is 'fa4' but it cannot run: {says}"):
+        attention_kernel("fa4", CUDA, torch.bfloat16, head_dim)
 
 
 def test_cpu_fp32_and_explicit_choices_never_import_fa4(fake_gpu):
-    assert attention.choose("auto", torch.device("cpu"), torch.float32, 64) == "sdpa"
-    assert attention.choose("auto", CUDA, torch.float32, 64) == "sdpa"  # FA4 and FA2 want half precision
-    assert attention.choose("varlen", CUDA, torch.bfloat16, 64) == "flash"
-    assert attention.choose("sdpa", CUDA, torch.bfloat16, 64) == "sdpa"
+    assert attention_kernel("auto", torch.device("cpu"), torch.float32, 64) == "sdpa"
+    assert attention_kernel("auto", CUDA, torch.float32, 64) == "sdpa"  # FA4 and FA2 want half precision
+    assert attention_kernel("varlen", CUDA, torch.bfloat16, 64) == "flash"
+    assert attention_kernel("sdpa", CUDA, torch.bfloat16, 64) == "sdpa"
     assert fake_gpu["imported"] == 0
 
 
-def test_the_model_records_and_describes_the_kernel_each_batch_kind_used():
+def test_the_model_records_and_describes_the_kernel_of_each_batch_kind():
     model = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, max_seq_len=32))
-    ids = torch.randint(0, 64, (2, 32))
-    two_docs = torch.cat([torch.arange(10), torch.arange(22)]).expand(2, 32)
     with torch.no_grad():
-        model.hidden_states(ids)
-        model.hidden_states(ids, two_docs, document_offsets(two_docs))
-    assert model.attention_kernels == {"one-document rows": "SDPA is_causal", "packed rows": "SDPA with a document mask"}
+        model.hidden_states(torch.randint(0, 64, (2, 32)))
+    assert model.kernels_used()["attention"] == {
+        "requested": "auto", "ran": {"one-document rows": "SDPA is_causal", "packed rows": "SDPA with a document mask"}}
     assert attention.describe("fa4", packed=True).startswith("FlashAttention 4 varlen")
     assert attention.describe("fa4", packed=False).startswith("FlashAttention 4 dense causal")
     assert attention.describe("flash", packed=True) == "varlen_attn (FlashAttention 2)"
@@ -160,11 +173,25 @@ def reference_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dq_out, 
         buffer.copy_(grad)
 
 
+class ReferenceFA4:
+    """flash_attn.cute.interface's two calls the custom ops make, by the references above."""
+
+    @staticmethod
+    def _flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, return_lse):
+        assert causal and return_lse and cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k
+        return reference_forward(q, k, v, cu_seqlens_q, max_seqlen_q)
+
+    @staticmethod
+    def _flash_attn_bwd(q, k, v, out, dout, lse, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        dq, dk, dv):
+        assert causal and cu_seqlens_q is cu_seqlens_k
+        reference_backward(dout, q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, dq, dk, dv)
+        return dq, dk, dv
+
+
 @pytest.fixture
 def reference_fa4(monkeypatch):
-    monkeypatch.setitem(flash4.IMPLEMENTATION, "forward", reference_forward)
-    monkeypatch.setitem(flash4.IMPLEMENTATION, "backward", reference_backward)
-    monkeypatch.setattr(attention.DocumentLayout, "use_fa4", lambda self, q: self.kernel == "fa4")
+    monkeypatch.setattr(flash4, "fa4_interface", lambda: ReferenceFA4)
 
 
 def packed_qkv(seed: int):
@@ -194,7 +221,7 @@ def test_attend_through_fa4_matches_the_plain_path_and_compiles_without_a_graph_
     grad = torch.randn(b, t, h, hd, generator=torch.Generator().manual_seed(2))
 
     def attend(qkv, cu, kernel):
-        return attention.attend(qkv.view(b, t, 3, h, hd), attention.DocumentLayout(positions, cu, kernel))
+        return attention.attend(qkv.view(b, t, 3, h, hd), attention.DocumentLayout(positions, cu), kernel)
 
     torch._dynamo.reset()
     counters.clear()
@@ -218,15 +245,17 @@ def test_the_compiled_trunk_with_fa4_is_one_graph_for_every_document_count(refer
     counters.clear()
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=64, n_layer=3, n_head=2, n_embd=32, max_seq_len=32)
-    model = GPT(config)
-    trunk = torch.compile(model._trunk, backend="aot_eager")
+    model, plain = GPT(config), GPT(config)
+    plain.load_state_dict(model.state_dict())
+    for block in model.blocks:
+        block.attn.kernel = "fa4"  # what GPT.use_kernels hands each block on a GPU where FA4 runs
+    trunk = torch.compile(model.trunk, backend="aot_eager")
     for split in (5, 11):
         positions = torch.cat([torch.arange(split), torch.arange(32 - split)]).expand(2, 32)
         cu = document_offsets(positions)
         torch._dynamo.mark_dynamic(cu, 0)
         ids = torch.randint(0, 64, (2, 32))
-        expected = model._trunk(ids, positions, cu, "sdpa")
-        torch.testing.assert_close(trunk(ids, positions, cu, "fa4"), expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(trunk(ids, positions, cu), plain.trunk(ids, positions, cu), rtol=1e-4, atol=1e-5)
     assert not counters["graph_break"]
     assert counters["stats"]["unique_graphs"] == 1
 

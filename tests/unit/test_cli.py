@@ -42,7 +42,7 @@ def test_fit_help_lists_every_key_with_type_default_and_help(tmp_path):
     assert "--model.n_layer N_LAYER Transformer blocks (type: int, default: 12)" in text
     assert ("--trainer.max_steps MAX_STEPS Optimizer updates; -1: until the input ends (type: int, default: 2000)"
             in text)
-    assert "--model.attention {auto,fa4,varlen,sdpa}" in text
+    assert "--compute.attention {auto,fa4,varlen,sdpa}" in text
     assert "--observe.loggers" in text and "(type: list[Literal['csv', 'tensorboard', 'wandb']], default: [])" in text
     assert "--print_config" in text
     assert len(KEYS) > 60 and "seed" in KEYS and "output.budget_bytes" in KEYS
@@ -61,8 +61,8 @@ def test_every_config_key_has_a_docstring_that_is_its_help(key):
 def test_a_docstring_under_a_field_is_its_help_on_one_line():
     helps = {key: text for key, _, _, text in cli.config_keys(RunConfig)}
     assert helps["trainer.max_steps"] == "Optimizer updates; -1: until the input ends"
-    assert helps["model.attention"].startswith("Attention kernel: fa4 (FlashAttention 4;")
-    assert "\n" not in helps["model.attention"] and "  " not in helps["model.attention"]  # a multi-line docstring
+    assert helps["compute.attention"].startswith("Attention kernel: fa4 (FlashAttention 4;")
+    assert "\n" not in helps["compute.attention"] and "  " not in helps["compute.attention"]  # a multi-line docstring
 
 
 def test_print_config_shows_the_merged_configuration_and_does_not_train(tmp_path):
@@ -134,7 +134,7 @@ def test_runfab_path_never_imports_jsonargparse():
     ("optim.lr=-1", "optim.lr must be > 0"),
     ("optim.warmup_steps=-2", "optim.warmup_steps must be >= 0"),
     ("data.microbatch=0", "data.microbatch must be at least 1"),
-    ("model.compile_scope=x", "with the command line's overrides"),  # a command-line value is not the file's fault
+    ("model.n_embd=30", "with the command line's overrides"),  # a command-line value is not the file's fault
     ("trainer.max_steps=-1", "trainer.max_steps is -1 (until the input ends), so the cosine schedule has no horizon"),
     ("optim.decay_steps=0", "optim.decay_steps must be >= 1"),
     # NaN and infinities slipped through the range checks: the run diverged, never learned or never reported
@@ -157,7 +157,6 @@ def test_runfab_path_never_imports_jsonargparse():
     ("trainer.max_time=00:00:00:99999999999999999999", "must each be below"),  # was an OverflowError
     ("trainer.max_time=00:01:00:00 trainer.export_reserve_seconds=99999999999999999", "must each be below"),
     ("metrics.peak_flops=-1", "metrics.peak_flops must be >= 0"),  # a negative mfu
-    ("model.activation_memory_budget=-0.5", "model.activation_memory_budget must lie in [0, 1]"),
     ("output.budget_bytes=0", "output.budget_bytes must be at least 1"),
     ("observe.memory_history_entries=0", "observe.memory_history_entries must be at least 1"),
 ])
@@ -242,9 +241,8 @@ def test_a_worker_typed_by_a_person_is_one_readable_error(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("key, value, choices", [
-    ("model.attention", "flash", "auto, fa4, varlen, sdpa"),
-    ("model.loss_kernel", "fused", "chunked, liger, cce"),
-    ("model.compile_scope", "all", "trunk, blocks"),
+    ("compute.attention", "flash", "auto, fa4, varlen, sdpa"),
+    ("compute.loss", "fused", "auto, quack, triton"),
     ("trainer.accelerator", "tpu", "auto, cpu, gpu"),
     ("trainer.precision", "16", "32-true, bf16-mixed, bf16-true, 16-mixed, 16-true, 64-true, null"),
     ("trainer.worker_start", "spawn", "auto, fork, exec"),

@@ -1,18 +1,21 @@
-"""Which MLP kernel runs (``model.mlp_kernel``), and that the model routes through it.
+"""Which MLP kernel runs (``compute.mlp``), and that the model routes through it.
 
 quack's GEMMs need a Hopper or Blackwell GPU; tests/gpu compares them with the plain path there.
-Here the choice runs against fakes of its availability, and the quack slot of the implementation
-table against a recording stand-in.
+Here the choice runs against fakes of its availability, the model's route against recording
+stand-ins for quack's MLP functions, and those functions against references for quack's GEMMs.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 
 from config import ConfigError, load_config
-from model import flash4, fused_mlp
+from model import flash4, fused_mlp, kernels
 from model.gpt import GPT, GPTConfig
+from model.kernels import ComputeConfig
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
 
@@ -22,19 +25,23 @@ def quack_runs_here(monkeypatch):
     monkeypatch.setattr(fused_mlp, "quack_unavailable_reason", lambda device, dtype, width: None)
 
 
+def mlp_kernels(requested: str, device, dtype, compiled: bool, width: int = 768, n_layer: int = 2):
+    compute = ComputeConfig(mlp=requested, mlp_kept_derivatives=0)  # kept derivatives: their own test
+    return kernels.mlp_kernels(compute, device, dtype, compiled, n_layer, width)
+
+
 def test_eager_runs_and_the_torch_setting_take_pytorch_whatever_is_installed(quack_runs_here):
-    for requested in fused_mlp.CHOICES:
-        assert fused_mlp.choose(requested, CUDA, torch.bfloat16, False, 768) == "torch"  # the probe, evaluation
-    assert fused_mlp.choose("torch", CUDA, torch.bfloat16, True, 768) == "torch"
-    assert fused_mlp.choose("auto", CUDA, torch.bfloat16, True, 768) == "quack"
-    assert fused_mlp.choose("quack", CUDA, torch.bfloat16, True, 768) == "quack"
+    for requested in kernels.MLP_CHOICES:
+        assert mlp_kernels(requested, CUDA, torch.bfloat16, False) == ("torch", "torch")  # the probe, evaluation
+    assert mlp_kernels("torch", CUDA, torch.bfloat16, True) == ("torch", "torch")
+    assert mlp_kernels("auto", CUDA, torch.bfloat16, True) == ("quack", "quack")
+    assert mlp_kernels("quack", CUDA, torch.bfloat16, True) == ("quack", "quack")
 
 
 def test_auto_falls_back_to_pytorch_and_quack_is_an_error_where_it_cannot_run(monkeypatch):
-    assert fused_mlp.choose("auto", torch.device("cpu"), torch.float32, True, 768) == "torch"
-    with pytest.raises(RuntimeError, match="model.mlp_kernel is 'quack' but quack's GEMMs cannot run: it needs a CUDA "
-                                           "device, not cpu"):
-        fused_mlp.choose("quack", torch.device("cpu"), torch.bfloat16, True, 768)
+    assert mlp_kernels("auto", torch.device("cpu"), torch.float32, True) == ("torch", "torch")
+    with pytest.raises(RuntimeError, match="compute.mlp is 'quack' but it cannot run: it needs a CUDA device, not cpu"):
+        mlp_kernels("quack", torch.device("cpu"), torch.bfloat16, True)
     monkeypatch.setattr(flash4, "compute_capability", lambda device: (8, 0))
     assert "compute capability 8.0" in fused_mlp.quack_unavailable_reason(CUDA, torch.bfloat16, 768)
     assert "bf16 or fp16, not torch.float32" in fused_mlp.quack_unavailable_reason(CUDA, torch.float32, 768)
@@ -43,7 +50,7 @@ def test_auto_falls_back_to_pytorch_and_quack_is_an_error_where_it_cannot_run(mo
     monkeypatch.setattr(fused_mlp, "quack_imports", lambda: "quack.gemm_interface does not import (ModuleNotFoundError: x)")
     assert fused_mlp.quack_unavailable_reason(CUDA, torch.bfloat16, 768) == \
         "quack.gemm_interface does not import (ModuleNotFoundError: x)"
-    assert fused_mlp.choose("auto", CUDA, torch.bfloat16, True, 768) == "torch"
+    assert mlp_kernels("auto", CUDA, torch.bfloat16, True) == ("torch", "torch")
 
 
 def test_a_cute_dsl_outside_site_packages_is_named_as_the_reason_quack_cannot_run():
@@ -54,38 +61,56 @@ def test_a_cute_dsl_outside_site_packages_is_named_as_the_reason_quack_cannot_ru
 
 
 def test_the_config_names_the_mlp_choices():
-    assert load_config("conf/smoke.yaml").model.mlp_kernel in fused_mlp.CHOICES
-    with pytest.raises(ConfigError, match="model.mlp_kernel must be one of auto, quack, torch, not 'cutlass'"):
-        load_config("conf/smoke.yaml", ["model.mlp_kernel=cutlass"])
+    assert load_config("conf/smoke.yaml").compute.mlp in kernels.MLP_CHOICES
+    with pytest.raises(ConfigError, match="compute.mlp must be one of auto, quack, torch, not 'cutlass'"):
+        load_config("conf/smoke.yaml", ["compute.mlp=cutlass"])
 
 
-def test_compiled_training_routes_every_block_through_the_chosen_kernel_and_records_it(quack_runs_here, monkeypatch):
-    calls = []
+@pytest.fixture
+def compiled_on_the_cpu(monkeypatch):
+    """torch.compile through dynamo and AOTAutograd without inductor's code generation (seconds on a CPU), and the
+    model computing in bf16 as under CUDA autocast: what compiled CUDA training chooses its kernels for."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    monkeypatch.setattr(GPT, "compute_dtype", lambda self, device: torch.bfloat16)
+    torch._dynamo.reset()
 
-    def recording(x, fc_weight, proj_weight):
-        calls.append(x.shape)
-        return fused_mlp.torch_mlp(x, fc_weight, proj_weight)
 
-    monkeypatch.setitem(fused_mlp.IMPLEMENTATION, "quack", recording)
-    monkeypatch.setattr(GPT, "compute_dtype", lambda self, device: torch.bfloat16)  # as under CUDA autocast
+def recording_mlps(monkeypatch, calls: list) -> None:
+    """quack's two MLP functions replaced by PyTorch's MLP, each noting its calls (dynamo replays the appends)."""
+    for name in ("quack_mlp", "quack_kept_derivative_mlp"):
+        def mlp(x, fc_weight, proj_weight, name=name):
+            calls.append(name)
+            return fused_mlp.torch_mlp(x, fc_weight, proj_weight)
+        monkeypatch.setattr(fused_mlp, name, mlp)
+
+
+def compiled_pair(kept: int) -> tuple[GPT, GPT]:
+    """A model compiled for training and a plain one with the same weights; fp32 stream: the compute dtype is
+    patched without autocast, so a bf16 stream would meet fp32 weights."""
     torch.manual_seed(0)
-    # fp32 stream: the compute dtype is patched without autocast, so a bf16 stream would meet fp32 weights
-    shape = dict(vocab_size=64, n_layer=3, n_head=2, n_embd=16, max_seq_len=8, residual_in_fp32=True,
-                 linear_kernel="torch")
-    model = GPT(GPTConfig(**shape))
-    plain = GPT(GPTConfig(**shape, mlp_kernel="torch"))
+    shape = GPTConfig(vocab_size=64, n_layer=3, n_head=2, n_embd=16, max_seq_len=8)
+    model = GPT(shape, ComputeConfig(residual_in_fp32=True, mlp_kept_derivatives=kept))
+    plain = GPT(shape, ComputeConfig(residual_in_fp32=True, mlp="torch"))
     plain.load_state_dict(model.state_dict())
+    model.compile_trunk()
+    plain.compile_trunk()
+    return model.train(), plain.train()
+
+
+def test_compiled_training_routes_every_block_through_the_chosen_kernel_and_records_it(quack_runs_here,
+                                                                                       compiled_on_the_cpu, monkeypatch):
+    calls = []
+    recording_mlps(monkeypatch, calls)
+    model, plain = compiled_pair(kept=6)  # no block keeps the derivative: that needs Hopper
     ids = torch.randint(0, 64, (2, 8))
-    model._compiled_trunk = model._trunk  # compiled training's route, without compiling (the GPU tests compile)
-    plain._compiled_trunk = plain._trunk
     hidden = model.hidden_states(ids)
-    assert calls == [(2, 8, 16)] * 3 and model.mlp_kernel == "quack"
+    assert calls == ["quack_mlp"] * 3 and model.kernels_used()["mlp"]["ran"] == "quack"
     torch.testing.assert_close(hidden, plain.hidden_states(ids))  # the stand-in is PyTorch's MLP: the same function
-    assert plain.mlp_kernel == "torch" and len(calls) == 3
+    assert plain.kernels_used()["mlp"]["ran"] == "torch" and len(calls) == 3
     model.eval()
     with torch.no_grad():
         model.hidden_states(ids)  # evaluation is eager: PyTorch's MLP, and the record keeps what training ran
-    assert len(calls) == 3 and model.mlp_kernel == "quack"
+    assert len(calls) == 3 and model.kernels_used()["mlp"]["ran"] == "quack"
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -110,7 +135,7 @@ def test_the_epilogue_mlp_gives_pytorchs_output_and_gradients_with_a_reference_f
     fake.gemm_dact = lambda a, b, preact, activation, tuned, config: gemm_dact(a, b, preact, activation)
     monkeypatch.setitem(sys.modules, "quack", types.ModuleType("quack"))
     monkeypatch.setitem(sys.modules, "quack.gemm_interface", fake)
-    assert_gives_pytorchs_mlp(fused_mlp.IMPLEMENTATION["quack"], compiled, seed=4)
+    assert_gives_pytorchs_mlp(fused_mlp.quack_mlp, compiled, seed=4)
 
 
 def assert_gives_pytorchs_mlp(implementation, compiled: bool, seed: int) -> None:
@@ -142,14 +167,14 @@ def fake_gemm_config(monkeypatch):
     fake.GemmConfig = types.SimpleNamespace
     monkeypatch.setitem(sys.modules, "quack", types.ModuleType("quack"))
     monkeypatch.setitem(sys.modules, "quack.gemm_config", fake)
-    fused_mlp._pinned_dact_config.cache_clear()
+    fused_mlp.pinned_dact_config.cache_clear()
     yield
-    fused_mlp._pinned_dact_config.cache_clear()
+    fused_mlp.pinned_dact_config.cache_clear()
 
 
-def test_the_backward_product_pins_its_measured_tile_on_hopper_only(monkeypatch, fake_gemm_config):
-    """The 128 x 128 tile was measured on an H200; Blackwell and the CPU keep quack's own default (None). Every call
-    gets the same config object: quack keys its cached launch by the pinned config's identity."""
+def test_the_backward_product_pins_its_tile_on_hopper_only(monkeypatch, fake_gemm_config):
+    """The 128 x 128 tile is Hopper's; Blackwell and the CPU keep quack's own default (None). Every call gets the
+    same config object: quack keys its cached launch by the pinned config's identity."""
     assert fused_mlp.dact_config(torch.device("cpu")) is None
     for capability, pinned in (((9, 0), True), ((10, 0), False)):
         monkeypatch.setattr(flash4, "compute_capability", lambda device, capability=capability: capability)
@@ -190,7 +215,7 @@ def test_the_mlp_keeping_the_gelu_derivative_gives_pytorchs_output_and_gradients
     """The autograd function around the two GEMMs (saving the activation and the derivative in place of the
     pre-activation, the backward product scaling by it) gives the plain MLP's output and all three gradients in
     fp64, also traced by torch.compile, where the products are custom ops seen through their shape functions."""
-    assert_gives_pytorchs_mlp(fused_mlp.IMPLEMENTATION[fused_mlp.KEPT_DERIVATIVE], compiled, seed=5)
+    assert_gives_pytorchs_mlp(fused_mlp.quack_kept_derivative_mlp, compiled, seed=5)
     assert reference_kept_derivative_gemms == [("forward", torch.float64), ("backward", torch.float64)]
 
 
@@ -212,41 +237,33 @@ def test_the_last_blocks_keep_the_derivative_with_quacks_mlp_on_hopper_only(monk
     assert fused_mlp.block_kernels("quack", 3, 6, CUDA) == (kept,) * 3  # at most every block
     assert fused_mlp.block_kernels("quack", 3, 0, CUDA) == ("quack",) * 3
     assert fused_mlp.block_kernels("torch", 3, 2, CUDA) == ("torch",) * 3
-    assert fused_mlp.block_kernels(fused_mlp.LAYERS, 3, 2, CUDA) == (fused_mlp.LAYERS,) * 3
     monkeypatch.setattr(flash4, "compute_capability", lambda device: (10, 0))  # Blackwell's epilogues take pairs
     assert fused_mlp.block_kernels("quack", 3, 2, CUDA) == ("quack",) * 3
     assert not fused_mlp.kept_derivative_runs(torch.device("cpu"))
 
 
 def test_compiled_training_routes_the_last_blocks_through_the_kept_derivative_mlp_and_records_it(quack_runs_here,
+                                                                                                  compiled_on_the_cpu,
                                                                                                   monkeypatch):
     calls = []
-
-    def recording(kernel):
-        def mlp(x, fc_weight, proj_weight):
-            calls.append(kernel)
-            return fused_mlp.torch_mlp(x, fc_weight, proj_weight)
-        return mlp
-
-    for kernel in ("quack", fused_mlp.KEPT_DERIVATIVE):
-        monkeypatch.setitem(fused_mlp.IMPLEMENTATION, kernel, recording(kernel))
+    recording_mlps(monkeypatch, calls)
     monkeypatch.setattr(fused_mlp, "kept_derivative_runs", lambda device: True)  # as on Hopper with quack
-    monkeypatch.setattr(GPT, "compute_dtype", lambda self, device: torch.bfloat16)
-    torch.manual_seed(0)
-    shape = dict(vocab_size=64, n_layer=3, n_head=2, n_embd=16, max_seq_len=8, residual_in_fp32=True,
-                 linear_kernel="torch")
-    model = GPT(GPTConfig(**shape, mlp_kept_derivatives=2))
-    plain = GPT(GPTConfig(**shape, mlp_kernel="torch"))
-    plain.load_state_dict(model.state_dict())
+    model, plain = compiled_pair(kept=2)
     ids = torch.randint(0, 64, (2, 8))
-    model._compiled_trunk = model._trunk
-    plain._compiled_trunk = plain._trunk
     torch.testing.assert_close(model.hidden_states(ids), plain.hidden_states(ids))
-    assert calls == ["quack", fused_mlp.KEPT_DERIVATIVE, fused_mlp.KEPT_DERIVATIVE]
-    assert (model.mlp_kernel, model.mlp_kept_derivatives) == ("quack", 2)
-    assert (plain.mlp_kernel, plain.mlp_kept_derivatives) == ("torch", 0)
+    assert calls == ["quack_mlp", "quack_kept_derivative_mlp", "quack_kept_derivative_mlp"]
+    assert model.kernels_used()["mlp"] == {"requested": "auto", "ran": "quack", "blocks_keeping_the_gelu_derivative": 2}
+    assert plain.kernels_used()["mlp"] == {"requested": "torch", "ran": "torch", "blocks_keeping_the_gelu_derivative": 0}
 
 
 def test_a_negative_count_of_kept_derivatives_is_refused():
-    with pytest.raises(ConfigError, match="model.mlp_kept_derivatives must be >= 0, not -1"):
-        load_config("conf/smoke.yaml", ["model.mlp_kept_derivatives=-1"])
+    with pytest.raises(ConfigError, match="compute.mlp_kept_derivatives must be >= 0, not -1"):
+        load_config("conf/smoke.yaml", ["compute.mlp_kept_derivatives=-1"])
+
+
+def test_the_record_calls_the_mlp_quacks_where_every_block_keeps_the_derivative():
+    every_block = kernels.Kernels(attention="sdpa", mlp=(fused_mlp.KEPT_DERIVATIVE,) * 2, loss="eager")
+    assert every_block.described(ComputeConfig())["mlp"] == {"requested": "auto", "ran": "quack",
+                                                             "blocks_keeping_the_gelu_derivative": 2}
+    plain = kernels.Kernels(attention="sdpa", mlp=("torch",) * 2, loss="eager")
+    assert plain.described(ComputeConfig())["mlp"]["ran"] == "torch"

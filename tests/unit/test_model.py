@@ -5,15 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from config import load_config
+from config import ConfigError, load_config
 from model.attention import document_causal_mask, document_offsets
 from model.flops import count_parameters, training_flops
 from model.gpt import GPT, GPTConfig
+from model.kernels import ComputeConfig
 
 
-def tiny_model(seed: int = 0) -> GPT:
+def tiny_model(seed: int = 0, **compute) -> GPT:
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=97, n_layer=2, n_head=4, n_embd=32, max_seq_len=32, init_std=0.1))
+    model = GPT(GPTConfig(vocab_size=97, n_layer=2, n_head=4, n_embd=32, max_seq_len=32, init_std=0.1),
+                ComputeConfig(**compute))
     return model.eval()
 
 
@@ -67,8 +69,7 @@ def test_changing_one_document_leaves_the_others_untouched():
 
 
 def test_activation_checkpointing_gives_the_same_gradients():
-    plain, checkpointed = tiny_model(), tiny_model()
-    checkpointed.config.activation_checkpointing = True
+    plain, checkpointed = tiny_model(), tiny_model(activation_checkpointing=True)
     row = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
     for model in (plain, checkpointed):
         model.train()
@@ -99,7 +100,7 @@ def test_rows_of_one_document_each_take_plain_causal_attention_with_the_same_res
     ids = torch.randint(0, 97, (3, 32), generator=torch.Generator().manual_seed(4))
     positions = torch.arange(32).expand(3, 32)
     with torch.no_grad():
-        masked = model._trunk(ids, positions, None)  # the document-mask path
+        masked = model.hidden_states(ids, positions)  # without cu_seqlens: the document-mask path
         monkeypatch.setattr("model.attention.document_causal_mask", lambda *a: (_ for _ in ()).throw(AssertionError("mask built")))
         plain = model.hidden_states(ids, positions, document_offsets(positions))
     torch.testing.assert_close(plain, masked, rtol=1e-5, atol=1e-5)
@@ -108,17 +109,17 @@ def test_rows_of_one_document_each_take_plain_causal_attention_with_the_same_res
         model.hidden_states(ids, two_docs, document_offsets(two_docs))  # several documents: the masked path
 
 
-def test_compiling_by_blocks_makes_one_graph_the_blocks_share_and_matches_eager():
+def test_the_compiled_trunk_is_one_graph_and_matches_eager():
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    config = GPTConfig(vocab_size=128, n_layer=4, n_head=2, n_embd=32, max_seq_len=64, loss_chunk_tokens=0,
-                       compile_scope="blocks")
+    config = GPTConfig(vocab_size=128, n_layer=4, n_head=2, n_embd=32, max_seq_len=64)
     torch.manual_seed(0)
-    fast, eager = GPT(config), GPT(config)
+    fast, eager = GPT(config, ComputeConfig(loss_chunk_tokens=0)), GPT(config, ComputeConfig(loss_chunk_tokens=0))
     eager.load_state_dict(fast.state_dict())
     fast.compile_trunk()
+    fast.train(), eager.train()
     positions = torch.cat([torch.arange(20), torch.arange(44)]).repeat(2, 1)
     batch = {"input_ids": torch.randint(0, 128, (2, 64)), "positions": positions,
              "targets": torch.randint(0, 128, (2, 64)), "cu_seqlens": document_offsets(positions)}
@@ -130,41 +131,60 @@ def test_compiling_by_blocks_makes_one_graph_the_blocks_share_and_matches_eager(
     torch.testing.assert_close(losses[0], losses[1])
     for (name, p), q in zip(fast.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
-    # Four blocks, at most two graphs: the first block builds the CPU path's document mask (a side
-    # effect dynamo replays), the other three reuse the second graph. Without sharing it would be four.
-    assert counters["stats"]["unique_graphs"] <= 2
-    assert set(fast.state_dict()) == set(eager.state_dict())  # the compiled wrappers add no second copy
+    assert counters["stats"]["unique_graphs"] == 1
+    assert set(fast.state_dict()) == set(eager.state_dict())  # the compiled trunk adds no second copy
 
 
-def test_fp8_is_refused_without_a_cuda_gpu():
-    from config import ConfigError
-    from runtime import device_policy
+@pytest.mark.parametrize("override, says", [
+    ("model.attention=sdpa", "model.attention is now compute.attention"),
+    ("model.mlp_kernel=torch", "model.mlp_kernel is now compute.mlp"),
+    ("model.residual_in_fp32=true", "model.residual_in_fp32 is now compute.residual_in_fp32"),
+    ("model.fp8=true", "model.fp8 was removed: float8 training"),
+    ("model.compile_scope=blocks", "model.compile_scope was removed: torch.compile takes the whole trunk"),
+    ("model.activation_memory_budget=0.5", "model.activation_memory_budget was removed"),
+    ("model.loss_kernel=liger", "model.loss_kernel was removed"),
+    ("model.loss_softmax=triton", "model.loss_softmax was removed"),
+    ("model.linear_kernel=quack", "model.linear_kernel was removed"),
+])
+def test_a_key_the_model_section_no_longer_has_says_where_it_went_or_why_it_is_gone(override, says):
+    with pytest.raises(ConfigError, match=f"the command line: {says}"):
+        load_config("conf/smoke.yaml", [override])
 
-    cfg = load_config("conf/smoke.yaml", ["model.fp8=true"])
-    with pytest.raises(ConfigError, match="model.fp8 is true but it needs a CUDA GPU"):
-        device_policy.build_module(cfg, None)
+
+def test_an_old_config_file_with_removed_keys_is_refused_naming_the_file(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("model:\n  n_layer: 2\n  compile_scope: trunk\n  attention: auto\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(old)
+    assert str(refused.value) == (f"{old}: model.compile_scope was removed: torch.compile takes the whole trunk as one "
+                                  f"graph; model.attention is now compute.attention")
 
 
 def test_the_layer_norm_is_pytorchs_and_no_config_key_chooses_another():
-    from config import ConfigError
-
     with pytest.raises(ConfigError, match="norm_kernel"):
         load_config("conf/smoke.yaml", ["model.norm_kernel=quack"])
 
 
-def test_each_compiled_model_sets_its_own_activation_memory_budget():
-    """The budget is a process-wide setting read when a graph is partitioned: a model compiled after
-    another one gets its own, also the default of 1 (no recomputation to save memory)."""
-    saved = torch._functorch.config.activation_memory_budget
-    try:
-        first = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, max_seq_len=32, activation_memory_budget=0.5))
-        first.compile_trunk()
-        assert torch._functorch.config.activation_memory_budget == 0.5
-        second = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, max_seq_len=32, activation_memory_budget=1.0))
-        second.compile_trunk()
-        assert torch._functorch.config.activation_memory_budget == 1.0
-    finally:
-        torch._functorch.config.activation_memory_budget = saved
+def test_the_model_section_is_the_shape_and_the_compute_section_how_it_runs():
+    cfg = load_config("conf/smoke.yaml", ["compute.loss_chunk_tokens=64", "compute.attention=sdpa"])
+    assert (cfg.compute.loss_chunk_tokens, cfg.compute.attention) == (64, "sdpa")
+    with pytest.raises(ConfigError, match="compute.loss must be one of auto, quack, triton, not 'liger'"):
+        load_config("conf/smoke.yaml", ["compute.loss=liger"])
+    with pytest.raises(ConfigError, match="compute.loss_chunk_tokens must be >= 0, not -1"):
+        load_config("conf/smoke.yaml", ["compute.loss_chunk_tokens=-1"])
+
+
+def test_the_model_says_what_ran_each_part_once_it_ran():
+    model = tiny_model(loss_chunk_tokens=8)
+    assert model.kernels_used() == {}
+    model.train()
+    model.loss_sum({"input_ids": torch.zeros(2, 16, dtype=torch.long), "targets": torch.zeros(2, 16, dtype=torch.long)})
+    assert model.kernels_used() == {
+        "attention": {"requested": "auto", "ran": {"packed rows": "SDPA with a document mask",
+                                                   "one-document rows": "SDPA is_causal"}},
+        "mlp": {"requested": "auto", "ran": "torch", "blocks_keeping_the_gelu_derivative": 0},
+        "loss": {"requested": "auto", "ran": "eager"},
+    }
 
 
 def block_input_dtypes(model: GPT, row: torch.Tensor) -> tuple[set, torch.Tensor]:
@@ -181,9 +201,8 @@ def block_input_dtypes(model: GPT, row: torch.Tensor) -> tuple[set, torch.Tensor
 
 def test_the_residual_stream_takes_the_compute_dtype_under_autocast_unless_kept_in_fp32():
     row = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(4))
-    wide, narrow = tiny_model(), tiny_model()
-    wide.config.residual_in_fp32 = True
-    assert narrow.config.residual_in_fp32 is False  # the default
+    wide, narrow = tiny_model(residual_in_fp32=True), tiny_model()
+    assert narrow.compute.residual_in_fp32 is False  # the default
     seen_wide, loss_wide = block_input_dtypes(wide, row)
     seen_narrow, loss_narrow = block_input_dtypes(narrow, row)
     assert seen_wide == {torch.float32} and seen_narrow == {torch.bfloat16}
@@ -196,14 +215,13 @@ def test_the_residual_stream_takes_the_compute_dtype_under_autocast_unless_kept_
 
 def test_residual_in_fp32_changes_nothing_without_autocast():
     row = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(5))
-    wide, narrow = tiny_model(), tiny_model()
-    wide.config.residual_in_fp32 = True
+    wide, narrow = tiny_model(residual_in_fp32=True), tiny_model()
     with torch.no_grad():
         assert torch.equal(wide(row), narrow(row))
 
 
 class _RecordingLinear(torch.nn.Linear):
-    """A Linear layer that notes its calls, standing in for torchao's float8 layers (which also subclass it)."""
+    """A Linear layer that notes its calls."""
 
     calls: list = []
 
@@ -212,12 +230,10 @@ class _RecordingLinear(torch.nn.Linear):
         return super().forward(x)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_under_fp8_every_product_of_the_blocks_goes_through_their_linear_layers(monkeypatch, fp8):
-    """torchao swaps the blocks' Linear layers for float8 ones: a kernel that reads a weight would bypass them."""
+def test_eager_every_product_of_the_blocks_goes_through_their_linear_layers(monkeypatch):
+    """The blocks are nanoGPT's modules: swapping a Linear layer (a hook, a quantized layer) changes what runs."""
     monkeypatch.setattr(_RecordingLinear, "calls", [])
     model = tiny_model()
-    model.config.fp8 = fp8
     for block in model.blocks:
         for owner, name in ((block.attn, "qkv"), (block.attn, "proj"), (block.mlp, "fc"), (block.mlp, "proj")):
             layer = getattr(owner, name)
@@ -229,5 +245,30 @@ def test_under_fp8_every_product_of_the_blocks_goes_through_their_linear_layers(
     with torch.no_grad():
         torch.testing.assert_close(model(row), reference(row))
     d = model.config.n_embd
-    per_block = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] if fp8 else [(d, d)]  # else only the output projection
-    assert _RecordingLinear.calls == per_block * model.config.n_layer
+    assert _RecordingLinear.calls == [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * model.config.n_layer
+
+
+def test_the_kernels_are_chosen_once_and_again_only_when_the_dtype_or_compilation_changes(monkeypatch):
+    from model import kernels
+
+    chosen = []
+    real = kernels.choose_kernels
+
+    def counting(compute, device, dtype, compiled, *shape):
+        chosen.append((dtype, compiled))
+        return real(compute, device, dtype, compiled, *shape)
+
+    monkeypatch.setattr(kernels, "choose_kernels", counting)
+    model = tiny_model()
+    row = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        for _ in range(3):
+            model(row)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(row)
+            model(row)
+    assert chosen == [(torch.float32, False), (torch.bfloat16, False)]
+    model.compile_trunk()
+    with torch.no_grad():
+        model(row)  # evaluation stays eager, but the choice is now for a compiled model
+    assert chosen[-1] == (torch.float32, True) and len(chosen) == 3

@@ -27,26 +27,26 @@ def test_the_eager_probe_builds_pytorchs_attention_where_training_chooses_automa
     built = []
 
     def build_module(cfg, device):
-        built.append(cfg.model.attention)
+        built.append(cfg.compute.attention)
         raise Built
 
     monkeypatch.setattr(probe, "build_module", build_module)
     cfg = load_config("conf/smoke.yaml")
-    assert cfg.model.attention == "auto"
+    assert cfg.compute.attention == "auto"
     for compiled in (False, True):
         with pytest.raises(Built):
             probe.run_probe_local(cfg, 2, 1, 32, compiled=compiled)
     assert built == ["varlen", "auto"]  # the compiled measurement (bench memory-sweep) keeps training's kernels
-    assert cfg.model.attention == "auto"  # the caller's configuration is left as it was
+    assert cfg.compute.attention == "auto"  # the caller's configuration is left as it was
 
 
 @pytest.mark.parametrize("requested", ["fa4", "varlen", "sdpa"])
 def test_an_explicit_attention_kernel_is_probed_as_it_is(varlen_available, requested):
-    cfg = load_config("conf/smoke.yaml", [f"model.attention={requested}"])
-    assert probe.probe_model_config(cfg).model.attention == requested
+    cfg = load_config("conf/smoke.yaml", [f"compute.attention={requested}"])
+    assert probe.probe_model_config(cfg).compute.attention == requested
 
 
 def test_without_pytorchs_varlen_kernel_the_probe_keeps_the_automatic_choice(monkeypatch):
     monkeypatch.setattr(attention, "varlen_attn", None)  # packed rows would take SDPA's mask: more memory
     cfg = load_config("conf/smoke.yaml")
-    assert probe.probe_model_config(cfg).model.attention == "auto"
+    assert probe.probe_model_config(cfg).compute.attention == "auto"

@@ -1,11 +1,7 @@
 """Measurements: ``python -m tools bench NAME [ARGS]``, one experiment a name (``--help`` lists them).
 
     training.py           the trainer's experiments on a GPU, one function each; runs.py, what they share
-    step_variants.py      the compiled step under each loss kernel and inductor setting, in one process
     host_pipeline.py      the data pipeline alone, on the CPU
-    kernels.py            attention kernels and the model's GEMMs at the trainer's shapes
-    tiles.py              quack's, FA4's and the chunk softmax's kernels under other tiles than their defaults;
-                          dact_epilogue.py, an epilogue only its --dact-outputs sweep measures
     gpu_clocks.py         the SM clock and power a run ran at (nvidia-smi beside it), for runs.py
     allreduce.py          all-reduce bandwidth between this machine's GPUs
     trace_summary.py      where the GPU time of a profiled window went
@@ -30,10 +26,7 @@ EXPERIMENTS = {
     "scaling": ("tools.bench.training:scaling", "train.py on 1 GPU against 2, the same microbatch per GPU (GPUs)"),
     "probe-timing": ("tools.bench.training:probe_timing", "RunFab's probe of one microbatch: seconds, host memory (GPU)"),
     "memory-sweep": ("tools.bench.training:memory_sweep", "the probe's peak GPU memory, eager against compiled (GPU)"),
-    "step-variants": ("tools.bench.step_variants", "the compiled step under each loss kernel and inductor setting, one process (GPU)"),
     "host-pipeline": ("tools.bench.host_pipeline", "the data pipeline alone, stdin to updates: tokens/s (CPU)"),
-    "kernels": ("tools.bench.kernels", "attention kernels and the model's GEMMs at the trainer's shapes (GPU)"),
-    "tiles": ("tools.bench.tiles", "quack's GELU epilogue GEMMs, FA4's attention and the chunk softmax under each candidate tile (GPU)"),
     "allreduce": ("tools.bench.allreduce", "all-reduce of the gradients' size between this machine's GPUs (2+ GPUs)"),
     "trace-summary": ("tools.bench.trace_summary", "where the GPU time of a profiled window went (a trace file)"),
     "rank-balance": ("tools.bench.rank_balance", "how evenly data-parallel ranks share attention work (CPU)"),

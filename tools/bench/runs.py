@@ -16,7 +16,6 @@ import gc
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -30,7 +29,6 @@ import train
 from callbacks.runfab_metrics import peak_memory
 from config import ConfigError, RunConfig, load_config
 from lit_module import GPTTrainingModule
-from model import fused_mlp
 from model.flops import training_flops
 from pipeline.feeder import UpdateFeeder
 from pipeline.stages import ValidationPool
@@ -116,21 +114,6 @@ def config(args, *overrides: str, forced: tuple[str, ...] = ()) -> RunConfig:
     return load_config(args.config, [*overrides, *args.overrides, *forced])
 
 
-def cuda_median_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of ``fn()`` over ``repeats`` runs timed with CUDA events, after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def require_gpu(name: str) -> bool:
     """Whether a CUDA GPU is visible; if not, says so in one line: on a CPU these runs would take hours
     and all the host memory."""
@@ -139,16 +122,6 @@ def require_gpu(name: str) -> bool:
     print(f"python -m tools bench {name}: needs a CUDA GPU and none is visible; on a CPU, host-pipeline, "
           "rank-balance, synthetic-records and trace-summary run", file=sys.stderr)
     return False
-
-
-def quack_missing(command: str, device: torch.device, width: int) -> bool:
-    """True, after one line on stderr saying why, when quack's GEMMs cannot run on ``device`` for a model ``width``
-    wide. The check also registers the model's GELU in quack's tables (``fused_mlp.quack_imports``), which the
-    benchmarks of quack's GELU products need."""
-    reason = fused_mlp.quack_unavailable_reason(device, torch.bfloat16, width)
-    if reason is not None:
-        print(f"python -m tools bench {command}: quack's GEMMs cannot run: {reason}", file=sys.stderr)
-    return reason is not None
 
 
 def prepare(args) -> None:
@@ -291,7 +264,7 @@ def run_plain(layout: str, args) -> dict:
     split = BatchSplit(args.microbatch, accumulation, 1, train.EFFECTIVE_BATCH_SIZE)
     settings = training_run.stream_settings(cfg, encoder, split)
     feeder = UpdateFeeder(lambda: (records, records.name), settings, encoder.encode_batch_arrays, ValidationPool(0))
-    lit = device_policy.build_module(cfg, torch.device("cuda"))  # model.fp8 converts the blocks, as in training
+    lit = device_policy.build_module(cfg, torch.device("cuda"))
     lit.model.compile_trunk()
     optimizer = lit.configure_optimizers()["optimizer"]
     torch.cuda.reset_peak_memory_stats()
@@ -318,10 +291,11 @@ def run_reference(args) -> dict:
     50,304, one fixed batch of random tokens (every row one 4096-token document), the whole forward
     and a full-vocabulary cross-entropy compiled as one function, fused AdamW, bf16 autocast,
     gradient clipping. Throughput counts every input token, as nanoGPT's does. Its attention is
-    PyTorch's fused causal SDPA, as nanoGPT's, whatever model.attention the other runs use."""
-    cfg = config(args, "model.vocab_size=50304", forced=("model.attention=varlen",))  # causal SDPA, one document a row
-    lit = GPTTrainingModule(cfg.model, cfg.optim).cuda()
+    PyTorch's fused causal SDPA, as nanoGPT's, whatever compute.attention the other runs use."""
+    cfg = config(args, "model.vocab_size=50304", forced=("compute.attention=varlen",))  # causal SDPA, one document a row
+    lit = GPTTrainingModule(cfg.model, cfg.optim, cfg.compute).cuda()
     model = lit.model
+    model.use_kernels(lit.device, torch.bfloat16)  # before torch.compile traces the forward, which chooses nothing
     optimizer = lit.configure_optimizers()["optimizer"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     tokens = torch.randint(0, cfg.model.vocab_size, (args.microbatch, 4097), device="cuda", generator=gen)

@@ -42,7 +42,7 @@ WORKERS = ("--trainer.worker_processes", "true")
 def trainer(argv: list[str]) -> int:
     parser = runs.parser("trainer", "train.py against the same work in a plain PyTorch loop.")
     parser.add_argument("--compare", nargs="+", action="append", default=[], metavar="KEY=VALUE",
-                        help="add a train.py run with these settings (e.g. model.loss_chunk_tokens=32768); "
+                        help="add a train.py run with these settings (e.g. compute.loss_chunk_tokens=32768); "
                              "repeat for more runs")
     parser.add_argument("--against", type=Path, action="append", default=[], metavar="CHECKOUT",
                         help="add a run of the train.py in CHECKOUT, another revision of this project (for example "

@@ -1,0 +1,178 @@
+"""How the model computes (the config's ``compute`` section), and which kernel runs each part.
+
+``choose_kernels`` is the one place a kernel is chosen: once for the device and dtype a model runs in
+(``GPT`` asks again only when those change), before the compiled trunk is traced, so the graph sees each
+choice as a constant. Each part then runs its own: ``CausalSelfAttention`` its attention family,
+``MLP`` its GEMMs, ``LMHeadLoss`` its chunk function. ``pick`` is the one rule every optional kernel
+follows: "auto" takes it where it runs and falls back with one log line saying why not; asking for it
+by name where it cannot run is an error that says what to do.
+
+The optional kernels and what they need:
+
+- FlashAttention 4 (``model.flash4``; the ``flash-attn-4`` package): Hopper or Blackwell, half dtypes.
+- quack's GEMMs with the GELU in their epilogues (``model.fused_mlp``; ``quack-kernels``): compiled
+  training in half dtypes on Hopper or Blackwell; the last ``mlp_kept_derivatives`` blocks keep the
+  GELU's derivative on Hopper.
+- quack's head logits with each row's log-sum-exp (``model.quack_lse``) and the one-pass Triton
+  gradient (``model.triton_cross_entropy``): compiled training in bf16 on Hopper; elsewhere on CUDA the
+  two-pass Triton kernel over cuBLAS's logits.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+
+from model import attention, flash4, fused_mlp
+
+log = logging.getLogger(__name__)
+
+Attention = Literal["auto", "fa4", "varlen", "sdpa"]
+MLPKernel = Literal["auto", "quack", "torch"]
+LossKernel = Literal["auto", "quack", "triton"]
+ATTENTION_CHOICES, MLP_CHOICES, LOSS_CHOICES = get_args(Attention), get_args(MLPKernel), get_args(LossKernel)
+LSE_COMPUTE_CAPABILITY = 9  # Hopper: quack hands its epilogue functions single fp32 values (model.quack_lse)
+
+
+@dataclass
+class ComputeConfig:
+    """The ``compute`` section of the config: how the model computes, whatever its shape. Kernels apply to
+    CUDA runs; CPU runs and fp32 take PyTorch's plain path, whatever is set here."""
+
+    attention: Attention = "auto"
+    """Attention kernel: fa4 (FlashAttention 4; an error on a GPU where it cannot run), varlen (PyTorch's CUDA kernels:
+    varlen flash for packed rows, fused causal SDPA for one-document rows), sdpa (SDPA with a document mask); auto: fa4
+    where it is installed and the GPU supports it, else varlen"""
+    mlp: MLPKernel = "auto"
+    """MLP kernel of compiled training in half dtypes: quack (the GELU inside the MLP's GEMM epilogues, quack-kernels;
+    an error where it cannot run), torch (cuBLAS products and a separate GELU); auto: quack where it imports and the
+    GPU supports it, else torch. Eager runs (the probe, evaluation) take torch"""
+    mlp_kept_derivatives: int = 6
+    """With quack's MLP on Hopper: in this many blocks, the last ones, fc's product also writes the GELU's derivative,
+    which the backward keeps in place of the pre-activation, so that proj's input-gradient product only scales by it.
+    Each such block keeps 4 x n_embd x 2 bytes more per token; 0: none"""
+    loss: LossKernel = "auto"
+    """Chunk kernel of the LM head's loss in compiled CUDA training: quack (the logits with each row's log-sum-exp
+    from quack's GEMM epilogue, then one Triton pass writing the gradient; bf16 on Hopper, an error elsewhere), triton
+    (cuBLAS's logits, then a Triton kernel reading them twice); auto: quack where it runs, else triton. Eager runs
+    take PyTorch"""
+    loss_chunk_tokens: int = 16384
+    """LM head and cross-entropy run over chunks of this many tokens, so the logits of a whole microbatch never
+    exist at once; 0: all at once"""
+    residual_in_fp32: bool = False
+    """true: keep the residual stream (the embeddings and every block's sum) in fp32 under autocast, as autocast
+    alone leaves it; false: in the compute dtype (bf16), as in Megatron-LM's default, with half the bytes for the
+    LayerNorms, residual adds and saved activations. Runs without autocast (fp32, CPU) are unaffected"""
+    activation_checkpointing: bool = False
+    """Recompute each block in the backward pass: less activation memory for more compute"""
+
+    def problems(self) -> list[str]:
+        found = [f"compute.{name} must be one of {', '.join(choices)}, not {getattr(self, name)!r}"
+                 for name, choices in (("attention", ATTENTION_CHOICES), ("mlp", MLP_CHOICES), ("loss", LOSS_CHOICES))
+                 if getattr(self, name) not in choices]
+        found += [f"compute.{name} must be >= 0, not {getattr(self, name)}"
+                  for name in ("mlp_kept_derivatives", "loss_chunk_tokens") if getattr(self, name) < 0]
+        return found
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What runs each part: the attention family ("fa4", "flash", "sdpa"), each block's MLP in compiled training
+    ("torch", "quack", ``fused_mlp.KEPT_DERIVATIVE``) and the loss's chunk function ("eager", "triton", "quack")."""
+
+    attention: str
+    mlp: tuple[str, ...]
+    loss: str
+
+    def mlp_family(self) -> str:
+        """"quack" where any block runs quack's MLP (keeping the derivative or not), else "torch"."""
+        return "torch" if all(kernel == "torch" for kernel in self.mlp) else "quack"
+
+    def described(self, compute: ComputeConfig) -> dict:
+        """What ran, for the run record: each part's setting and the kernels behind it."""
+        kept = self.mlp.count(fused_mlp.KEPT_DERIVATIVE)
+        return {
+            "attention": {"requested": compute.attention,
+                          "ran": {kind: attention.describe(self.attention, packed)
+                                  for kind, packed in (("packed rows", True), ("one-document rows", False))}},
+            "mlp": {"requested": compute.mlp, "ran": self.mlp_family(), "blocks_keeping_the_gelu_derivative": kept},
+            "loss": {"requested": compute.loss, "ran": self.loss},
+        }
+
+
+_reported: set = set()
+
+
+def pick(option: str, requested: str, kernel: str, problem: str | None, fallback: str) -> str:
+    """``kernel`` for the setting ``option`` = ``requested`` ("auto" or ``kernel``) where it runs (``problem`` None);
+    "auto" falls back to ``fallback`` with one log line a process; ``kernel`` by name where it cannot run raises."""
+    if problem is None:
+        return kernel
+    if requested == kernel:
+        raise RuntimeError(f"{option} is {kernel!r} but it cannot run: {problem}. Use 'auto', or install it where it "
+                           f"runs (docs/configuration.md: optional kernels).")
+    if (option, problem) not in _reported:
+        _reported.add((option, problem))
+        log.info("%s: %s not used (%s); %s instead", option, kernel, problem, fallback)
+    return fallback
+
+
+def attention_kernel(compute: ComputeConfig, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """The attention family: FA4 where it runs (auto, fa4), PyTorch's flash kernels, or SDPA with a mask (CPU, fp32)."""
+    if compute.attention == "sdpa" or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return "sdpa"
+    if compute.attention == "varlen":
+        return "flash"
+    return pick("compute.attention", compute.attention, "fa4", flash4.fa4_unavailable_reason(device, head_dim), "flash")
+
+
+def mlp_kernels(compute: ComputeConfig, device: torch.device, dtype: torch.dtype, compiled: bool, n_layer: int,
+                width: int) -> tuple[str, ...]:
+    """Each block's MLP kernel in compiled training (eager runs always take PyTorch's, ``model.gpt.MLP``)."""
+    if not compiled or compute.mlp == "torch":
+        return ("torch",) * n_layer
+    kernel = pick("compute.mlp", compute.mlp, "quack", fused_mlp.quack_unavailable_reason(device, dtype, width), "torch")
+    return fused_mlp.block_kernels(kernel, n_layer, compute.mlp_kept_derivatives, device)
+
+
+def loss_kernel(compute: ComputeConfig, device: torch.device, dtype: torch.dtype, compiled: bool, width: int) -> str:
+    """The chunk function of the loss in training: PyTorch's eager (CPU, eager runs), quack's logits with their
+    log-sum-exp and the one-pass Triton gradient, or the two-pass Triton kernel over cuBLAS's logits."""
+    if not compiled or device.type != "cuda":
+        return "eager"
+    if compute.loss == "triton":
+        return "triton"
+    problem = fused_mlp.quack_unavailable_reason(device, dtype, width)
+    if problem is None and dtype != torch.bfloat16:
+        problem = f"its logits are rounded to bf16, not {dtype}"
+    if problem is None and flash4.compute_capability(device)[0] != LSE_COMPUTE_CAPABILITY:
+        problem = "its epilogue takes the single values Hopper's GEMMs pass (compute capability 9.x)"
+    return pick("compute.loss", compute.loss, "quack", problem, "triton")
+
+
+def choose_kernels(compute: ComputeConfig, device: torch.device, dtype: torch.dtype, compiled: bool, n_layer: int,
+                   n_embd: int, n_head: int) -> Kernels:
+    """Every part's kernel for a model of that shape computing in ``dtype`` on ``device``, compiled or eager."""
+    return Kernels(attention=attention_kernel(compute, device, dtype, n_embd // n_head),
+                   mlp=mlp_kernels(compute, device, dtype, compiled, n_layer, n_embd),
+                   loss=loss_kernel(compute, device, dtype, compiled, n_embd))
+
+
+def describe(kernels: Kernels) -> str:
+    """One log line of what runs."""
+    kept = kernels.mlp.count(fused_mlp.KEPT_DERIVATIVE)
+    mlp = fused_mlp.describe(kernels.mlp_family())
+    return (f"attention: {attention.describe(kernels.attention, True)} for packed rows, "
+            f"{attention.describe(kernels.attention, False)} for one-document rows; mlp: {mlp}"
+            f"{f', the last {kept} blocks keeping the GELU derivative' if kept else ''}; loss chunks: "
+            f"{LOSS_DESCRIPTIONS[kernels.loss]}")
+
+
+LOSS_DESCRIPTIONS = {
+    "eager": "PyTorch",
+    "triton": "cuBLAS's logits and a two-pass Triton kernel",
+    "quack": "quack's logits with their log-sum-exp and a one-pass Triton kernel",
+}
