@@ -6,31 +6,27 @@ that lists them all, and ``--print_config``. It only reads the command line. The
 overrides are merged by ``config.load_config``, the path RunFab's hooks take too, so the values are
 checked once, the same way, and the hooks never import jsonargparse (RunFab's image does not have it).
 
-The help of a key is the docstring under its field in the dataclass that defines it, so a key's meaning
-is written once, beside its default. They are read here with ``ast``: jsonargparse's own reader of attribute
-docstrings needs docstring-parser, one more package for the command line alone. Any other argument of
-lightning.Trainer is an option too, ``--trainer.NAME VALUE``, passed to the Trainer (config.py keeps it under
-``trainer.lightning``), except those the run sets itself, which are refused with the reason.
+The help of a key is the docstring under its field in the dataclass that defines it, read by
+jsonargparse (with docstring-parser), so a key's meaning is written once, beside its default. Any other
+argument of lightning.Trainer is an option too, ``--trainer.NAME VALUE``, passed to the Trainer (config.py
+keeps it under ``trainer.lightning``), except those the run sets itself, which are refused with the reason.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import inspect
+import difflib
 import json
-import re
 import sys
-import textwrap
-import types
 import typing
-from pathlib import Path
-from dataclasses import MISSING, dataclass, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from functools import cache
+from pathlib import Path
 
+import docstring_parser
 import lightning as L
 import yaml
-from jsonargparse import ArgumentParser
+from jsonargparse import ArgumentParser, set_parsing_settings
 
 from runtime import created_files, launcher
 from runtime import training_run
@@ -141,7 +137,7 @@ def parse(argv: list[str]) -> Command:
     # configuration), so the flag is taken out before it parses; the option is declared only for --help.
     print_config = PRINT_CONFIG in argv
     argv = [token for token in argv if token != PRINT_CONFIG]
-    configs = [token for token in argv if token == "--config" or token.startswith("--config=")]
+    configs = config_files(argv)
     if len(configs) > 1:  # the parser would keep the last one silently
         raise CommandLineError(f"--config is given {len(configs)} times; give one file, and change single keys "
                                "with --section.key VALUE")
@@ -149,11 +145,12 @@ def parse(argv: list[str]) -> Command:
     refused = lightning_argument_problems({name: None for name in refused if name in LIGHTNING_REFUSED})
     if refused:  # the parser has no option for them and would only call them unrecognized
         raise CommandLineError(refused[0])
+    parser = build_parser(configs[0] if configs and any(token in HELP for token in argv) else None)
     try:
         # defaults=False: only what the user typed, so the YAML file is never overridden by a schema default
-        namespace = build_parser().parse_args(argv, defaults=False)
+        namespace = parser.parse_args(argv, defaults=False)
     except Exception as error:  # jsonargparse's ArgumentError, raised because exit_on_error is off
-        raise CommandLineError(readable(error)) from None
+        raise CommandLineError(readable(error, argv)) from None
     name = namespace.subcommand
     given = flatten(namespace[name].as_dict() if namespace[name] is not None else {})
     options = {key: given.pop(key, None) for key in ("config", "microbatch", "accumulation", "ckpt_path")}
@@ -168,30 +165,46 @@ def parse(argv: list[str]) -> Command:
     )
 
 
-def readable(error: Exception) -> str:
-    """jsonargparse's message on one line; for a choice key, the choices and the value given."""
+def config_files(argv: list[str]) -> list[str]:
+    """The values of every --config in ``argv`` (``--config FILE`` or ``--config=FILE``)."""
+    found = []
+    for index, token in enumerate(argv):
+        if token.startswith("--config="):
+            found.append(token.split("=", 1)[1])
+        elif token == "--config":
+            found.append(argv[index + 1] if index + 1 < len(argv) else "")
+    return found
+
+
+def readable(error: Exception, argv: list[str]) -> str:
+    """jsonargparse's message on one line; for an option no key has, the keys spelled closest to it."""
     message = " ".join(str(error).split())
-    key = re.match(r'Parser key "([^"]+)"', message)
-    value = re.search(r"(?:Got|Given) value: (.*)$", message)
-    hints = {name: hint for name, hint, _, _ in config_keys(RunConfig)}
-    choices = literal_choices(hints.get(key[1])) if key else None
-    if not (choices and value):
+    if not message.startswith("unrecognized arguments"):
         return message
-    return f"--{key[1]} must be one of {', '.join(choices)}, not {value[1]}"
+    options = known_options()
+    for token in argv:
+        spelled = token.split("=", 1)[0]
+        if spelled.startswith("--") and spelled not in options:
+            close = difflib.get_close_matches(spelled, options, n=3, cutoff=0.75)
+            if close:
+                return f"{message}; did you mean {' or '.join(close)}?"
+    return message
 
 
-def literal_choices(hint: object) -> list[str] | None:
-    """The values a choice type (``Literal``, optionally in ``| None`` or ``list[...]``) allows; None for others."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is typing.Literal:
-        return [str(arg) for arg in args]
-    if origin is list:
-        return literal_choices(args[0])
-    if origin in (typing.Union, types.UnionType) and type(None) in args:
-        rest = [arg for arg in args if arg is not type(None)]
-        choices = literal_choices(rest[0]) if len(rest) == 1 else None
-        return [*choices, "null"] if choices else None
-    return None
+def known_options() -> list[str]:
+    """Every option of ``fit``: its own, one per configuration key, and the Trainer's that pass through."""
+    own = ["--config", "--microbatch", "--accumulation", "--ckpt_path", PRINT_CONFIG]
+    keys = [f"--{key}" for key in config_keys(RunConfig) if key != PASSED_TO_LIGHTNING]
+    passed = [f"--trainer.{name}" for name in lightning_trainer_arguments()
+              if name not in LIGHTNING_REFUSED and f"--trainer.{name}" not in keys]
+    return own + keys + passed
+
+
+def config_keys(cls: type, prefix: str = "") -> list[str]:
+    """The dotted key of every leaf field of the configuration dataclasses."""
+    hints = typing.get_type_hints(cls)
+    return [key for item in fields(cls) for key in (config_keys(hints[item.name], f"{prefix}{item.name}.")
+                                                   if is_dataclass(hints[item.name]) else [f"{prefix}{item.name}"])]
 
 
 def config_yaml(cfg: RunConfig) -> str:
@@ -199,12 +212,17 @@ def config_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(as_dict(cfg), sort_keys=False)
 
 
-def build_parser() -> ArgumentParser:
+def build_parser(config_path: str | None = None) -> ArgumentParser:
+    """The whole command line; with ``config_path``, the help shows that file's values as the defaults."""
     root = ArgumentParser(prog=PROG, exit_on_error=False, description=describe(),
                           usage=f"{PROG} [{{{','.join(SUBCOMMANDS)}}}] [--config FILE] [--section.key VALUE ...]")
     subcommands = root.add_subcommands(dest="subcommand", required=False)  # train.py names fit when none is given
     for name, summary in SUBCOMMANDS.items():
-        subcommands.add_subcommand(name, subcommand_parser(name, summary), help=summary)
+        parser = subcommand_parser(name, summary)
+        if config_path is not None:
+            values = flatten(as_dict(load_config(config_from_here(config_path))))
+            parser.set_defaults({key: values[key] for key in config_keys(RunConfig) if key != PASSED_TO_LIGHTNING})
+        subcommands.add_subcommand(name, parser, help=summary)
     return root
 
 
@@ -219,7 +237,10 @@ def describe(summary: str = "") -> str:
     return " ".join(lines)
 
 
-def subcommand_parser(name: str, summary: str) -> ArgumentParser:
+@cache
+def subcommand_parser(name: str, summary: str = "") -> ArgumentParser:
+    # The help of each key is the docstring under its dataclass field (PEP 257 attribute docstrings).
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
     parser = ArgumentParser(prog=f"{PROG} {name}", exit_on_error=False, description=describe(summary),
                             usage=f"{PROG} {name} [--config FILE] [--section.key VALUE ...] [--print_config]")
     parser.add_argument("--config", type=typing.Optional[str], default=None,
@@ -234,17 +255,23 @@ def subcommand_parser(name: str, summary: str) -> ArgumentParser:
                                  "(the newest in the output's checkpoints/; none yet: start from the beginning)")
     parser.add_argument(PRINT_CONFIG, action="store_true",
                         help="print the merged configuration as YAML on stdout and exit without training")
-    sections = attribute_docstrings(RunConfig)
-    groups = {}
-    for key, hint, default, help_text in config_keys(RunConfig):
-        if key == PASSED_TO_LIGHTNING:
-            continue
-        section = key.split(".")[0] if "." in key else None
-        if section not in groups:
-            groups[section] = parser.add_argument_group(section, sections[section]) if section else parser
-        groups[section].add_argument(f"--{key}", type=hint, default=default, help=help_text)
+    hints = typing.get_type_hints(RunConfig)
+    for item in fields(RunConfig):
+        if is_dataclass(hints[item.name]):
+            skip = {PASSED_TO_LIGHTNING.split(".")[1]} if item.name == PASSED_TO_LIGHTNING.split(".")[0] else None
+            parser.add_class_arguments(hints[item.name], item.name, skip=skip, sub_configs=False)
+        else:
+            parser.add_argument(f"--{item.name}", type=hints[item.name], default=item.default,
+                                help=run_config_help()[item.name])
     add_lightning_options(parser)
     return parser
+
+
+@cache
+def run_config_help() -> dict[str, str]:
+    """The help of RunConfig's own keys (seed), from the docstrings under its fields."""
+    return {param.arg_name: " ".join((param.description or "").split())
+            for param in docstring_parser.parse_from_object(RunConfig).params}
 
 
 def add_lightning_options(parser: ArgumentParser) -> None:
@@ -257,7 +284,8 @@ def add_lightning_options(parser: ArgumentParser) -> None:
         f"{', '.join(LIGHTNING_REFUSED)}.")
     own = {item.name for item in fields(TrainerConfig)}
     hints = typing.get_type_hints(L.Trainer.__init__)
-    helps = lightning_help()
+    helps = {param.arg_name: " ".join((param.description or "").split()).split(". ")[0].rstrip(".")
+             for param in docstring_parser.parse(L.Trainer.__init__.__doc__ or "").params}
     for name in lightning_trainer_arguments():
         if name not in own and name not in LIGHTNING_REFUSED:
             group.add_argument(f"--trainer.{name}", type=spelled(hints.get(name, typing.Any)),
@@ -269,58 +297,16 @@ def spelled(hint: object) -> object:
     def plain(arg: object) -> bool:
         return arg in (bool, int, float, str, type(None)) or typing.get_origin(arg) is typing.Literal
 
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+    if typing.get_origin(hint) is typing.Union or type(hint).__name__ == "UnionType":
         kept = [arg for arg in typing.get_args(hint) if plain(arg)]
         return typing.Union[tuple(kept)] if kept else typing.Any
     return hint if plain(hint) else typing.Any
 
 
-@cache
-def lightning_help() -> dict[str, str]:
-    """The first sentence of each argument in the ``Args:`` section of lightning.Trainer's docstring."""
-    found, name = {}, None
-    for line in inspect.cleandoc(L.Trainer.__init__.__doc__ or "").split("Args:", 1)[-1].splitlines():
-        entry = re.match(r"    (\w+): (.*)", line)
-        if entry:
-            name, found[entry[1]] = entry[1], entry[2]
-        elif line.startswith("        ") and name:
-            found[name] += " " + line.strip()
-        elif line.strip():
-            name = None
-    return {key: text.replace("``", "").split(". ")[0].rstrip(".") for key, text in found.items()}
-
-
-def config_keys(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, object, object, str]]:
-    """(dotted key, type, default, help) for every leaf field of the configuration dataclasses."""
-    hints = typing.get_type_hints(cls)
-    docs = attribute_docstrings(cls)
-    for item in fields(cls):
-        hint = hints[item.name]
-        if is_dataclass(hint):
-            yield from config_keys(hint, f"{prefix}{item.name}.")
-        else:
-            default = item.default if item.default is not MISSING else item.default_factory()
-            yield f"{prefix}{item.name}", hint, default, docs.get(item.name, "")
-
-
-@cache
-def attribute_docstrings(cls: type) -> dict[str, str]:
-    """Field name -> the docstring right under the field (a string literal alone on the next line), on one line."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = next(node for node in tree.body if isinstance(node, ast.ClassDef)).body
-    found = {}
-    for statement, following in zip(body, body[1:]):
-        if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
-                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)):
-            found[statement.target.id] = " ".join(following.value.value.split())
-    return found
-
-
 def flatten(values: dict, prefix: str = "") -> dict[str, object]:
     flat = {}
     for key, value in values.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and not (prefix + key == PASSED_TO_LIGHTNING):
             flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value

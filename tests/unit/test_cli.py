@@ -15,8 +15,7 @@ from config import ConfigError, RunConfig, bundle_path, load_config
 
 from tests.helpers import ROOT, TINY, as_args
 
-# GPTConfig's fields that the model package's rework documents; strict: the test fails once they have a docstring.
-KEYS = [key for key, *_ in cli.config_keys(RunConfig)]
+KEYS = cli.config_keys(RunConfig)
 
 
 def run_train_py(*args: str, cwd: Path, output: Path) -> subprocess.CompletedProcess:
@@ -52,17 +51,38 @@ def test_fit_help_lists_every_key_with_type_default_and_help(tmp_path):
     assert "--trainer.accumulate_grad_batches " not in text  # refused: RunFab's batch split owns it
 
 
-@pytest.mark.parametrize("key", KEYS)
-def test_every_config_key_has_a_docstring_that_is_its_help(key):
-    helps = {name: text for name, _, _, text in cli.config_keys(RunConfig)}
-    assert helps[key].strip(), f"{key}: write a docstring line under its field saying what it means"
+def fit_help(*args: str, tmp_path: Path) -> dict[str, str]:
+    """``fit --help`` as {option: its help text on one line}."""
+    proc = run_train_py("fit", *args, "--help", cwd=tmp_path, output=tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    helps, option = {}, None
+    for line in proc.stdout.splitlines():
+        words = line.split()
+        if line.startswith("  --"):
+            option = words[0]
+            helps[option] = " ".join(words[1:])
+        elif line.startswith("   ") and option:
+            helps[option] += " " + " ".join(words)
+        else:
+            option = None
+    return helps
 
 
-def test_a_docstring_under_a_field_is_its_help_on_one_line():
-    helps = {key: text for key, _, _, text in cli.config_keys(RunConfig)}
-    assert helps["trainer.max_steps"] == "Optimizer updates; -1: until the input ends"
-    assert helps["compute.attention"].startswith("Attention kernel: fa4 (FlashAttention 4;")
-    assert "\n" not in helps["compute.attention"] and "  " not in helps["compute.attention"]  # a multi-line docstring
+def test_every_config_key_has_its_docstring_as_help(tmp_path):
+    helps = fit_help(tmp_path=tmp_path)
+    undocumented = [key for key in KEYS if key != cli.PASSED_TO_LIGHTNING
+                    and helps[f"--{key}"].split("(type:")[0].strip(" " + key.split(".")[-1].upper()) == ""]
+    assert not undocumented, f"write a docstring line under these fields saying what they mean: {undocumented}"
+    assert helps["--trainer.max_steps"].startswith("MAX_STEPS Optimizer updates; -1: until the input ends (type: int")
+    assert "  " not in helps["--compute.attention"]  # a docstring over several lines is one paragraph
+
+
+def test_help_after_a_config_file_shows_that_files_values(tmp_path):
+    smoke = load_config("conf/smoke.yaml")
+    assert smoke.model.n_layer != RunConfig().model.n_layer
+    helps = fit_help("--config", "conf/smoke.yaml", tmp_path=tmp_path)
+    assert f"default: {smoke.model.n_layer})" in helps["--model.n_layer"], helps["--model.n_layer"]
+    assert f"default: {RunConfig().model.n_layer})" in fit_help(tmp_path=tmp_path)["--model.n_layer"]
 
 
 def test_print_config_shows_the_merged_configuration_and_does_not_train(tmp_path):
@@ -244,7 +264,7 @@ def test_a_worker_typed_by_a_person_is_one_readable_error(monkeypatch, capsys):
     ("compute.attention", "flash", "auto, fa4, varlen, sdpa"),
     ("compute.loss", "fused", "auto, quack, triton"),
     ("trainer.accelerator", "tpu", "auto, cpu, gpu"),
-    ("trainer.precision", "16", "32-true, bf16-mixed, bf16-true, 16-mixed, 16-true, 64-true, null"),
+    ("trainer.precision", "16", "32-true, bf16-mixed, bf16-true, 16-mixed, 16-true, 64-true"),
     ("trainer.worker_start", "spawn", "auto, fork, exec"),
     ("data.source", "file", "auto, stdin, sample, litdata"),
     ("optim.schedule", "linear", "cosine, constant"),
@@ -253,9 +273,27 @@ def test_a_worker_typed_by_a_person_is_one_readable_error(monkeypatch, capsys):
 def test_a_choice_key_refuses_a_value_outside_its_choices_and_names_them(key, value, choices, capsys):
     with pytest.raises(cli.CommandLineError) as caught:
         cli.parse([f"--{key}", value])
-    assert str(caught.value) == f"--{key} must be one of {choices}, not {value.strip('[]').split(',')[-1]}"
+    message = str(caught.value)
+    assert key in message and value.strip("[]").split(",")[-1] in message and "\n" not in message, message
+    assert all(f"'{choice}'" in message for choice in choices.split(", ")), message
     assert cli.main(["probe", f"--{key}", value], 32) == 2
     assert capsys.readouterr().err == f"error: {caught.value}\n"
+
+
+def test_a_list_key_given_one_bare_value_is_told_it_needs_a_list_not_that_the_value_is_no_choice():
+    with pytest.raises(cli.CommandLineError) as caught:
+        cli.parse(["--observe.loggers", "csv"])
+    assert "list" in str(caught.value) and "must be one of" not in str(caught.value)
+    assert cli.parse(["--observe.loggers", "[csv]"]).overrides == ['observe.loggers=["csv"]']
+
+
+@pytest.mark.parametrize("typed, meant", [("--model.n_layr", "--model.n_layer"), ("--trainer.max_stps", "--trainer.max_steps"),
+                                          ("--optim.lrr", "--optim.lr")])
+def test_a_misspelled_key_is_refused_with_the_keys_spelled_closest(typed, meant):
+    with pytest.raises(cli.CommandLineError) as caught:
+        cli.parse([typed, "3"])
+    message = str(caught.value)
+    assert message.startswith(f"unrecognized arguments: {typed} 3; did you mean {meant}"), message
 
 
 def test_other_trainer_arguments_pass_through_from_the_command_line_and_from_yaml(tmp_path):
