@@ -353,12 +353,12 @@ def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
     observer = ObservationWindows(cfg.observe, run_dir)
     every = cfg.trainer.checkpoint_every_steps
     checkpoint_dir = Path(cfg.output.root) / "checkpoints"
+    record = RunRecord(BUNDLE_ROOT, static, input_record, compiled, early_end, metrics, observer)
     callbacks: list[L.Callback] = [
         owned_folders.MarkRunFolders([run_dir, *([checkpoint_dir] if every > 0 else [])]),
         observer,  # before the metrics: writing a trace counts as observed time
-        metrics,
-        ExportModel(model_dir, tokenizer_path),
-        RunRecord(model_dir, BUNDLE_ROOT, static, input_record, compiled, early_end, metrics, observer),
+        metrics,  # before the export: the record carries the last line and the summary
+        ExportModel(model_dir, tokenizer_path, published_with=record.write),
         GracefulStop(end_input, before_exit=functools.partial(remove_unfinished_exports, Path(cfg.output.root))),
         host_memory,
     ]

@@ -688,6 +688,39 @@ def test_a_second_signal_during_the_export_leaves_no_half_written_model(tmp_path
     assert not (tmp_path / "out" / "model").exists()
 
 
+@pytest.mark.parametrize("stop", ["a second SIGTERM", "SIGKILL"])
+def test_a_stop_while_the_run_record_is_made_leaves_no_model_without_its_record(tmp_path, stop):
+    """The model's files are written and the run record is being made when the process stops: the
+    model must not appear without its record (a partial model would then look finished). The model
+    and run_record.json are published together, or neither is."""
+    script = tmp_path / "stop_in_record.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        import callbacks.run_record as run_record
+        build = run_record.RunRecord.build
+        def stopped_build(self, trainer, pl_module):
+            if {stop!r} == "SIGKILL":
+                os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGTERM)  # the first asks for a graceful stop, the second for an end now
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+            return build(self, trainer, pl_module)
+        run_record.RunRecord.build = stopped_build
+        import train
+        sys.exit(train.main(sys.argv[1:]))
+    """))
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, str(script), *ARGS, "--trainer.max_steps", "2", "--data.source", "sample"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=tmp_path, timeout=120)
+    assert done.returncode != 0, done.stderr.decode()[-3000:]
+    out = tmp_path / "out"
+    assert not (out / "model").exists(), sorted(p.name for p in (out / "model").iterdir())
+    if stop == "a second SIGTERM":  # a stop it sees removes the staging folder itself
+        assert not list(out.glob(".model*"))
+
+
 def test_an_output_filesystem_without_room_is_refused_before_the_input_is_read(tmp_path, monkeypatch, capsys):
     """A full output filesystem failed the export with a raw ENOSPC traceback after all the training."""
     import shutil
@@ -705,20 +738,34 @@ def test_an_output_filesystem_without_room_is_refused_before_the_input_is_read(t
     assert not (tmp_path / "out" / "model").exists()
 
 
-def test_an_export_that_still_fails_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("full_at", ["weights", "run record"])
+def test_an_export_that_still_fails_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, full_at):
+    """The disk fills while the weights are written (safetensors' own error, as it raises it) or while
+    the run record is: either way one line, exit 2, and neither a model nor a record is left."""
     import errno
 
     import callbacks.export
     import cli
 
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def full_weights(*args, **kwargs):
+        raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(callbacks.export, "save_file", full)
+    write_text = Path.write_text
+
+    def full_record(path, *args, **kwargs):
+        if path.name == "run_record.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return write_text(path, *args, **kwargs)
+
+    if full_at == "weights":
+        monkeypatch.setattr(callbacks.export, "save_file", full_weights)
+    else:
+        monkeypatch.setattr(Path, "write_text", full_record)
     monkeypatch.setenv("RUNFABRIC_OUTPUT", str(tmp_path / "out"))
     assert cli.main([*ARGS, "--data.source", "sample", "--trainer.max_steps", "2"], train.EFFECTIVE_BATCH_SIZE) == 2
     stderr = capsys.readouterr().err
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
-    assert "failed after 2 optimizer steps: No space left on device; nothing was exported" in errors[0]
+    assert "failed after 2 optimizer steps: No space left on device" in errors[0]
+    assert "nothing was exported" in errors[0]
     assert not (tmp_path / "out" / "model").exists() and not list((tmp_path / "out").glob(".model*"))

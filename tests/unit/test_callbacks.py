@@ -159,9 +159,9 @@ def test_the_run_record_reports_the_compile_caches_where_the_environment_puts_th
             path.write_bytes(b"x" * size)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    usage = RunRecord(tmp_path / "model", tmp_path, {}, None, compiled=True).compile_cache_usage()
+    usage = RunRecord(tmp_path, {}, None, compiled=True).compile_cache_usage()
     assert usage == {name: {"path": str(tmp_path / name), "bytes": sum(files)} for name, files in sizes.items()}
-    assert RunRecord(tmp_path / "model", tmp_path, {}, None, compiled=False).compile_cache_usage() is None
+    assert RunRecord(tmp_path, {}, None, compiled=False).compile_cache_usage() is None
 
 
 def test_a_model_smaller_than_the_tokenizer_vocabulary_is_refused():
