@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -776,3 +777,54 @@ def test_an_export_that_still_fails_is_one_line_and_exit_2(tmp_path, monkeypatch
     assert "failed after 2 optimizer steps: No space left on device" in errors[0]
     assert "nothing was exported" in errors[0]
     assert not (tmp_path / "out" / "model").exists() and not list((tmp_path / "out").glob(".model*"))
+
+
+def test_the_loggers_get_the_configuration_and_nothing_they_print_reaches_stdout(tmp_path, monkeypatch, capfd):
+    """A logger that prints on stdout whenever it is called, beside Lightning's CSV logger: stdout
+    still holds metric lines only, and both loggers receive the run's configuration."""
+    import lightning as L
+    import yaml
+
+    import cli
+
+    class ChattyLogger(L.pytorch.loggers.Logger):
+        name, version = "chatty", 0
+        received: dict = {}
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            print("chatty: hyperparameters")
+            self.received.update(params)
+
+        def log_metrics(self, metrics, step=None):
+            print("chatty: metrics")
+
+        def finalize(self, status):
+            print("chatty: finalize")
+
+    chatty = ChattyLogger()
+    csv = L.pytorch.loggers.CSVLogger(tmp_path / "logs", name="csv")
+    monkeypatch.setattr(training_run, "experiment_loggers", lambda cfg, folder: [csv, chatty])
+    monkeypatch.setenv("RUNFABRIC_OUTPUT", str(tmp_path / "out"))
+    assert cli.main([*ARGS, "--data.source", "sample", "--trainer.max_steps", "2"], train.EFFECTIVE_BATCH_SIZE) == 0
+    stdout, stderr = capfd.readouterr()
+    assert stdout and all(json.loads(line)["step"] >= 1 for line in stdout.splitlines()), stdout
+    assert "chatty: metrics" in stderr and "chatty: finalize" in stderr
+    assert chatty.received["config"]["model"]["n_layer"] == RUN["model.n_layer"] and chatty.received["seed"] == 1337
+    hparams = yaml.safe_load((tmp_path / "logs/csv/version_0/hparams.yaml").read_text())
+    assert hparams["config"]["model"]["n_layer"] == RUN["model.n_layer"] and "microbatch" in hparams["batch"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed")
+def test_wandb_offline_gets_the_configuration_and_prints_nothing_on_stdout(tmp_path):
+    """W&B prints its closing lines when its run finishes, at the interpreter's exit unless the run
+    finishes it first: stdout must hold the metric lines only, to the end of the process."""
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="", WANDB_MODE="offline",
+               WANDB_DIR=str(tmp_path / "wandb-home"), WANDB_CONFIG_DIR=str(tmp_path / "wandb-home"))
+    done = subprocess.run([sys.executable, str(ROOT / "train.py"), *ARGS, "--trainer.max_steps", "2", "--data.source",
+                           "sample", "--observe.loggers", "[wandb]"], capture_output=True, env=env, cwd=tmp_path,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert done.stdout and all(json.loads(line)["step"] >= 1 for line in done.stdout.splitlines()), done.stdout[-2000:]
+    assert b"wandb sync" in done.stderr  # what it printed went to stderr
+    runs = list((tmp_path / "out/run/logs/wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and b"vocab_size" in runs[0].read_bytes()  # the configuration reached W&B
