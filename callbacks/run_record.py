@@ -152,5 +152,5 @@ class RunRecord:
         """Write the record into ``folder``: the staging folder of the model export, published with it."""
         path = folder / RECORD_NAME
         path.write_text(json.dumps(self.build(trainer, pl_module), indent=2, default=str) + "\n")
-        log.info("run record written with the model (%s)", RECORD_NAME)
+        log.debug("run record written with the model (%s)", RECORD_NAME)
         return path

@@ -828,3 +828,23 @@ def test_wandb_offline_gets_the_configuration_and_prints_nothing_on_stdout(tmp_p
     assert b"wandb sync" in done.stderr  # what it printed went to stderr
     runs = list((tmp_path / "out/run/logs/wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and b"vocab_size" in runs[0].read_bytes()  # the configuration reached W&B
+
+
+@pytest.mark.parametrize("level", [None, "debug", "warning"])
+def test_log_level_sets_what_stderr_tells_and_the_memory_trace_is_debug(tmp_path, level):
+    """The default tells the run's steps, its metric lines and its outcome, without the host-memory
+    trace of every stage; debug adds the trace; warning keeps warnings and errors. stdout is the same."""
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, str(ROOT / "train.py"), *ARGS, "--trainer.max_steps", "2", "--data.source",
+                           "sample", *(["--log_level", level] if level else [])],
+                          capture_output=True, env=env, cwd=tmp_path, timeout=180)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    told = done.stderr.decode()
+    assert [json.loads(line)["step"] for line in done.stdout.splitlines()][-1] == 2
+    assert ("] host memory, rank 0, update 1: PSS" in told) == (level == "debug")
+    assert ("] finished: 2 optimizer steps" in told) == ("] metrics: step=2" in told) == (level != "warning"), told
+
+
+def test_an_unknown_log_level_is_refused_naming_the_choices():
+    with pytest.raises(ConfigError, match="log_level must be one of debug, info, warning, not 'loud'"):
+        load_config("conf/smoke.yaml", ["log_level=loud"])

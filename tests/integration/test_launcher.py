@@ -69,8 +69,8 @@ def test_two_workers_reach_the_weights_of_one_process(tmp_path):
     single, single_out = run_train(tmp_path, "single", [*every_step, "--microbatch", "8"], records)
     assert single.returncode == 0, single.stderr.decode()[-3000:]
     parallel, parallel_out = run_train(
-        tmp_path, "parallel", [*every_step, "--microbatch", "4", "--trainer.devices", "2"], records
-    )
+        tmp_path, "parallel", [*every_step, "--microbatch", "4", "--trainer.devices", "2", "--log_level", "debug"],
+        records)
     assert parallel.returncode == 0, parallel.stderr.decode()[-3000:]
     assert b"2 worker(s) started: forked from this process" in parallel.stderr  # trainer.worker_start: auto
     told = parallel.stderr.decode()  # the run's story once (rank 0), host memory per rank
