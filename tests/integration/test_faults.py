@@ -517,7 +517,7 @@ def test_a_probe_stopped_by_sigterm_during_fit_exits_non_zero(tmp_path, devices)
     from omegaconf import OmegaConf
 
     config = tmp_path / "probe.yaml"  # rows long enough that the second update runs for seconds on a CPU
-    dotlist = ["model.max_seq_len=512", f"trainer.devices={devices}"]
+    dotlist = ["model.max_seq_len=512", f"trainer.devices={devices}", "log_level=debug"]  # its stage lines mark time
     OmegaConf.save(OmegaConf.merge(OmegaConf.load(ROOT / "conf/smoke.yaml"), OmegaConf.from_dotlist(dotlist)), config)
     env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="", RUNFAB_CONFIG=str(config))
     hook = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import train; train.probe_batch({8 // devices})"
