@@ -35,6 +35,8 @@ DEFAULT_CONFIG = "conf/config.yaml"
 Accelerator = Literal["auto", "cpu", "gpu"]
 Precision = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true"]  # Lightning's names
 WorkerStart = Literal["auto", "fork", "exec"]  # launcher.py says what each does
+LogLevel = Literal["debug", "info", "warning"]
+LOG_LEVELS = get_args(LogLevel)
 ACCELERATORS, PRECISIONS, WORKER_STARTS = get_args(Accelerator), get_args(Precision), get_args(WorkerStart)
 CONFIG_ENV = "RUNFAB_CONFIG"
 SEED_RANGE = range(2**32)  # what numpy's generators (and so Lightning's seed_everything) accept
@@ -187,6 +189,9 @@ class RunConfig:
 
     seed: int = 1337
     """Seeds every random generator of the run (model init, data shuffle)"""
+    log_level: LogLevel = "info"
+    """What stderr tells: info (the run's steps, the budget lines, each metric line, the outcome); debug adds
+    each stage's host memory; warning keeps only warnings and errors. stdout always has the metric lines"""
     model: GPTConfig = field(default_factory=GPTConfig)
     """The decoder's shape"""
     compute: ComputeConfig = field(default_factory=ComputeConfig)
@@ -382,6 +387,8 @@ def check_config(cfg: RunConfig) -> None:
     infinity, which no key has a use for and which slips through range checks, is reported alone."""
     problems = non_finite_keys(cfg) or [
         *([] if cfg.seed in SEED_RANGE else [f"seed must be a whole number in 0..{SEED_RANGE[-1]}, not {cfg.seed}"]),
+        *([] if cfg.log_level in LOG_LEVELS else
+          [f"log_level must be one of {', '.join(LOG_LEVELS)}, not {cfg.log_level!r}"]),
         *cfg.model.problems(), *cfg.compute.problems(), *cfg.data.problems(), *cfg.optim.problems(cfg.trainer.max_steps),
         *cfg.trainer.problems(), *cfg.metrics.problems(), *cfg.observe.problems(), *cfg.output.problems(),
     ]

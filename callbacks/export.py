@@ -8,9 +8,12 @@ without this package.
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
+import re
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -25,11 +28,27 @@ from callbacks import owned_folders
 from runtime import created_files
 from model.gpt import GPT, GPTConfig
 
+log = logging.getLogger(__name__)
+
 WEIGHTS_NAME = "model.safetensors"
+# safetensors and tokenizers write in Rust and raise a plain error whose text carries the OS error's number.
+RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
 class ExportFailed(RuntimeError):
     """The trained model could not be written (a full or read-only output filesystem); nothing was exported."""
+
+
+def as_os_error(error: BaseException) -> OSError | None:
+    """The OS error behind a failed write: ``error`` itself, or the one a library's wrapper names; None
+    for anything else (a bug stays a traceback)."""
+    if isinstance(error, OSError):
+        return error
+    found = RUST_OS_ERROR.search(str(error)) if isinstance(error, Exception) else None
+    if found is None:
+        return None
+    code = int(found[1])
+    return OSError(code, os.strerror(code) if code in errno.errorcode else str(error))
 
 
 def _export_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -141,14 +160,16 @@ def _name_portable_tokenizer_class(path: Path) -> None:
 
 def export_model(
     model: GPT, tokenizer_path: str | Path, out_dir: str | Path, eos_token: str = "<|endoftext|>",
-    prepare: Callable[[Path], None] = lambda staging: None,
+    prepare: Callable[[Path], None] = lambda staging: None, complete: Callable[[Path], None] = lambda staging: None,
 ) -> list[Path]:
     """Write a GPT-2 checkpoint of ``model`` plus its tokenizer to ``out_dir``; return its files.
 
     Everything is written into a temporary sibling folder first and then renamed into place,
     so a crash mid-export leaves either the previous export or none, never half a model; one
     killed while writing leaves that folder (``unfinished_exports``). ``prepare(staging)`` runs
-    on the empty staging folder first.
+    on the empty staging folder first, ``complete(staging)`` after the model's files, to add what
+    must be published with them (the run record). A write that fails for the filesystem's
+    reason (full, read-only) raises an OSError, whichever library wrote.
     """
     tokenizer_path, out_dir = Path(tokenizer_path), Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -156,6 +177,7 @@ def export_model(
     try:
         prepare(staging)
         _write_export(model, tokenizer_path, staging, eos_token)
+        complete(staging)
         # mkdtemp (and safetensors) create owner-only entries; an export is meant to be shared.
         staging.chmod(0o755)
         for path in staging.iterdir():
@@ -168,9 +190,12 @@ def export_model(
             shutil.rmtree(old, ignore_errors=True)
         else:
             staging.rename(out_dir)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
-        raise
+        written = as_os_error(error)
+        if written is None or written is error:
+            raise
+        raise written from error
     return sorted(p for p in out_dir.iterdir() if p.is_file())
 
 
@@ -186,23 +211,30 @@ class ExportModel(pl.Callback):
     DDP runs; a sharded (FSDP) model would need its parameters gathered on every rank first.
     """
 
-    def __init__(self, out_dir: str | Path, tokenizer_path: str | Path) -> None:
+    def __init__(self, out_dir: str | Path, tokenizer_path: str | Path,
+                 published_with: Callable[[pl.Trainer, pl.LightningModule, Path], None] | None = None) -> None:
+        """``published_with(trainer, pl_module, staging)`` writes what belongs with the model (the run
+        record) into its staging folder: the model's files and those appear together or not at all."""
         super().__init__()
         self.out_dir = Path(out_dir)
         self.tokenizer_path = Path(tokenizer_path)
+        self.published_with = published_with
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
         if trainer.global_step == 0:  # stopped before the first update: an untrained model is no result
-            print(f"nothing was trained, so no model is exported to {self.out_dir}", file=sys.stderr)
+            log.warning("nothing was trained, so no model is exported to %s", self.out_dir)
             return
+        complete = ((lambda staging: self.published_with(trainer, pl_module, staging)) if self.published_with
+                    else (lambda staging: None))
         try:
-            export_model(pl_module.model, self.tokenizer_path, self.out_dir, prepare=owned_folders.mark)
+            export_model(pl_module.model, self.tokenizer_path, self.out_dir, prepare=owned_folders.mark,
+                         complete=complete)
         except OSError as error:  # after all the training: one line that says what happened, no traceback
             where = f" ({error.filename})" if error.filename else ""
             raise ExportFailed(
                 f"writing the model to {self.out_dir} failed after {trainer.global_step} optimizer steps: "
                 f"{error.strerror or error}{where}; nothing was exported. Give the output root room and write "
                 "access (RUNFABRIC_OUTPUT or output.root), then train again") from error
-        print(f"exported Hugging Face GPT-2 model to {self.out_dir}", file=sys.stderr)
+        log.info("exported Hugging Face GPT-2 model to %s", self.out_dir)

@@ -1,7 +1,8 @@
 """The run record: what ran, where, on which data and settings, and what came of it.
 
 A small JSON kept beside the exported model, so a result can always be traced back to the
-exact code, input and configuration that produced it.
+exact code, input and configuration that produced it. It is written into the export's staging
+folder (callbacks/export.py), so a model folder never appears without its record.
 """
 
 from __future__ import annotations
@@ -72,17 +73,19 @@ def dataset_descriptor(root: Path) -> dict | None:
         return {"unreadable": str(error)}
 
 
-class RunRecord(L.Callback):
-    """Writes ``run_record.json`` into the model folder when training ends (rank 0)."""
+RECORD_NAME = "run_record.json"
 
-    def __init__(self, out_dir: Path, bundle_root: Path, static: dict, input_summary, compiled: bool = False,
+
+class RunRecord:
+    """Builds ``run_record.json`` when training ends; the export writes it with the model (``write``)."""
+
+    def __init__(self, bundle_root: Path, static: dict, input_summary, compiled: bool = False,
                  early_end=lambda: None, metrics: RunFabMetrics | None = None,
                  observer: ObservationWindows | None = None) -> None:
         """``input_summary()`` gives what happened to the input; ``early_end()`` why training ended
         before its input or limit (a signal, an input error), or None: the status is then
         ``partial: <why>``. ``metrics`` and ``observer`` are the run's other callbacks, whose
         figures and files the record reports."""
-        self.out_dir = Path(out_dir)
         self.compiled = compiled  # training compiles: report the size of its caches
         self.bundle_root = Path(bundle_root)
         self.static = static  # config, batch settings, tokenizer: known before training
@@ -140,14 +143,9 @@ class RunRecord(L.Callback):
                 log.info("%s compile cache: %.1f MiB in %s", name, usage[name]["bytes"] / 2**20, folder)
         return usage
 
-    def write(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Path | None:
-        if not trainer.is_global_zero or trainer.global_step == 0:  # nothing trained: no model, no record
-            return None
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        path = self.out_dir / "run_record.json"
+    def write(self, trainer: L.Trainer, pl_module: L.LightningModule, folder: Path) -> Path:
+        """Write the record into ``folder``: the staging folder of the model export, published with it."""
+        path = folder / RECORD_NAME
         created_files.write_text(path, json.dumps(self.build(trainer, pl_module), indent=2, default=str) + "\n")
-        log.info("run record written to %s", path)
+        log.debug("run record written with the model (%s)", RECORD_NAME)
         return path
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.write(trainer, pl_module)

@@ -99,9 +99,10 @@ class RunFabMetrics(L.Callback):
         updates) closes. With several ranks ``report_due(update)`` (the feeder's marks) says when to
         report instead of the clock, so every rank reports at the same update.
 
+        Throughput is the contract's: completed work over the interval's wall-clock seconds.
         ``input_wait()`` gives the seconds training has waited for input so far: a line reports them
-        as ``training_wait_seconds``, and its throughput leaves them out, so that a slow input shows
-        as waiting, not as a slow trainer.
+        as ``training_wait_seconds``, and ``tokens_per_compute_second`` leaves them out, so that a
+        slow input shows as waiting, not as a slow trainer.
         """
         self.interval_seconds = interval_seconds
         self.stream = stream if stream is not None else sys.stdout
@@ -117,8 +118,8 @@ class RunFabMetrics(L.Callback):
         self._pending_val_loss: float | None = None  # a validation loss waiting for the next training line
         self._log_file: TextIO | None = None
         self.last_record: dict = {}
-        self.normal = {"seconds": 0.0, "target_tokens": 0, "flops": 0.0, "updates": 0, "first_update": None,
-                       "last_update": None}
+        self.normal = {"seconds": 0.0, "input_wait_seconds": 0.0, "target_tokens": 0, "flops": 0.0, "updates": 0,
+                       "first_update": None, "last_update": None}
 
     def phase(self, update: int) -> str:
         """warmup, observed or normal: updates of different phases are never reported together."""
@@ -214,12 +215,15 @@ class RunFabMetrics(L.Callback):
         if self._interval_steps:
             record = {"step": trainer.global_step, "elapsed_seconds": round(now - self.start_time, 3)}
             waited = self.input_wait() if self.input_wait is not None else 0.0
-            seconds = max(now - self._interval_start - (waited - self._interval_wait), 1e-9)
+            seconds = max(now - self._interval_start, 1e-9)
+            interval_wait = min(max(waited - self._interval_wait, 0.0), seconds)
             tokens = self._interval_tokens
             record |= {
                 "loss": float(self._interval_loss) / max(tokens, 1),
                 "tokens_per_second": tokens / seconds,
                 "samples_per_second": self._interval_rows / seconds,
+                "steps_per_second": self._interval_steps / seconds,
+                "tokens_per_compute_second": tokens / max(seconds - interval_wait, 1e-9),
                 "lr": trainer.optimizers[0].param_groups[0]["lr"],
                 "grad_norm": float(self._interval_grad_norm) / self._interval_steps,
             }
@@ -227,7 +231,7 @@ class RunFabMetrics(L.Callback):
                 record["mfu"] = self._interval_flops / seconds / (self.peak_flops * trainer.world_size)
             phase = self.phase(trainer.global_step)  # an interval's updates share one phase, its last one's
             if phase == "normal":
-                self._count_normal(trainer.global_step, seconds, tokens)
+                self._count_normal(trainer.global_step, seconds, interval_wait, tokens)
             else:
                 record[phase] = 1
             self.total_tokens += tokens
@@ -246,26 +250,34 @@ class RunFabMetrics(L.Callback):
         self._interval_start = self._now(device)
         self._interval_wait = self.input_wait() if self.input_wait is not None else 0.0
 
-    def _count_normal(self, last_update: int, seconds: float, tokens: int) -> None:
+    def _count_normal(self, last_update: int, seconds: float, waited: float, tokens: int) -> None:
         normal = self.normal
         if normal["first_update"] is None:
             normal["first_update"] = last_update - self._interval_steps + 1
         normal["last_update"] = last_update
         normal["seconds"] += seconds
+        normal["input_wait_seconds"] += waited
         normal["target_tokens"] += tokens
         normal["flops"] += self._interval_flops
         normal["updates"] += self._interval_steps
 
     def summary(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
-        """The run's figures over the normal region: warmup, observed updates and validation left out."""
+        """The run's figures over the normal region: warmup, observed updates and validation left out.
+
+        Throughput and MFU are over its wall-clock seconds; ``tokens_per_compute_second`` (and per GPU)
+        leaves out the time training waited for input, the trainer's own speed."""
         normal, world = self.normal, trainer.world_size
-        seconds = normal["seconds"]
+        seconds, tokens = normal["seconds"], normal["target_tokens"]
+        computing = seconds - normal["input_wait_seconds"]
         result: dict = {
-            "tokens_per_second_per_gpu": normal["target_tokens"] / seconds / world if seconds else None,
-            "tokens_per_second": normal["target_tokens"] / seconds if seconds else None,
+            "tokens_per_second_per_gpu": tokens / seconds / world if seconds else None,
+            "tokens_per_second": tokens / seconds if seconds else None,
+            "tokens_per_compute_second_per_gpu": tokens / computing / world if computing > 0 else None,
+            "tokens_per_compute_second": tokens / computing if computing > 0 else None,
             "mfu": (normal["flops"] / seconds / (self.peak_flops * world)
                     if seconds and self.flops is not None and self.peak_flops else None),
-            "normal_region": {k: normal[k] for k in ("first_update", "last_update", "updates", "seconds", "target_tokens")},
+            "normal_region": {k: normal[k] for k in ("first_update", "last_update", "updates", "seconds",
+                                                     "input_wait_seconds", "target_tokens")},
             "excluded_updates": {"warmup": min(self.warmup_updates, trainer.global_step),
                                  "observed": sorted(u for u in self.observed_updates if u <= trainer.global_step)},
             "total_target_tokens": self.total_tokens,

@@ -76,7 +76,7 @@ def setup_process(cfg: RunConfig) -> None:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[%(asctime)s %(name)s] %(message)s")
     for name in ("train", "datamodule", "callbacks", "model", "pipeline", "runtime", "lightning.pytorch"):
-        logging.getLogger(name).setLevel(logging.INFO)
+        logging.getLogger(name).setLevel(cfg.log_level.upper())  # log_level: what stderr tells
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_advertisement)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*Consider setting `persistent_workers`.*")

@@ -212,12 +212,13 @@ def _process_age() -> float:
 
 
 def record_stage(name: str, rank: int | None = None) -> dict:
-    """This process's memory now: logged, and appended to $RUNFAB_HOST_MEMORY_LOG when set."""
+    """This process's memory now: logged (a trace, at debug level: log_level), and appended to
+    $RUNFAB_HOST_MEMORY_LOG when set."""
     rank = int(os.environ.get("LOCAL_RANK", 0)) if rank is None else rank
     rollup = read_rollup()
     entry = {"stage": name, "rank": rank, "pid": os.getpid(), "age_seconds": round(_process_age(), 2),
              "time": time.time(), **{k: v for k, v in rollup.items()}}
-    log.info("host memory, rank %d, %s: PSS %.2f GiB (anonymous %.2f, files %.2f), RSS %.2f GiB, %.1f s after start",
+    log.debug("host memory, rank %d, %s: PSS %.2f GiB (anonymous %.2f, files %.2f), RSS %.2f GiB, %.1f s after start",
              rank, name, rollup.get("Pss", 0) / GIB, rollup.get("Pss_Anon", 0) / GIB, rollup.get("Pss_File", 0) / GIB,
              rollup.get("Rss", 0) / GIB, entry["age_seconds"])
     path = os.environ.get(STAGE_LOG_ENV)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import numbers
 import sys
@@ -128,6 +129,16 @@ def run_probe_local(cfg: RunConfig, microbatch: int, world: int, effective: int,
     if stopped:
         raise launcher.Interrupted("received SIGTERM during the probe: it was stopped, so it has no result")
     result = {"microbatch": microbatch, "steps": trainer.global_step} | peak_memory(device)
-    log.info("probe: %s", result)
+    log.info("%s", found_sentence(result, device, world))
+    log.info("probe figures: %s", json.dumps(result))  # for tools (tools/bundle/emulate.py reads the peaks)
     return result
+
+
+def found_sentence(result: dict, device: torch.device, world: int) -> str:
+    """What the probe found, for a person: it fitted, on what, at which peak."""
+    where = f"rank {local_rank}'s {device}" if (local_rank := local_device()) or world > 1 else str(device)
+    peak = (f", at a peak of {result['peak_allocated_gib']:.2f} GiB allocated and {result['peak_reserved_gib']:.2f} "
+            "GiB reserved" if "peak_allocated_gib" in result else "")
+    return (f"probe passed: microbatch {result['microbatch']} of worst-case rows trained {result['steps']} optimizer "
+            f"steps on {where} without running out of memory{peak}")
 

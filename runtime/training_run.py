@@ -54,7 +54,8 @@ log = logging.getLogger("train")
 
 
 def experiment_loggers(cfg: RunConfig, folder: Path) -> list:
-    """Lightning loggers named in ``observe.loggers``; they receive the metric lines, never stdout."""
+    """Lightning loggers named in ``observe.loggers``; they receive the metric lines and the run's
+    configuration (``fit``), never stdout."""
     loggers = []
     for name in cfg.observe.loggers:
         if name == "csv":
@@ -62,13 +63,22 @@ def experiment_loggers(cfg: RunConfig, folder: Path) -> list:
         elif name == "tensorboard":
             if not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
                 raise ConfigError("observe.loggers has tensorboard, which is not installed: pip install tensorboard")
-            loggers.append(L.pytorch.loggers.TensorBoardLogger(folder, name="tensorboard"))
+            # No placeholder hp_metric of -1: the metric lines are the run's metrics.
+            loggers.append(L.pytorch.loggers.TensorBoardLogger(folder, name="tensorboard", default_hp_metric=False))
         elif name == "wandb":
             if importlib.util.find_spec("wandb") is None:
                 raise ConfigError("observe.loggers has wandb, which is not installed: pip install wandb, then wandb login")
             os.environ.setdefault("WANDB_CONSOLE", "off")  # W&B must not wrap stdout, which carries RunFab's lines
             loggers.append(L.pytorch.loggers.WandbLogger(save_dir=folder, project=os.environ.get("WANDB_PROJECT", "runfab")))
     return loggers
+
+
+def finish_experiment_loggers(failed: bool) -> None:
+    """Finish W&B's run now, while stdout points at stderr: left to the interpreter's exit, it prints
+    its closing lines on stdout, which carries the metric lines only."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and wandb.run is not None:
+        wandb.finish(exit_code=1 if failed else 0)
 
 
 LOCK_NAME = ".run.lock"
@@ -363,12 +373,12 @@ def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
     observer = ObservationWindows(cfg.observe, run_dir)
     every = cfg.trainer.checkpoint_every_steps
     checkpoint_dir = Path(cfg.output.root) / "checkpoints"
+    record = RunRecord(BUNDLE_ROOT, static, input_record, compiled, early_end, metrics, observer)
     callbacks: list[L.Callback] = [
         owned_folders.MarkRunFolders([run_dir, *([checkpoint_dir] if every > 0 else [])]),
         observer,  # before the metrics: writing a trace counts as observed time
-        metrics,
-        ExportModel(model_dir, tokenizer_path),
-        RunRecord(model_dir, BUNDLE_ROOT, static, input_record, compiled, early_end, metrics, observer),
+        metrics,  # before the export: the record carries the last line and the summary
+        ExportModel(model_dir, tokenizer_path, published_with=record.write),
         GracefulStop(end_input, before_exit=functools.partial(remove_unfinished_exports, Path(cfg.output.root))),
         host_memory,
     ]
@@ -398,8 +408,15 @@ def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
              count_parameters(module.model), trainer.precision, accelerator,
              microbatch, accumulation, world)
     try:
-        with contextlib.redirect_stdout(sys.stderr):  # Lightning's bar and tables default to stdout
-            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        with contextlib.redirect_stdout(sys.stderr):  # Lightning's bar and tables, and the loggers, default to stdout
+            for logger in trainer.loggers:  # Lightning sends them the module's hyperparameters, which it has none of
+                logger.log_hyperparams(static)
+            failed = True
+            try:
+                trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+                failed = False
+            finally:
+                finish_experiment_loggers(failed)
     except SIGTERMException:  # Lightning's own handler: the signal came before training started
         raise launcher.Interrupted("received SIGTERM before training started; nothing was trained") from None
     except torch.OutOfMemoryError as error:

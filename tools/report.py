@@ -489,6 +489,9 @@ def throughput_figures(lines: list[dict], summary: dict) -> list[Figure]:
             figures.append(Figure("tokens / s", f"{statistics.median(rates):,.0f}", which))
     if is_number(per_gpu) and per_gpu != total:
         figures.append(Figure("tokens / s per GPU", f"{per_gpu:,.0f}", "normal region, run record"))
+    computing = summary.get("tokens_per_compute_second")
+    if is_number(computing) and is_number(total) and computing > 1.01 * total:  # training waited for input
+        figures.append(Figure("tokens / s computing", f"{computing:,.0f}", "normal region, input waits left out"))
     if is_number(summary.get("mfu")):
         figures.append(Figure("MFU", f"{summary['mfu'] * 100:.1f} %", "normal region, run record"))
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -224,7 +225,9 @@ sys.stdin.read()  # stdin stays open until the test closes this writer's input
 
 def test_a_slow_stream_trains_as_it_arrives_and_reports_its_waits(tmp_path):
     """Records trickle in from a writer process, then pause, then trickle again: metric lines come
-    before the end of the input, and the time training waited for records is reported as waiting."""
+    before the end of the input, and the time training waited for records is reported as waiting.
+    Throughput is the contract's, work over the wall clock of each interval: over the lines it adds
+    up to the tokens trained, waits included; the time computing has a figure of its own."""
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(ROOT / "data/sample.jsonl")], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE)
     env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
@@ -253,7 +256,12 @@ def test_a_slow_stream_trains_as_it_arrives_and_reports_its_waits(tmp_path):
     assert waited["step"] >= 2 and waited["elapsed_seconds"] > waited["training_wait_seconds"] > 0
     record = json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())
     assert record["status"] == "completed" and record["input"]["records"] == 60
-    assert record["input"]["training_wait_seconds"] >= waited["training_wait_seconds"]
+    assert record["input"]["training_wait_seconds"] >= waited["training_wait_seconds"] - 0.001  # rounded to ms
+    lines = [json.loads(line) for line in stdout.lines]
+    starts = [0.0] + [line["elapsed_seconds"] for line in lines[:-1]]
+    delivered = sum(line["tokens_per_second"] * (line["elapsed_seconds"] - start) for line, start in zip(lines, starts))
+    assert delivered == pytest.approx(record["summary"]["total_target_tokens"], rel=0.005), (delivered, len(lines))
+    assert waited["tokens_per_compute_second"] > 1.2 * waited["tokens_per_second"]
 
 
 def test_an_input_failure_after_training_started_exports_the_model_so_far(tmp_path, monkeypatch):
@@ -511,7 +519,7 @@ def test_a_probe_stopped_by_sigterm_during_fit_exits_non_zero(tmp_path, devices)
     from omegaconf import OmegaConf
 
     config = tmp_path / "probe.yaml"  # rows long enough that the second update runs for seconds on a CPU
-    dotlist = ["model.max_seq_len=512", f"trainer.devices={devices}"]
+    dotlist = ["model.max_seq_len=512", f"trainer.devices={devices}", "log_level=debug"]  # its stage lines mark time
     OmegaConf.save(OmegaConf.merge(OmegaConf.load(ROOT / "conf/smoke.yaml"), OmegaConf.from_dotlist(dotlist)), config)
     env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="", RUNFAB_CONFIG=str(config))
     hook = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import train; train.probe_batch({8 // devices})"
@@ -690,6 +698,39 @@ def test_a_second_signal_during_the_export_leaves_no_half_written_model(tmp_path
     assert not (tmp_path / "out" / "model").exists()
 
 
+@pytest.mark.parametrize("stop", ["a second SIGTERM", "SIGKILL"])
+def test_a_stop_while_the_run_record_is_made_leaves_no_model_without_its_record(tmp_path, stop):
+    """The model's files are written and the run record is being made when the process stops: the
+    model must not appear without its record (a partial model would then look finished). The model
+    and run_record.json are published together, or neither is."""
+    script = tmp_path / "stop_in_record.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        import callbacks.run_record as run_record
+        build = run_record.RunRecord.build
+        def stopped_build(self, trainer, pl_module):
+            if {stop!r} == "SIGKILL":
+                os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGTERM)  # the first asks for a graceful stop, the second for an end now
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+            return build(self, trainer, pl_module)
+        run_record.RunRecord.build = stopped_build
+        import train
+        sys.exit(train.main(sys.argv[1:]))
+    """))
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, str(script), *ARGS, "--trainer.max_steps", "2", "--data.source", "sample"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=tmp_path, timeout=120)
+    assert done.returncode != 0, done.stderr.decode()[-3000:]
+    out = tmp_path / "out"
+    assert not (out / "model").exists(), sorted(p.name for p in (out / "model").iterdir())
+    if stop == "a second SIGTERM":  # a stop it sees removes the staging folder itself
+        assert not list(out.glob(".model*"))
+
+
 def test_an_output_filesystem_without_room_is_refused_before_the_input_is_read(tmp_path, monkeypatch, capsys):
     """A full output filesystem failed the export with a raw ENOSPC traceback after all the training."""
     import shutil
@@ -707,20 +748,105 @@ def test_an_output_filesystem_without_room_is_refused_before_the_input_is_read(t
     assert not (tmp_path / "out" / "model").exists()
 
 
-def test_an_export_that_still_fails_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("full_at", ["weights", "run record"])
+def test_an_export_that_still_fails_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, full_at):
+    """The disk fills while the weights are written (safetensors' own error, as it raises it) or while
+    the run record is: either way one line, exit 2, and neither a model nor a record is left."""
     import errno
 
     import callbacks.export
     import cli
 
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def full_weights(*args, **kwargs):
+        raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(callbacks.export, "save_file", full)
+    write_text = Path.write_text
+
+    def full_record(path, *args, **kwargs):
+        if path.name == "run_record.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return write_text(path, *args, **kwargs)
+
+    if full_at == "weights":
+        monkeypatch.setattr(callbacks.export, "save_file", full_weights)
+    else:
+        monkeypatch.setattr(Path, "write_text", full_record)
     monkeypatch.setenv("RUNFABRIC_OUTPUT", str(tmp_path / "out"))
     assert cli.main([*ARGS, "--data.source", "sample", "--trainer.max_steps", "2"], train.EFFECTIVE_BATCH_SIZE) == 2
     stderr = capsys.readouterr().err
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
-    assert "failed after 2 optimizer steps: No space left on device; nothing was exported" in errors[0]
+    assert "failed after 2 optimizer steps: No space left on device" in errors[0]
+    assert "nothing was exported" in errors[0]
     assert not (tmp_path / "out" / "model").exists() and not list((tmp_path / "out").glob(".model*"))
+
+
+def test_the_loggers_get_the_configuration_and_nothing_they_print_reaches_stdout(tmp_path, monkeypatch, capfd):
+    """A logger that prints on stdout whenever it is called, beside Lightning's CSV logger: stdout
+    still holds metric lines only, and both loggers receive the run's configuration."""
+    import lightning as L
+    import yaml
+
+    import cli
+
+    class ChattyLogger(L.pytorch.loggers.Logger):
+        name, version = "chatty", 0
+        received: dict = {}
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            print("chatty: hyperparameters")
+            self.received.update(params)
+
+        def log_metrics(self, metrics, step=None):
+            print("chatty: metrics")
+
+        def finalize(self, status):
+            print("chatty: finalize")
+
+    chatty = ChattyLogger()
+    csv = L.pytorch.loggers.CSVLogger(tmp_path / "logs", name="csv")
+    monkeypatch.setattr(training_run, "experiment_loggers", lambda cfg, folder: [csv, chatty])
+    monkeypatch.setenv("RUNFABRIC_OUTPUT", str(tmp_path / "out"))
+    assert cli.main([*ARGS, "--data.source", "sample", "--trainer.max_steps", "2"], train.EFFECTIVE_BATCH_SIZE) == 0
+    stdout, stderr = capfd.readouterr()
+    assert stdout and all(json.loads(line)["step"] >= 1 for line in stdout.splitlines()), stdout
+    assert "chatty: metrics" in stderr and "chatty: finalize" in stderr
+    assert chatty.received["config"]["model"]["n_layer"] == RUN["model.n_layer"] and chatty.received["seed"] == 1337
+    hparams = yaml.safe_load((tmp_path / "logs/csv/version_0/hparams.yaml").read_text())
+    assert hparams["config"]["model"]["n_layer"] == RUN["model.n_layer"] and "microbatch" in hparams["batch"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed")
+def test_wandb_offline_gets_the_configuration_and_prints_nothing_on_stdout(tmp_path):
+    """W&B prints its closing lines when its run finishes, at the interpreter's exit unless the run
+    finishes it first: stdout must hold the metric lines only, to the end of the process."""
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="", WANDB_MODE="offline",
+               WANDB_DIR=str(tmp_path / "wandb-home"), WANDB_CONFIG_DIR=str(tmp_path / "wandb-home"))
+    done = subprocess.run([sys.executable, str(ROOT / "train.py"), *ARGS, "--trainer.max_steps", "2", "--data.source",
+                           "sample", "--observe.loggers", "[wandb]"], capture_output=True, env=env, cwd=tmp_path,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert done.stdout and all(json.loads(line)["step"] >= 1 for line in done.stdout.splitlines()), done.stdout[-2000:]
+    assert b"wandb sync" in done.stderr  # what it printed went to stderr
+    runs = list((tmp_path / "out/run/logs/wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and b"vocab_size" in runs[0].read_bytes()  # the configuration reached W&B
+
+
+@pytest.mark.parametrize("level", [None, "debug", "warning"])
+def test_log_level_sets_what_stderr_tells_and_the_memory_trace_is_debug(tmp_path, level):
+    """The default tells the run's steps, its metric lines and its outcome, without the host-memory
+    trace of every stage; debug adds the trace; warning keeps warnings and errors. stdout is the same."""
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, str(ROOT / "train.py"), *ARGS, "--trainer.max_steps", "2", "--data.source",
+                           "sample", *(["--log_level", level] if level else [])],
+                          capture_output=True, env=env, cwd=tmp_path, timeout=180)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    told = done.stderr.decode()
+    assert [json.loads(line)["step"] for line in done.stdout.splitlines()][-1] == 2
+    assert ("] host memory, rank 0, update 1: PSS" in told) == (level == "debug")
+    assert ("] finished: 2 optimizer steps" in told) == ("] metrics: step=2" in told) == (level != "warning"), told
+
+
+def test_an_unknown_log_level_is_refused_naming_the_choices():
+    with pytest.raises(ConfigError, match="log_level must be one of debug, info, warning, not 'loud'"):
+        load_config("conf/smoke.yaml", ["log_level=loud"])

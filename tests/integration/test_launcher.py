@@ -69,8 +69,8 @@ def test_two_workers_reach_the_weights_of_one_process(tmp_path):
     single, single_out = run_train(tmp_path, "single", [*every_step, "--microbatch", "8"], records)
     assert single.returncode == 0, single.stderr.decode()[-3000:]
     parallel, parallel_out = run_train(
-        tmp_path, "parallel", [*every_step, "--microbatch", "4", "--trainer.devices", "2"], records
-    )
+        tmp_path, "parallel", [*every_step, "--microbatch", "4", "--trainer.devices", "2", "--log_level", "debug"],
+        records)
     assert parallel.returncode == 0, parallel.stderr.decode()[-3000:]
     assert b"2 worker(s) started: forked from this process" in parallel.stderr  # trainer.worker_start: auto
     told = parallel.stderr.decode()  # the run's story once (rank 0), host memory per rank
@@ -218,7 +218,8 @@ def test_the_probe_runs_on_every_device_under_the_training_setup(tmp_path):
     )
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     stderr = result.stderr.decode()
-    assert stderr.count("probe: {'microbatch': 4, 'steps': 2}") == 2  # one line per rank, two optimizer steps each
+    assert stderr.count('probe figures: {"microbatch": 4, "steps": 2}') == 2  # one per rank, two optimizer steps each
+    assert stderr.count("probe passed: microbatch 4 of worst-case rows trained 2 optimizer steps on rank ") == 2
     assert stderr.count("] attention for packed rows: ") == 1  # the rest is said once, by rank 0
     assert result.stdout == b"" and not (tmp_path / "out").exists()
 

@@ -70,9 +70,10 @@ def test_a_run_over_a_budget_is_stopped_and_named(tmp_path, monkeypatch):
 
 
 def test_probe_peaks_are_read_from_the_trainers_probe_line():
-    line = "[2026-11-29 10:00:00,000 train] probe: {'microbatch': 8, 'steps': 4, 'peak_allocated_gib': 17.5, 'peak_reserved_gib': 18.0}"
+    line = ('[2026-11-29 10:00:00,000 runtime.probe] probe figures: {"microbatch": 8, "steps": 4, '
+            '"peak_allocated_gib": 17.5, "peak_reserved_gib": 18.0}')
     assert emulate.probe_figures(["noise", line, "tail"]) == {"peak_allocated_gib": 17.5, "peak_reserved_gib": 18.0}
-    assert emulate.probe_figures(["[x train] probe: {'microbatch': 8, 'steps': 4}"]) == {}  # CPU: no GPU peaks
+    assert emulate.probe_figures(['[x runtime.probe] probe figures: {"microbatch": 8, "steps": 4}']) == {}  # CPU
     assert emulate.probe_figures(["Traceback", "torch.OutOfMemoryError: CUDA out of memory"]) == {}
 
 

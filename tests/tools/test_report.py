@@ -196,6 +196,15 @@ def test_the_page_holds_the_run_record_and_fetches_nothing(gpu_run):
     assert_fetches_nothing(page)
 
 
+def test_a_run_that_waited_for_input_shows_its_time_computing_beside_the_throughput(tmp_path):
+    """tokens / s is over the wall clock, as the contract counts it; a run slowed by its input also
+    shows how fast it trained while it had rows."""
+    summary = RUN_RECORD["summary"] | {"tokens_per_second": 52_378.0, "tokens_per_compute_second": 209_512.5}
+    page = render(write_output_root(tmp_path / "output", metric_lines(), RUN_RECORD | {"summary": summary}))
+    assert "52,378" in page and "tokens / s computing" in page and "209,512" in page
+    assert "tokens / s computing" not in render(write_output_root(tmp_path / "other", metric_lines()))
+
+
 def assert_fetches_nothing(page: str) -> None:
     """No element or rule that makes a browser load anything: references inside the page (a figure's
     markers and clip paths) and links for a person to click are fine."""

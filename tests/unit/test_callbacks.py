@@ -61,9 +61,10 @@ def test_interval_loss_is_token_weighted_and_steps_are_counted_once_per_update()
     assert record["mfu"] * 1e6 / record["tokens_per_second"] == pytest.approx(flops / 30, rel=1e-4)
 
 
-def test_time_waiting_for_input_is_reported_as_waiting_and_left_out_of_the_throughput(monkeypatch):
+def test_throughput_is_over_the_wall_clock_and_the_time_computing_is_a_figure_of_its_own(monkeypatch):
     """Two updates of 30 target tokens, one second of training each, and 9 s waiting for input
-    between them: 60 tokens in 2 s of training, whatever the wall clock says."""
+    between them (a slow input): 60 tokens were delivered in 11 s, as the contract counts throughput,
+    and computed in 2 s, which tokens_per_compute_second says."""
     import callbacks.runfab_metrics as runfab_metrics
 
     clock, waited = [100.0], [0.0]
@@ -86,8 +87,14 @@ def test_time_waiting_for_input_is_reported_as_waiting_and_left_out_of_the_throu
     metrics.report(trainer, module)
     record = json.loads(stream.getvalue())
     assert record["elapsed_seconds"] == 11.0 and record["training_wait_seconds"] == 9.0
-    assert record["tokens_per_second"] == pytest.approx(60 / 2) and record["samples_per_second"] == pytest.approx(6 / 2)
-    assert metrics.summary(trainer, module)["normal_region"]["seconds"] == pytest.approx(2.0)
+    assert record["tokens_per_second"] == pytest.approx(60 / 11) and record["samples_per_second"] == pytest.approx(6 / 11)
+    assert record["steps_per_second"] == pytest.approx(2 / 11)
+    assert record["tokens_per_compute_second"] == pytest.approx(60 / 2)
+    summary = metrics.summary(trainer, module)
+    assert summary["normal_region"]["seconds"] == pytest.approx(11.0)
+    assert summary["normal_region"]["input_wait_seconds"] == pytest.approx(9.0)
+    assert summary["tokens_per_second"] == pytest.approx(60 / 11)
+    assert summary["tokens_per_compute_second"] == pytest.approx(60 / 2) == summary["tokens_per_compute_second_per_gpu"]
 
 
 class PoisonWeights(L.Callback):
@@ -159,9 +166,9 @@ def test_the_run_record_reports_the_compile_caches_where_the_environment_puts_th
             path.write_bytes(b"x" * size)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    usage = RunRecord(tmp_path / "model", tmp_path, {}, None, compiled=True).compile_cache_usage()
+    usage = RunRecord(tmp_path, {}, None, compiled=True).compile_cache_usage()
     assert usage == {name: {"path": str(tmp_path / name), "bytes": sum(files)} for name, files in sizes.items()}
-    assert RunRecord(tmp_path / "model", tmp_path, {}, None, compiled=False).compile_cache_usage() is None
+    assert RunRecord(tmp_path, {}, None, compiled=False).compile_cache_usage() is None
 
 
 def test_a_model_smaller_than_the_tokenizer_vocabulary_is_refused():

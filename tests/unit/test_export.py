@@ -178,3 +178,63 @@ def test_the_callback_marks_its_folder_and_a_failed_write_is_one_line_with_nothi
     assert "failed after 3 optimizer steps: No space left on device" in str(error.value)
     assert "\n" not in str(error.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging folder left behind
+
+
+PAGE = 4096
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A tmpfs of 16 MiB whose free space a test sets (``leave(bytes)``): a real full disk, which only
+    root may mount; skipped where that is not permitted."""
+    import shutil
+    import subprocess
+
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    if shutil.which("mount") is None or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount_point)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs is not permitted here")
+
+    def leave(free_bytes: int) -> None:
+        stats = os.statvfs(mount_point)
+        (mount_point / "filler").write_bytes(b"\0" * (stats.f_bavail * stats.f_frsize - free_bytes))
+
+    try:
+        yield mount_point, leave
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def pages(size: int) -> int:
+    return -(-size // PAGE) * PAGE
+
+
+@pytest.mark.parametrize("failing", ["model.safetensors", "tokenizer.json", "run_record.json"])
+def test_a_full_disk_at_any_write_of_the_export_is_one_line_and_nothing_is_left(small_filesystem, tmp_path, failing):
+    """The weights (safetensors), the tokenizer (tokenizers) and the record each meet a real ENOSPC;
+    each library's own error becomes the one line of ExportFailed, and no folder is left behind."""
+    from callbacks.export import ExportFailed
+
+    mount_point, leave = small_filesystem
+    model = GPT(GPTConfig(vocab_size=8192, n_layer=1, n_head=2, n_embd=32, max_seq_len=32))
+    tokenizer = "conf/tokenizer.json"
+
+    def record(trainer, module, staging):
+        (staging / "run_record.json").write_text("{}" + " " * (256 << 10) + "\n")
+
+    trained = SimpleNamespace(is_global_zero=True, global_step=3)
+    ExportModel(tmp_path / "reference", tokenizer, published_with=record).on_train_end(trained, SimpleNamespace(model=model))
+    written = sorted((tmp_path / "reference").iterdir(), key=lambda p: p.stat().st_mtime_ns)
+    names = [p.name for p in written]
+    assert failing in names and (tmp_path / "reference" / failing).stat().st_size > 16 * PAGE
+    before = sum(pages(p.stat().st_size) for p in written[:names.index(failing)])
+    leave(before + pages((tmp_path / "reference" / failing).stat().st_size) // 2)
+
+    with pytest.raises(ExportFailed) as error:
+        ExportModel(mount_point / "model", tokenizer, published_with=record).on_train_end(
+            trained, SimpleNamespace(model=model))
+    message = str(error.value)
+    assert "failed after 3 optimizer steps: No space left on device" in message and "nothing was exported" in message
+    assert "\n" not in message
+    assert sorted(p.name for p in mount_point.iterdir()) == ["filler"]

@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import functools
 import json
 import os
@@ -99,15 +98,15 @@ def probe(sandbox: Sandbox, microbatch: int, cuda: bool, limit: float) -> dict:
 
 
 def probe_figures(stderr: list[str]) -> dict:
-    """Peak GPU memory from the trainer's ``probe: {...}`` log line, when it wrote one."""
+    """Peak GPU memory from the trainer's ``probe figures: {...}`` log line (JSON), when it wrote one."""
     for line in reversed(stderr):
-        _, marker, rest = line.partition(" probe: ")
+        _, marker, rest = line.partition(" probe figures: ")
         if marker:
             try:
-                figures = ast.literal_eval(rest.strip())
-            except (ValueError, SyntaxError):
+                figures = json.loads(rest)
+            except ValueError:
                 return {}
-            return {k: v for k, v in figures.items() if k.startswith("peak_")}
+            return {k: v for k, v in figures.items() if k.startswith("peak_")} if isinstance(figures, dict) else {}
     return {}
 
 
