@@ -61,14 +61,27 @@ def weights_digest(state: dict) -> str:
     return digest.hexdigest()
 
 
+class ValidationDigest:
+    """The digest of a validation set, built a document (with its EOS) at a time."""
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self.documents = self.tokens = 0
+
+    def update(self, doc: np.ndarray) -> None:
+        ids = np.ascontiguousarray(doc, dtype="<i4")
+        self._sha.update(len(ids).to_bytes(8, "little"))
+        self._sha.update(ids.tobytes())
+        self.documents += 1
+        self.tokens += len(ids)
+
+    def result(self) -> dict:
+        return {"sha256": self._sha.hexdigest(), "documents": self.documents, "tokens": self.tokens}
+
+
 def validation_digest(documents: Iterable[np.ndarray]) -> dict:
     """Digest, document count and token count of a validation set (documents with their EOS)."""
-    digest = hashlib.sha256()
-    count = tokens = 0
+    digest = ValidationDigest()
     for doc in documents:
-        ids = np.ascontiguousarray(doc, dtype="<i4")
-        digest.update(len(ids).to_bytes(8, "little"))
-        digest.update(ids.tobytes())
-        count += 1
-        tokens += len(ids)
-    return {"sha256": digest.hexdigest(), "documents": count, "tokens": tokens}
+        digest.update(doc)
+    return digest.result()
