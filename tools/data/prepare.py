@@ -196,7 +196,8 @@ def fingerprint(meta: dict, input_digests: list[str], range_bytes: int) -> str:
     """One digest of what decides the prepared rows and the split: the inputs' content, range by range
     (not their paths), the tokenizer, the row length, the settings and the validation split."""
     decisive = {"format": meta["format"], "seq_len": meta["seq_len"], "tokenizer_sha256": meta["tokenizer_sha256"],
-                "vocab_size": meta["vocab_size"], "eos_id": meta["eos_id"], "settings": meta["settings"],
+                "vocab_size": meta["vocab_size"], "eos_id": meta["eos_id"],
+                "settings": {k: v for k, v in meta["settings"].items() if k != "tokenizer"},  # a path: its sha256 counts
                 "range_bytes": range_bytes, "inputs_sha256": input_digests,
                 "validation_sha256": meta["validation"]["sha256"]}
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()
@@ -211,7 +212,8 @@ def summary_line(summary: dict, seq_len: int) -> str:
     return (f"prepared: {summary['records']} records, {summary['accepted']} accepted, rejected: {rejected}; "
             f"{summary['documents']} documents, {summary['document_tokens']} tokens; {summary['rows']} rows of "
             f"{seq_len} tokens from {summary['ranges']} byte ranges; dropped at range ends: "
-            f"{summary['tail_tokens_dropped']} tokens")
+            f"{summary['tail_tokens_dropped']} tokens; held out for validation: {summary['held_out_documents']} "
+            f"documents ({summary['held_out_tokens']} tokens)")
 
 
 @contextlib.contextmanager
