@@ -79,9 +79,10 @@ def test_the_record_has_the_fingerprints_and_the_history_every_update(runs):
     assert history["loss"] == pytest.approx([line["loss"] for line in lines], abs=1e-6)
     assert history["grad_norm"] == pytest.approx([line["grad_norm"] for line in lines], abs=1e-5)
     # A line's lr is the one the next update trains with; the history keeps each update's own.
-    assert history["lr"][1:] == pytest.approx([line["lr"] for line in lines[:-1]])
+    assert history["lr"][1:] == pytest.approx([line["lr"] for line in lines[:-1]], abs=1e-6)  # lines: 6 decimals
     assert (history["target_tokens"] > 0).all() and np.all(np.diff(history["seconds"]) >= 0)
-    assert lines[-1]["val_loss"] == pytest.approx(validation["ce_after"], abs=1e-6)  # the pool was complete by then
+    # The pool was complete by then; validation_step averages in float32.
+    assert lines[-1]["val_loss"] == pytest.approx(validation["ce_after"], abs=1e-5)
 
 
 # ----------------------------------------------------------------------------- compare
