@@ -20,9 +20,10 @@ whether all of them still have one. The price is that ``model.max_seq_len`` is f
 One update on each rank: the loader yields the rank's whole share of the update as one batch
 (microbatch x accumulation rows, ``GroupCollate``), which ``ShardUpdates`` hands to Lightning as
 its microbatches. The exact loss normalisation needs the update's target-token count over all
-ranks; ``UpdateAgreement`` gets it with one all-reduce of three integers per update, which also
-carries a stop request (a signal on any rank) and rank 0's "a metric line is due", so every rank
-stops, checkpoints and reports at the same update.
+ranks; ``UpdateAgreement`` gets it with one all-reduce of four integers per update, which also
+carries a stop request (a signal on any rank), rank 0's "a metric line is due" and the digest of
+the update's rows (callbacks/fingerprints.py), so every rank stops, checkpoints and reports at the
+same update.
 
 LitData is optional (pyproject extra ``cluster``): it is imported inside the functions that use
 it, so the RunFab bundle imports this module without it.
@@ -198,10 +199,11 @@ class GroupCollate:
 
 
 class UpdateAgreement:
-    """What the ranks settle once per update, in one all-reduce of three integers when the update's
+    """What the ranks settle once per update, in one all-reduce of four integers when the update's
     first microbatch is fetched: the update's target tokens over all ranks (the exact loss
-    normalisation), whether any rank was asked to stop, and whether rank 0's metric interval has
-    passed. Every rank then stops and reports after the same update, with no other collective."""
+    normalisation), whether any rank was asked to stop, whether rank 0's metric interval has
+    passed, and the update's rows digest. Every rank then stops and reports after the same update,
+    with no other collective."""
 
     def __init__(self, report_every_seconds: float) -> None:
         self.report_every = report_every_seconds
