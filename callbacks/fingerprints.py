@@ -6,10 +6,11 @@ the same whatever the precision, the device or the number of ranks:
 
 - initial weights: SHA-256 over the GPT-2 state dict the export writes (its key names in sorted
   order, fp32, little-endian), taken before the first update;
-- the tokens of an update: the sum of a 40-bit BLAKE2b digest of each of its rows (tokens and
-  positions, int32). A sum does not depend on the order of the rows or on which rank trained which
-  row, and it can be added up over ranks in the all-reduce a run already does; the run's training
-  tokens are then a SHA-256 chain over its updates' values, in update order;
+- the tokens of an update: the sum of a 40-bit BLAKE2b digest of each of its rows (its tokens and
+  the offsets where its documents start, int32). A sum does not depend on the order of the rows or
+  on which rank trained which row, and it can be added up over ranks in the all-reduce a run
+  already does; the run's training tokens are then a SHA-256 chain over its updates' values, in
+  update order;
 - a validation set: SHA-256 over its documents' token ids (int32, each after its length), in order.
 """
 
@@ -26,10 +27,10 @@ TOKENS_CHAIN_START = hashlib.sha256(b"runfab training tokens").hexdigest()
 
 
 def row_digest(tokens: np.ndarray, positions: np.ndarray) -> int:
-    """A packed row's 40-bit digest: its tokens and where its documents start (positions)."""
+    """A packed row's 40-bit digest: its tokens and where its documents start (positions 0)."""
     digest = hashlib.blake2b(digest_size=_ROW_DIGEST_BYTES)
     digest.update(np.ascontiguousarray(tokens, dtype="<i4").tobytes())
-    digest.update(np.ascontiguousarray(positions, dtype="<i4").tobytes())
+    digest.update(np.flatnonzero(np.asarray(positions) == 0).astype("<i4").tobytes())
     return int.from_bytes(digest.digest(), "little")
 
 

@@ -107,12 +107,14 @@ class FixedValidation(L.Callback):
 
         expected = self.initial_digest()
         if expected is None:
-            return {"ce_before_missing": "the initial weights' digest is unknown (resumed from a checkpoint without it)"}
+            return {"ce_before_missing": "the initial weights' digest is unknown (resumed from a checkpoint "
+                                         "without it)"}
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             model = self.initial_model(device)
         try:
             if model_weights_digest(model) != expected:
-                return {"ce_before_missing": "the weights built again from the seed differ from the run's initial weights"}
+                return {"ce_before_missing": "the weights built again from the seed differ from the run's initial "
+                                             "weights"}
             return {"ce_before": cross_entropy(model, docs, self.seq_len, self.microbatch, device,
                                                context)["cross_entropy"]}
         finally:

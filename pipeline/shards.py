@@ -193,7 +193,8 @@ class GroupCollate:
 
     def __call__(self, items: list[dict]) -> dict:
         rows = [item_row(item, self.seq_len) for item in items]
-        batches = [collate_rows(rows[i : i + self.microbatch], self.digest) for i in range(0, len(rows), self.microbatch)]
+        batches = [collate_rows(rows[i : i + self.microbatch], self.digest)
+                   for i in range(0, len(rows), self.microbatch)]
         return {"microbatches": batches, "target_tokens": sum(b["target_tokens"] for b in batches),
                 "rows_digest": sum(b["rows_digest"] for b in batches)}
 
@@ -328,8 +329,8 @@ class ShardDataModule(L.LightningDataModule):
     def train_dataloader(self) -> ShardUpdates:
         # Called after the process group exists, so LitData sees this rank's place in it.
         rows = self.microbatch * self.accumulation
-        loader = open_rows(self.path, self.seed, rows, self.workers, GroupCollate(self.seq_len, self.microbatch, self.token_digests),
-                           self.pin_memory)
+        collate = GroupCollate(self.seq_len, self.microbatch, self.token_digests)
+        loader = open_rows(self.path, self.seed, rows, self.workers, collate, self.pin_memory)
         if len(loader) == 0:
             raise ShardsError(
                 f"{self.path} gives this rank no complete update: an update takes {rows} rows on each of "

@@ -140,7 +140,7 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
     world = per_node * nodes
     split = BatchSplit.for_command_line(cfg.trainer.global_batch_size or effective, world, cfg.data.microbatch,
                                         microbatch, accumulation)
-    cfg.data.val_fraction = 0.0  # no periodic validation: the split beside the rows is scored at the end (fixed_validation.py)
+    cfg.data.val_fraction = 0.0  # no periodic validation: the split beside the rows is scored at the end
     setup_process(cfg)
     warnings.filterwarnings("ignore", ".*but have no `val_dataloader`.*")  # no validation here, on purpose
     encoder = load_encoder(cfg)

@@ -34,8 +34,8 @@ import matplotlib
 import numpy as np
 from matplotlib.figure import Figure as MplFigure
 
-from tools.report import (FIGURE_INCHES, GRID, NUMBERED_ID, STYLE, STYLE_RC, columns, esc, figure_svg, flatten,
-                          note, section, utc, value_html)
+from tools.report import (FIGURE_INCHES, GRID, NUMBERED_ID, STYLE, STYLE_RC, esc, figure_svg, flatten, note,
+                          section, utc, value_html)
 
 PROG = "python -m tools compare"
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
@@ -94,7 +94,8 @@ def first_differing_update(a: Run, b: Run) -> str:
     if a.history is None or b.history is None:
         return "no per-update history to tell from which update"
     if a.history["stride"] != b.history["stride"]:
-        return f"the histories have different resolutions ({a.history['stride']} and {b.history['stride']} updates per row)"
+        return (f"the histories have different resolutions ({a.history['stride']} and {b.history['stride']} "
+                "updates per row)")
     da, db = a.history["tokens_digest"], b.history["tokens_digest"]
     n = min(len(da), len(db))
     differs = np.flatnonzero(da[:n] != db[:n])
@@ -141,7 +142,7 @@ def scope(measurement: dict | None) -> dict | None:
     """What decides which updates a run's figures are measured over (its normal region follows from it)."""
     if measurement is None:
         return None
-    return {"warmup_updates": measurement.get("warmup_updates"), "observed_updates": measurement.get("observed_updates")}
+    return {key: measurement.get(key) for key in ("warmup_updates", "observed_updates")}
 
 
 def short(value) -> str:
@@ -185,7 +186,8 @@ def curve_points(curve: Curve, run: Run) -> dict[str, tuple[np.ndarray, np.ndarr
     if h is None:
         return {}
     x = np.cumsum(h["target_tokens"]) if curve.slug == "loss-by-tokens" else h["update"]
-    y = {"loss-by-update": h["loss"], "loss-by-tokens": h["loss"], "lr": h["lr"], "grad-norm": h["grad_norm"]}[curve.slug]
+    y = {"loss-by-update": h["loss"], "loss-by-tokens": h["loss"], "lr": h["lr"],
+         "grad-norm": h["grad_norm"]}[curve.slug]
     return {"": (np.asarray(x, float), np.asarray(y, float))}
 
 
@@ -374,5 +376,6 @@ def main(argv: list[str]) -> int:
         return 0
     for d in result["differences"]:
         print(f"{PROG}: not comparable: {d['fingerprint']} differ in {d['run']}: {d['detail']}", file=sys.stderr)
-    print(f"{PROG}: page {result['page']}" + ("" if args.force else " (no curves: --force draws them)"), file=sys.stderr)
+    print(f"{PROG}: page {result['page']}" + ("" if args.force else " (no curves: --force draws them)"),
+          file=sys.stderr)
     return 1

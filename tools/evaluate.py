@@ -46,7 +46,8 @@ def load_gpt(folder: Path):
         raise NotThisModel(f"{folder} is not an exported model ({error})") from None
     if config.get("model_type") != "gpt2" or config.get("activation_function") != "gelu":
         raise NotThisModel(f"{folder} holds a {config.get('model_type')} model with activation "
-                           f"{config.get('activation_function')}; this scores models this trainer exported (GPT-2, gelu)")
+                           f"{config.get('activation_function')}; this scores models this trainer exported "
+                           "(GPT-2, gelu)")
     gpt_config = GPTConfig(vocab_size=config["vocab_size"], n_layer=config["n_layer"], n_head=config["n_head"],
                            n_embd=config["n_embd"], max_seq_len=config["n_positions"],
                            layer_norm_eps=config["layer_norm_epsilon"])
@@ -132,6 +133,7 @@ def main(argv: list[str]) -> int:
         return 2
     print(json.dumps(result), flush=True)
     print(f"{PROG}: cross-entropy {result['cross_entropy']:.4f} (perplexity {result['perplexity']:.2f}) over "
-          f"{result['target_tokens']} target tokens of {result['documents']['documents']} documents on {result['device']}",
+          f"{result['target_tokens']} target tokens of {result['documents']['documents']} documents on "
+          f"{result['device']}",
           file=sys.stderr)
     return 0

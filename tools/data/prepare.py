@@ -141,7 +141,8 @@ def prepare_range(piece: tuple[str, int, int, int], settings: PrepareSettings):
             yield row_item(row)
     write_documents(pool.snapshot(), Path(s.stats_dir, f"{index}.validation.jsonl"))
     counts = {"input_sha256": reader.digest.hexdigest(), "held_out_documents": stats.held_out_documents,
-              "held_out_tokens": stats.held_out_tokens,"records": stats.records, "accepted": stats.accepted, "rejected": dict(stats.rejected),
+              "held_out_tokens": stats.held_out_tokens,
+              "records": stats.records, "accepted": stats.accepted, "rejected": dict(stats.rejected),
               "bytes_read": stats.bytes_read, "documents": stats.documents, "document_tokens": stats.document_tokens,
               "rows": stats.rows, "tail_tokens_dropped": stats.tail_tokens_dropped}
     Path(s.stats_dir, f"{index}.json").write_text(json.dumps(counts))
@@ -197,7 +198,8 @@ def fingerprint(meta: dict, input_digests: list[str], range_bytes: int) -> str:
     (not their paths), the tokenizer, the row length, the settings and the validation split."""
     decisive = {"format": meta["format"], "seq_len": meta["seq_len"], "tokenizer_sha256": meta["tokenizer_sha256"],
                 "vocab_size": meta["vocab_size"], "eos_id": meta["eos_id"],
-                "settings": {k: v for k, v in meta["settings"].items() if k != "tokenizer"},  # a path: its sha256 counts
+                # the tokenizer's path is left out: its sha256 counts
+                "settings": {k: v for k, v in meta["settings"].items() if k != "tokenizer"},
                 "range_bytes": range_bytes, "inputs_sha256": input_digests,
                 "validation_sha256": meta["validation"]["sha256"]}
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()
