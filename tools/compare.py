@@ -74,7 +74,10 @@ def read_run(path: Path, label: str) -> Run:
         record = json.loads(record_path.read_text())
     except ValueError as error:
         raise UsageError(f"{record_path} is not JSON ({error})") from None
-    history = read_history(model / HISTORY_FILE) if (model / HISTORY_FILE).is_file() else None
+    try:
+        history = read_history(model / HISTORY_FILE) if (model / HISTORY_FILE).is_file() else None
+    except (OSError, ValueError, KeyError) as error:
+        raise UsageError(f"{model / HISTORY_FILE} is not a run's history ({error})") from None
     metrics = model.parent / "run" / "metrics.jsonl"
     lines = []
     if metrics.is_file():

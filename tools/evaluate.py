@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import json
 import sys
+import warnings
 from pathlib import Path
 
 PROG = "python -m tools evaluate"
@@ -86,7 +87,9 @@ def evaluate(folder: Path, data: Path, microbatch: int = 8, max_record_bytes: in
     chosen = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                           "cpu" if device == "auto" else device)
     model.to(chosen)
-    encoder = TextEncoder(folder / "tokenizer.json")
+    with warnings.catch_warnings():  # the export's tokenizer.json has a post-processor, which encoding leaves out
+        warnings.filterwarnings("ignore", ".*slower HF tokenizers backend", RuntimeWarning)
+        encoder = TextEncoder(folder / "tokenizer.json")
     stats = StreamStats(source=str(data))
     digest = ValidationDigest()  # built as the documents stream by: the same as the run record's for the same set
 
@@ -118,8 +121,18 @@ def main(argv: list[str]) -> int:
     if not args.data.is_file():
         print(f"{PROG}: --data {args.data} is not a file", file=sys.stderr)
         return 2
-    if args.microbatch < 1:
-        print(f"{PROG}: --microbatch must be at least 1", file=sys.stderr)
+    problems = [message for bad, message in (
+        (args.microbatch < 1, "--microbatch must be at least 1"),
+        (not (args.model / "tokenizer.json").is_file(), f"{args.model} has no tokenizer.json: give an exported model"),
+        (args.device not in ("auto", "cpu", "cuda"), f"--device is auto, cpu or cuda, not {args.device!r}"))
+        if bad]
+    if not problems and args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append("--device cuda, but no CUDA GPU is visible")
+    if problems:
+        print(f"{PROG}: {problems[0]}", file=sys.stderr)
         return 2
     from pipeline.stages import UnusableInputError
 

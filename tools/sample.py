@@ -56,7 +56,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu or cuda")
     args = parser.parse_args(argv)
     problems = [message for bad, message in (
-        (not (args.model / "config.json").is_file(), f"{args.model} is not an exported model (no config.json)"),
+        (not (args.model / "config.json").is_file() or not (args.model / "tokenizer.json").is_file(),
+         f"{args.model} is not an exported model (no config.json or tokenizer.json)"),
         (args.max_new_tokens < 1, "--max-new-tokens must be at least 1"),
         (args.temperature < 0, "--temperature must be >= 0"),
         (args.top_k is not None and args.top_k < 1, "--top-k must be at least 1")) if bad]
