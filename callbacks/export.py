@@ -112,6 +112,7 @@ def gpt2_config(config: GPTConfig, eos_id: int):
         attn_pdrop=0.0,
         bos_token_id=eos_id,
         eos_token_id=eos_id,
+        pad_token_id=eos_id,  # the tokenizer's and generation_config.json's pad token too
         tie_word_embeddings=True,
         architectures=["GPT2LMHeadModel"],
         dtype="float32",
@@ -142,6 +143,7 @@ def _write_export(model: GPT, tokenizer_path: Path, folder: Path, eos_token: str
         eos_token=eos_token,
         bos_token=eos_token,
         unk_token=eos_token,
+        pad_token=eos_token,  # so that tokenizer(texts, padding=True) works; the model masks padding out
         model_max_length=model.config.max_seq_len,
     ).save_pretrained(folder)
     _name_portable_tokenizer_class(folder / "tokenizer_config.json")

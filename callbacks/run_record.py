@@ -81,11 +81,11 @@ class RunRecord:
 
     def __init__(self, bundle_root: Path, static: dict, input_summary, compiled: bool = False,
                  early_end=lambda: None, metrics: RunFabMetrics | None = None,
-                 observer: ObservationWindows | None = None) -> None:
+                 observer: ObservationWindows | None = None, sections=lambda: {}) -> None:
         """``input_summary()`` gives what happened to the input; ``early_end()`` why training ended
         before its input or limit (a signal, an input error), or None: the status is then
         ``partial: <why>``. ``metrics`` and ``observer`` are the run's other callbacks, whose
-        figures and files the record reports."""
+        figures and files the record reports; ``sections()`` gives more of the record's sections."""
         self.compiled = compiled  # training compiles: report the size of its caches
         self.bundle_root = Path(bundle_root)
         self.static = static  # config, batch settings, tokenizer: known before training
@@ -93,6 +93,7 @@ class RunRecord:
         self.metrics, self.observer = metrics, observer
         self.started = time.time()
         self.early_end = early_end
+        self.sections = sections
 
     @property
     def status(self) -> str:
@@ -126,6 +127,7 @@ class RunRecord:
             },
             "sources_sha256": source_hashes(self.bundle_root),
             "git": source_commit(self.bundle_root),  # null in an unpacked bundle: the hashes identify the code
+            **self.sections(),
         }
 
     def compile_cache_usage(self) -> dict | None:

@@ -261,6 +261,10 @@ class RunFabMetrics(L.Callback):
         normal["flops"] += self._interval_flops
         normal["updates"] += self._interval_steps
 
+    def normal_region(self) -> dict:
+        """The updates the run's throughput is measured over (warmup and observed updates left out)."""
+        return {k: self.normal[k] for k in ("first_update", "last_update", "updates")}
+
     def summary(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
         """The run's figures over the normal region: warmup, observed updates and validation left out.
 

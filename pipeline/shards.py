@@ -21,9 +21,10 @@ whether all of them still have one. The price is that ``model.max_seq_len`` is f
 One update on each rank: the loader yields the rank's whole share of the update as one batch
 (microbatch x accumulation rows, ``GroupCollate``), which ``ShardUpdates`` hands to Lightning as
 its microbatches. The exact loss normalisation needs the update's target-token count over all
-ranks; ``UpdateAgreement`` gets it with one all-reduce of three integers per update, which also
-carries a stop request (a signal on any rank) and rank 0's "a metric line is due", so every rank
-stops, checkpoints and reports at the same update.
+ranks; ``UpdateAgreement`` gets it with one all-reduce of four integers per update, which also
+carries a stop request (a signal on any rank), rank 0's "a metric line is due" and the digest of
+the update's rows (callbacks/fingerprints.py), so every rank stops, checkpoints and reports at the
+same update.
 
 LitData is optional (pyproject extra ``cluster``): it is imported inside the functions that use
 it, so the RunFab bundle imports this module without it.
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = "runfab-packed-rows/1"  # what an item holds; a later change of layout gets a new name
 SHARDS_META = "runfab-shards.json"  # beside LitData's index.json: row length, tokenizer, what the preparation found
+VALIDATION_FILE = "validation.jsonl"  # beside them: the held-out documents, as records of token ids
 CLUSTER_INSTALL = ("`pip install --no-deps litdata==0.2.76` and `pip install boto3 requests` (the pyproject extra "
                    "`cluster`; docs/several-nodes.md)")
 
@@ -106,16 +108,20 @@ def item_row(item: dict, seq_len: int) -> Row:
 
 def write_meta(output: str, meta: dict) -> None:
     """``SHARDS_META`` into the prepared folder, or uploaded beside the index at an object-store URL."""
-    text = json.dumps(meta, indent=2, sort_keys=True) + "\n"
+    write_text(output, SHARDS_META, json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+
+def write_text(output: str, name: str, text: str) -> None:
+    """A file ``name`` into the prepared folder, or uploaded beside the index at an object-store URL."""
     if not is_url(output):
-        created_files.write_text(Path(output) / SHARDS_META, text)
+        created_files.write_text(Path(output) / name, text)
         return
     from litdata.streaming.fs_provider import _get_fs_provider
 
     with tempfile.TemporaryDirectory() as folder:
-        local = Path(folder) / SHARDS_META
+        local = Path(folder) / name
         local.write_text(text)
-        _get_fs_provider(output).upload_file(str(local), f"{output.rstrip('/')}/{SHARDS_META}")
+        _get_fs_provider(output).upload_file(str(local), f"{output.rstrip('/')}/{name}")
 
 
 def read_meta(path: str) -> dict:
@@ -139,6 +145,28 @@ def read_meta(path: str) -> dict:
         if isinstance(error, ShardsError):
             raise
         raise ShardsError(f"{not_prepared} ({type(error).__name__}: {error})") from None
+
+
+def read_validation(path: str, meta: dict, encode_batch: Callable, eos_id: int, vocab_size: int) -> list[np.ndarray]:
+    """The documents of the validation split beside the rows (``VALIDATION_FILE``), read by the record
+    rules and tokenizer of training; none when the preparation held none out."""
+    import io
+
+    from pipeline.stages import encode_documents, read_records, StreamStats
+
+    if not (meta.get("validation") or {}).get("documents"):
+        return []
+    with tempfile.TemporaryDirectory() as folder:
+        local = Path(path) / VALIDATION_FILE
+        if is_url(path):
+            from litdata.streaming.fs_provider import _get_fs_provider
+
+            local = Path(folder) / VALIDATION_FILE
+            _get_fs_provider(path).download_file(f"{path.rstrip('/')}/{VALIDATION_FILE}", str(local))
+        data = local.read_bytes()
+    stats = StreamStats()
+    docs = read_records(io.BytesIO(data), stats, vocab_size, len(data) + 1, give_up_after=1 << 62)
+    return [ids for _, ids in encode_documents(docs, encode_batch, eos_id, stats, 256, 8 << 20)]
 
 
 def check_meta(meta: dict, path: str, seq_len: int, tokenizer_sha256: str, tokenizer_name: str,
@@ -172,20 +200,23 @@ class GroupCollate:
 
     Runs in the loader's worker processes when there are any (``data.loader_workers``)."""
 
-    def __init__(self, seq_len: int, microbatch: int) -> None:
-        self.seq_len, self.microbatch = seq_len, microbatch
+    def __init__(self, seq_len: int, microbatch: int, digest: bool = True) -> None:
+        self.seq_len, self.microbatch, self.digest = seq_len, microbatch, digest
 
     def __call__(self, items: list[dict]) -> dict:
         rows = [item_row(item, self.seq_len) for item in items]
-        batches = [collate_rows(rows[i : i + self.microbatch]) for i in range(0, len(rows), self.microbatch)]
-        return {"microbatches": batches, "target_tokens": sum(b["target_tokens"] for b in batches)}
+        batches = [collate_rows(rows[i : i + self.microbatch], self.digest)
+                   for i in range(0, len(rows), self.microbatch)]
+        return {"microbatches": batches, "target_tokens": sum(b["target_tokens"] for b in batches),
+                "rows_digest": sum(b["rows_digest"] for b in batches)}
 
 
 class UpdateAgreement:
-    """What the ranks settle once per update, in one all-reduce of three integers when the update's
+    """What the ranks settle once per update, in one all-reduce of four integers when the update's
     first microbatch is fetched: the update's target tokens over all ranks (the exact loss
-    normalisation), whether any rank was asked to stop, and whether rank 0's metric interval has
-    passed. Every rank then stops and reports after the same update, with no other collective."""
+    normalisation), whether any rank was asked to stop, whether rank 0's metric interval has
+    passed, and the update's rows digest. Every rank then stops and reports after the same update,
+    with no other collective."""
 
     def __init__(self, report_every_seconds: float) -> None:
         self.report_every = report_every_seconds
@@ -194,6 +225,7 @@ class UpdateAgreement:
         self._report_updates: set[int] = set()
         self._last_report = time.monotonic()
         self._trainer: L.Trainer | None = None
+        self.update_digest = 0  # the settled update's rows digest over all ranks (callbacks/fingerprints.py)
 
     def attach(self, trainer: L.Trainer) -> None:
         self._trainer = trainer
@@ -210,18 +242,22 @@ class UpdateAgreement:
             return None
         return self.stop_signal or "a stop signal on another rank"
 
-    def settle(self, rank_tokens: int) -> int:
-        """The update's target-token count over all ranks, given this rank's share."""
+    def settle(self, rank_tokens: int, rank_digest: int = 0) -> int:
+        """The update's target-token count over all ranks, given this rank's share; its rows digest
+        over all ranks (from this rank's ``rank_digest``) is left in ``update_digest``."""
         trainer = self._trainer
         update = trainer.global_step + 1  # Lightning fetches an update's first microbatch after the previous step
         due = trainer.global_rank == 0 and time.monotonic() - self._last_report >= self.report_every
         if due:
             self._last_report = time.monotonic()
         tokens, stop, report = rank_tokens, int(self.stop_signal is not None), int(due)
+        digest = rank_digest
         if trainer.world_size > 1:  # alone, a rank needs no collective (and no device round trip)
-            values = torch.tensor([tokens, stop, report], dtype=torch.int64, device=trainer.strategy.root_device)
+            values = torch.tensor([tokens, stop, report, digest], dtype=torch.int64,
+                                  device=trainer.strategy.root_device)
             torch.distributed.all_reduce(values)
-            tokens, stop, report = values.tolist()
+            tokens, stop, report, digest = values.tolist()
+        self.update_digest = digest
         if report:
             self._report_updates.add(update)
         if stop and self.stop_after is None:
@@ -244,17 +280,18 @@ class ShardUpdates:
     Lightning saves and restores the loader's position with its checkpoint. Checkpoints are written
     between updates, when the loader has yielded exactly the updates trained."""
 
-    def __init__(self, loader, accumulation: int, settle: Callable[[int], int]) -> None:
-        self.loader, self.accumulation, self.settle = loader, accumulation, settle
+    def __init__(self, loader, accumulation: int, agreement: UpdateAgreement) -> None:
+        self.loader, self.accumulation, self.agreement = loader, accumulation, agreement
 
     def __len__(self) -> int:
         return len(self.loader) * self.accumulation
 
     def __iter__(self) -> Iterator[dict]:
         for group in self.loader:
-            total = self.settle(group["target_tokens"])
+            total = self.agreement.settle(group["target_tokens"], group["rows_digest"])
             for batch in group["microbatches"]:
                 batch["update_target_tokens"] = total
+                batch["update_digest"] = self.agreement.update_digest
                 yield batch
 
     def state_dict(self) -> dict:
@@ -331,27 +368,29 @@ def same_split_everywhere(dataset) -> None:
 
 
 class ShardDataModule(L.LightningDataModule):
-    """Training batches from prepared rows; no validation (the preparation holds no documents out)."""
+    """Training batches from prepared rows; no periodic validation (the run scores the validation split
+    beside the rows at its end: fixed_validation.py)."""
 
     input_wait_seconds = 0.0  # the loader reads prepared chunks ahead of training; no wait is measured here
 
     def __init__(self, path: str, seq_len: int, microbatch: int, accumulation: int, seed: int, workers: int,
-                 agreement: UpdateAgreement, pin_memory: bool = False) -> None:
+                 agreement: UpdateAgreement, pin_memory: bool = False, token_digests: bool = True) -> None:
         super().__init__()
         self.path, self.seq_len, self.seed, self.workers = path, seq_len, seed, workers
+        self.token_digests = token_digests
         self.microbatch, self.accumulation = microbatch, accumulation
         self.agreement, self.pin_memory = agreement, pin_memory
 
     def train_dataloader(self) -> ShardUpdates:
         # Called after the process group exists, so LitData sees this rank's place in it.
         rows = self.microbatch * self.accumulation
-        loader = open_rows(self.path, self.seed, rows, self.workers, GroupCollate(self.seq_len, self.microbatch),
-                           self.pin_memory)
+        collate = GroupCollate(self.seq_len, self.microbatch, self.token_digests)
+        loader = open_rows(self.path, self.seed, rows, self.workers, collate, self.pin_memory)
         if len(loader) == 0:
             raise ShardsError(
                 f"{self.path} gives this rank no complete update: an update takes {rows} rows on each of "
                 f"{self.trainer.world_size} rank(s); prepare more text, or lower the batch (trainer.global_batch_size)"
             )
         self.agreement.attach(self.trainer)
-        return ShardUpdates(loader, self.accumulation, self.agreement.settle)
+        return ShardUpdates(loader, self.accumulation, self.agreement)
 

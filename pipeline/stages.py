@@ -27,6 +27,7 @@ from typing import BinaryIO, Literal, get_args
 import numpy as np
 import torch
 
+from callbacks.fingerprints import rows_digest
 from model.attention import document_offsets
 from model.loss import IGNORE_INDEX
 from runtime.runfab_limits import RECORD_BYTES
@@ -484,19 +485,23 @@ def assemble_updates(
     stats.tail_tokens_dropped += sum(len(r.tokens) for r in group)
 
 
-def collate_rows(rows: list[Row]) -> dict[str, torch.Tensor | int]:
-    """Tensors of a microbatch; document offsets are found here, on the host, not by a device sync."""
-    positions = torch.from_numpy(np.stack([r.positions for r in rows]).astype(np.int64))
+def collate_rows(rows: list[Row], digest: bool = True) -> dict[str, torch.Tensor | int]:
+    """Tensors of a microbatch; document offsets are found here, on the host, not by a device sync.
+    ``digest`` false leaves the rows' digest 0 (data.token_digests)."""
+    tokens, positions = np.stack([r.tokens for r in rows]), np.stack([r.positions for r in rows])
+    digest = rows_digest(tokens, positions) if digest else 0
+    positions = torch.from_numpy(positions.astype(np.int64))
     targets = np.stack([r.targets() for r in rows])
     cu_seqlens = document_offsets(positions)
     lengths = cu_seqlens.diff().to(torch.int64)
     return {
-        "input_ids": torch.from_numpy(np.stack([r.tokens for r in rows]).astype(np.int64)),
+        "input_ids": torch.from_numpy(tokens.astype(np.int64)),
         "positions": positions,
         "targets": torch.from_numpy(targets),
         "cu_seqlens": cu_seqlens,
         "attention_pairs": int((lengths * lengths).sum()),  # sum of s^2 over documents, for MFU
         "target_tokens": int(np.count_nonzero(targets != IGNORE_INDEX)),
+        "rows_digest": digest,  # callbacks/fingerprints.py: what the run record's training-tokens digest is made of
     }
 
 
@@ -527,7 +532,8 @@ def balance_ranks(update: list[Row], world_size: int) -> list[list[Row]]:
     return [[update[i] for i in sorted(indices)] for indices in members]
 
 
-def split_update(update: list[Row], world_size: int, microbatch: int, stats: StreamStats) -> list[list[dict]]:
+def split_update(update: list[Row], world_size: int, microbatch: int, stats: StreamStats,
+                 digest: bool = True) -> list[list[dict]]:
     """Per rank, its microbatches of one update; each carries the whole update's target-token count.
 
     Every rank receives the same number of microbatches; with several ranks, balance_ranks decides
@@ -535,11 +541,13 @@ def split_update(update: list[Row], world_size: int, microbatch: int, stats: Str
     """
     if world_size > 1:
         update = [row for share in balance_ranks(update, world_size) for row in share]
-    batches = [collate_rows(update[i : i + microbatch]) for i in range(0, len(update), microbatch)]
+    batches = [collate_rows(update[i : i + microbatch], digest) for i in range(0, len(update), microbatch)]
     update_tokens = sum(b["target_tokens"] for b in batches)
+    update_digest = sum(b["rows_digest"] for b in batches)  # the whole update's, whichever rank trains which row
     stats.update_target_tokens += update_tokens
     for b in batches:
         b["update_target_tokens"] = update_tokens
+        b["update_digest"] = update_digest
     per_rank = len(batches) // world_size
     return [batches[r * per_rank : (r + 1) * per_rank] for r in range(world_size)]
 
@@ -594,6 +602,8 @@ class DataConfig:
     """Token budget: training stops after this many target tokens; null: no budget"""
     prefetch_updates: int = 2
     """Complete updates read ahead of training, per rank"""
+    token_digests: bool = True
+    """Digest every training row for the run record's training-tokens fingerprint; false only to measure its cost"""
 
     def problems(self) -> list[str]:
         found = []
@@ -647,7 +657,7 @@ def stream_updates(
                                  idle_release_tokens=s.rows_per_update * s.seq_len)
     rows = pack_rows(shuffled, s.seq_len, stats)
     for update in assemble_updates(rows, s.rows_per_update, stats, d.max_train_tokens):
-        yield split_update(update, s.world_size, s.microbatch, stats)
+        yield split_update(update, s.world_size, s.microbatch, stats, d.token_digests)
     stats.drained = True
     if stats.updates == 0:
         rejected = _counts(stats.rejected) or "none"

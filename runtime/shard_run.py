@@ -149,7 +149,7 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
     world = per_node * nodes
     split = BatchSplit.for_command_line(cfg.trainer.global_batch_size or effective, world, cfg.data.microbatch,
                                         microbatch, accumulation)
-    cfg.data.val_fraction = 0.0  # the preparation held no documents out: no validation (and the record says so)
+    cfg.data.val_fraction = 0.0  # no periodic validation: the split beside the rows is scored at the end
     setup_process(cfg)
     warnings.filterwarnings("ignore", ".*but have no `val_dataloader`.*")  # no validation here, on purpose
     encoder = load_encoder(cfg)
@@ -175,18 +175,23 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
         agreement = shards.UpdateAgreement(cfg.metrics.interval_seconds)
         datamodule = shards.ShardDataModule(
             cfg.data.path, cfg.model.max_seq_len, split.microbatch, split.accumulation, cfg.seed,
-            cfg.data.loader_workers, agreement, pin_memory=resolve_accelerator(cfg) == "gpu")
+            cfg.data.loader_workers, agreement, pin_memory=resolve_accelerator(cfg) == "gpu",
+            token_digests=cfg.data.token_digests)
+        held_out = shards.read_validation(cfg.data.path, meta, encoder.encode_batch_arrays, encoder.eos_id,
+                                          cfg.model.vocab_size)
         stop = StopAtAgreedUpdate(agreement, root / "checkpoints" / STOP_CHECKPOINT)
         overrides: dict = {"devices": per_node, "num_nodes": nodes, "plugins": [checkpoints.DurableCheckpointIO()]}
         if SLURMEnvironment.detect():  # its requeue handler checkpoints between microbatches: not exact
             overrides["plugins"].append(SLURMEnvironment(auto_requeue=False))
         log.info("training from %s: %d row(s) of %d tokens prepared; %d node(s) x %d process(es)", cfg.data.path,
                  meta["summary"]["rows"], meta["seq_len"], nodes, per_node)
-        summary = {"source": "litdata", "path": cfg.data.path, "resumed_from": resume, **meta["summary"]}
+        summary = {"source": "litdata", "path": cfg.data.path, "resumed_from": resume, **meta["summary"],
+                   "fingerprint": meta.get("fingerprint")}
         result = fit(cfg, split, datamodule, encoder, lambda: summary, end_input=agreement.request_stop,
                      early_end=lambda: agreement.stopped_by, report_due=agreement.report_due if world > 1 else None,
                      ckpt_path=resume, extra_callbacks=(stop, checkpoints.ResumeFingerprint(unchanged)),
-                     trainer_overrides=overrides)
+                     trainer_overrides=overrides,
+                     validation=(lambda: held_out, f"{cfg.data.path}/{shards.VALIDATION_FILE}"))
     if agreement.stopped_by is not None:
         where = f"checkpoint {stop.saved}" if stop.saved else "no checkpoint"
         raise launcher.Interrupted(f"stopped by {agreement.stopped_by} after optimizer step {result['steps']}; "

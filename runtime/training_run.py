@@ -32,6 +32,8 @@ from runtime.batch_split import BatchSplit
 from runtime.lifetime import exit_with_parent
 from callbacks import owned_folders
 from callbacks.export import ExportFailed, ExportModel, unfinished_exports
+from callbacks.fixed_validation import FixedValidation
+from callbacks.history import History
 from callbacks.graceful_stop import GracefulStop
 from callbacks.observe import ObservationWindows
 from callbacks.run_record import RunRecord, sha256_file
@@ -330,14 +332,15 @@ def raise_if_ended_early(feeder: UpdateFeeder, result: dict) -> None:
 def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
         encoder: TextEncoder, input_summary=None, platform_fraction: float | None = None,
         end_input=lambda reason: None, early_end=lambda: None, report_due=None,
-        ckpt_path: str | None = None, extra_callbacks: tuple = (), trainer_overrides: dict | None = None) -> dict:
+        ckpt_path: str | None = None, extra_callbacks: tuple = (), trainer_overrides: dict | None = None,
+        validation: tuple | None = None) -> dict:
     """Build module, callbacks and Trainer, and fit: the same in a single process and in each worker.
 
     Export and the run record happen in callbacks, on global rank 0. ``end_input(reason)`` ends the
     input at the next update boundary (a signal); ``early_end()`` says why it ended early, if it did,
     which the run record reports as ``partial``. The run from prepared shards (shard_run.py) resumes
     from ``ckpt_path``, adds ``extra_callbacks`` and sets the Trainer's ``trainer_overrides``
-    (devices per node, nodes).
+    (devices per node, nodes), and gives its fixed ``validation`` set as (documents(), where they are from).
     """
     microbatch, accumulation, world = split.microbatch, split.accumulation, split.ranks
     accelerator = resolve_accelerator(cfg)
@@ -371,14 +374,39 @@ def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
         return summary and summary | {"training_wait_seconds": round(datamodule.input_wait_seconds, 3)}
 
     observer = ObservationWindows(cfg.observe, run_dir)
+    history = History(token_digests=cfg.data.token_digests)
+    documents, source = validation or (datamodule.pool.snapshot, "held out from the input (data.val_fraction)")
+    fixed_validation = FixedValidation(
+        documents, cfg.model.max_seq_len, microbatch, functools.partial(initial_model, cfg),
+        lambda: history.initial_weights, source, save_to=None if validation else run_dir / "validation.jsonl")
+
+    def comparability() -> dict:
+        return {"comparability": history.summary() | {
+            "validation": fixed_validation.result,
+            "shards_fingerprint": (input_record() or {}).get("fingerprint"),
+            "tokenizer_sha256": static["tokenizer"]["sha256"],
+            "measurement_scope": {"warmup_updates": cfg.observe.warmup_updates,
+                                  "observed_updates": sorted(cfg.observe.observed_updates()),
+                                  "normal_region": metrics.normal_region()},
+        }}
+
     every = cfg.trainer.checkpoint_every_steps
     checkpoint_dir = Path(cfg.output.root) / "checkpoints"
-    record = RunRecord(BUNDLE_ROOT, static, input_record, compiled, early_end, metrics, observer)
+    record = RunRecord(BUNDLE_ROOT, static, input_record, compiled, early_end, metrics, observer,
+                       sections=comparability)
+
+    def publish(trainer: L.Trainer, pl_module: L.LightningModule, staging: Path) -> None:
+        """What belongs with the model, into its staging folder: published with it by one rename."""
+        record.write(trainer, pl_module, staging)
+        log.info("per-update history written with the model (%s)", history.write(staging).name)
+
     callbacks: list[L.Callback] = [
         owned_folders.MarkRunFolders([run_dir, *([checkpoint_dir] if every > 0 else [])]),
         observer,  # before the metrics: writing a trace counts as observed time
         metrics,  # before the export: the record carries the last line and the summary
-        ExportModel(model_dir, tokenizer_path, published_with=record.write),
+        history,  # before the export: its last all-reduce must not wait behind rank 0's export
+        fixed_validation,  # before the export: the record carries its result
+        ExportModel(model_dir, tokenizer_path, published_with=publish),
         GracefulStop(end_input, before_exit=functools.partial(remove_unfinished_exports, Path(cfg.output.root))),
         host_memory,
     ]
@@ -429,6 +457,12 @@ def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
     log.info("finished: %d optimizer steps; %s", trainer.global_step,
              f"model in {model_dir}" if trainer.global_step else "no model exported")
     return {"steps": trainer.global_step, "model_dir": str(model_dir), "metrics": metrics.last_record}
+
+
+def initial_model(cfg: RunConfig, device: torch.device):
+    """The GPT as training built it before update 1: the same seed, the same construction (build_module)."""
+    torch.manual_seed(cfg.seed)
+    return build_module(cfg, device if device.type == "cuda" else None).model
 
 
 def train_data_parallel(cfg: RunConfig, split: BatchSplit, feeder: UpdateFeeder,

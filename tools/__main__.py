@@ -18,6 +18,9 @@ COMMANDS = {
     "gpt2-tokenizer": ("tools.data.build_gpt2_tokenizer", "rebuild conf/gpt2/tokenizer.json from OpenAI's GPT-2 files"),
     "sample-data": ("tools.data.make_sample_data", "rebuild data/sample.jsonl from the standard library's docstrings"),
     "prepare": ("tools.data.prepare", "tokenize NDJSON files into packed rows for data.source litdata (LitData chunks)"),
+    "compare": ("tools.compare", "say whether runs are comparable, then one HTML page of their differences and curves"),
+    "evaluate": ("tools.evaluate", "an exported model's exact cross-entropy on NDJSON records, as training validates"),
+    "sample": ("tools.sample", "text from an exported model (transformers), on stdout"),
 }
 PROG = "python -m tools"
 

@@ -46,6 +46,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from runtime import created_files
 from runtime.lifetime import STOP_SIGNALS, exit_with_parent, on_stop_signals
 
@@ -73,6 +75,8 @@ class PrepareSettings:
     shuffle_buffer_docs: int
     shuffle_buffer_tokens: int
     stats_dir: str
+    val_fraction: float = 0.0  # of documents held out (by content hash) for the validation split
+    val_max_tokens: int = 0
 
 
 class RangeReader:
@@ -83,6 +87,7 @@ class RangeReader:
 
     def __init__(self, file, start: int, end: int) -> None:
         self.file, self.end = file, end
+        self.digest = hashlib.sha256()  # of the lines this range holds: the ranges' digests fingerprint the input
         if start > 0:
             file.seek(start - 1)
             while (part := file.readline(1 << 20)) and not part.endswith(b"\n"):  # bounded, however long the line
@@ -94,6 +99,7 @@ class RangeReader:
             return b""
         line = self.file.readline(limit)
         self._line_start = line.endswith(b"\n")
+        self.digest.update(line)
         return line
 
 
@@ -126,8 +132,9 @@ def range_seed(seed: int, index: int) -> int:
 def prepare_range(piece: tuple[str, int, int, int], settings: PrepareSettings):
     """LitData's work function: the packed rows of one byte range, as items; its counts go to a file."""
     from pipeline.shards import row_item
-    from pipeline.stages import (StreamStats, UnusableInputError, encode_documents, pack_rows, read_records,
-                                 shuffle_documents)
+    from callbacks.fixed_validation import write_documents
+    from pipeline.stages import (StreamStats, UnusableInputError, ValidationPool, encode_documents, pack_rows,
+                                 read_records, shuffle_documents, split_validation)
 
     path, start, end, index = piece
     s = settings
@@ -140,17 +147,22 @@ def prepare_range(piece: tuple[str, int, int, int], settings: PrepareSettings):
         except UnusableInputError:
             return
 
+    pool = ValidationPool(s.val_max_tokens)
     with open(path, "rb") as file:
-        docs = documents(RangeReader(file, start, end))
+        reader = RangeReader(file, start, end)
+        docs = documents(reader)
         tokens = encode_documents(docs, encoder.encode_batch_arrays, encoder.eos_id, stats, s.tokenize_batch_docs,
                                   s.tokenize_batch_bytes)
-        shuffled = shuffle_documents((ids for _, ids in tokens), s.shuffle_buffer_docs, s.shuffle_buffer_tokens,
-                                     range_seed(s.seed, index))
+        shuffled = shuffle_documents(split_validation(tokens, pool, s.val_fraction, stats), s.shuffle_buffer_docs,
+                                     s.shuffle_buffer_tokens, range_seed(s.seed, index))
         largest = -1
         for row in pack_rows(shuffled, s.seq_len, stats):
             largest = max(largest, int(row.tokens.max()))
             yield row_item(row)
-    counts = {"records": stats.records, "accepted": stats.accepted, "rejected": dict(stats.rejected),
+    write_documents(pool.snapshot(), Path(s.stats_dir, f"{index}.validation.jsonl"))
+    counts = {"input_sha256": reader.digest.hexdigest(), "held_out_documents": stats.held_out_documents,
+              "held_out_tokens": stats.held_out_tokens,
+              "records": stats.records, "accepted": stats.accepted, "rejected": dict(stats.rejected),
               "bytes_read": stats.bytes_read, "documents": stats.documents, "document_tokens": stats.document_tokens,
               "rows": stats.rows, "tail_tokens_dropped": stats.tail_tokens_dropped, "max_token_id": largest}
     created_files.write_text(Path(s.stats_dir, f"{index}.json"), json.dumps(counts))
@@ -165,10 +177,59 @@ def summarize(stats_dir: Path, ranges: int) -> dict:
         counts = json.loads(file.read_text())
         rejected.update(counts.pop("rejected"))
         largest = max(largest, counts.pop("max_token_id"))
+        counts.pop("input_sha256", None)
         total.update(counts)
-    names = ("records", "accepted", "bytes_read", "documents", "document_tokens", "rows", "tail_tokens_dropped")
+    names = ("records", "accepted", "bytes_read", "documents", "document_tokens", "rows", "tail_tokens_dropped",
+             "held_out_documents", "held_out_tokens")
     return {"ranges": ranges, **{name: total[name] for name in names}, "rejected": dict(sorted(rejected.items())),
             "max_token_id": largest}
+
+
+BYTES_PER_TOKEN = 4  # of NDJSON text, about: to hold out about as many documents as the split keeps
+
+
+def held_out_fraction(val_fraction: float, val_max_tokens: int, input_bytes: int) -> float:
+    """The share of documents the byte ranges hold out: data.val_fraction, or less when that would hold
+    out far more than the split keeps (data.val_max_tokens), since what a range held out and the split
+    has no room for is neither trained on nor validated."""
+    if not val_fraction or not val_max_tokens:
+        return 0.0
+    return min(val_fraction, 2 * BYTES_PER_TOKEN * val_max_tokens / max(input_bytes, 1))
+
+
+def write_validation_split(stats_dir: Path, ranges: int, output: str, max_tokens: int, eos_id: int) -> dict:
+    """The held-out documents of every range, in range order, up to ``max_tokens`` (as the stdin path's
+    pool takes them), written as ``validation.jsonl`` beside the rows; its digest and size."""
+    from callbacks.fingerprints import validation_digest
+    from pipeline import shards
+
+    kept, documents, tokens = [], [], 0
+    for index in range(ranges):
+        file = stats_dir / f"{index}.validation.jsonl"
+        for line in file.read_text().splitlines() if file.is_file() else ():
+            ids = np.append(np.asarray(json.loads(line)["input_ids"], dtype=np.int32), np.int32(eos_id))
+            if tokens + len(ids) <= max_tokens:
+                kept.append(line)
+                documents.append(ids)
+                tokens += len(ids)
+    shards.write_text(output, shards.VALIDATION_FILE, "".join(f"{line}\n" for line in kept))
+    return {"file": shards.VALIDATION_FILE, **validation_digest(documents)}
+
+
+def fingerprint(meta: dict, input_digests: list[str], range_bytes: int) -> str:
+    """One digest of what decides the prepared rows and the split: the inputs' content, range by range
+    (not their paths), the tokenizer, the row length, the settings and the validation split."""
+    decisive = {"format": meta["format"], "seq_len": meta["seq_len"], "tokenizer_sha256": meta["tokenizer_sha256"],
+                "vocab_size": meta["vocab_size"], "eos_id": meta["eos_id"],
+                # the tokenizer's path is left out: its sha256 counts
+                "settings": {k: v for k, v in meta["settings"].items() if k != "tokenizer"},
+                "range_bytes": range_bytes, "inputs_sha256": input_digests,
+                "validation_sha256": meta["validation"]["sha256"]}
+    return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()
+
+
+def input_digests(stats_dir: Path, ranges: int) -> list[str]:
+    return [json.loads((stats_dir / f"{index}.json").read_text())["input_sha256"] for index in range(ranges)]
 
 
 def summary_line(summary: dict, seq_len: int) -> str:
@@ -176,7 +237,8 @@ def summary_line(summary: dict, seq_len: int) -> str:
     return (f"prepared: {summary['records']} records, {summary['accepted']} accepted, rejected: {rejected}; "
             f"{summary['documents']} documents, {summary['document_tokens']} tokens; {summary['rows']} rows of "
             f"{seq_len} tokens from {summary['ranges']} byte ranges; dropped at range ends: "
-            f"{summary['tail_tokens_dropped']} tokens; largest token id {summary['max_token_id']}")
+            f"{summary['tail_tokens_dropped']} tokens; held out for validation: {summary['held_out_documents']} "
+            f"documents ({summary['held_out_tokens']} tokens); largest token id {summary['max_token_id']}")
 
 
 @contextlib.contextmanager
@@ -201,14 +263,15 @@ def listing(names: list[str]) -> str:
 class PreparedFolder:
     """The local output folder of one preparation: whether it may write there, and removing what it wrote."""
 
-    def __init__(self, path: Path, meta_name: str) -> None:
-        self.path, self.meta_name = path, meta_name
+    def __init__(self, path: Path, own_names: tuple[str, ...]) -> None:
+        """``own_names``: the files a preparation writes beside LitData's (its record first)."""
+        self.path, self.own_names, self.meta_name = path, own_names, own_names[0]
         self.made_folder = self.made_mark = False
 
     def is_written_name(self, name: str) -> bool:
         """Whether ``name`` is a file a preparation writes (and so may remove), rather than someone else's."""
         path = self.path / name
-        return ((name == self.meta_name or LITDATA_NAME.fullmatch(name) is not None) and not path.is_symlink()
+        return ((name in self.own_names or LITDATA_NAME.fullmatch(name) is not None) and not path.is_symlink()
                 and path.is_file())
 
     def problem(self, overwrite: bool) -> str | None:
@@ -419,7 +482,8 @@ def prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.workers is not None and args.workers < 1 or args.range_mib <= 0:
         return refuse("--workers must be at least 1 and --range-mib above 0")
     output = args.output if shards.is_url(args.output) else str(Path(args.output).expanduser().resolve())
-    folder = None if shards.is_url(output) else PreparedFolder(Path(output), shards.SHARDS_META)
+    own_names = (shards.SHARDS_META, shards.VALIDATION_FILE)
+    folder = None if shards.is_url(output) else PreparedFolder(Path(output), own_names)
     if folder is not None and (problem := folder.problem(args.overwrite)):
         return refuse(problem)
     ranges = byte_ranges(paths, max(1, int(args.range_mib * 2**20)))
@@ -438,7 +502,10 @@ def prepare(args: argparse.Namespace, overrides: list[str]) -> int:
                 seed=cfg.seed, max_record_bytes=cfg.data.max_record_bytes,
                 tokenize_batch_docs=cfg.data.tokenize_batch_docs, tokenize_batch_bytes=cfg.data.tokenize_batch_bytes,
                 shuffle_buffer_docs=cfg.data.shuffle_buffer_docs, shuffle_buffer_tokens=cfg.data.shuffle_buffer_tokens,
-                stats_dir=str(stats_dir))
+                stats_dir=str(stats_dir),
+                val_fraction=held_out_fraction(cfg.data.val_fraction, cfg.data.val_max_tokens,
+                                               sum(os.path.getsize(p) for p in paths)),
+                val_max_tokens=cfg.data.val_max_tokens)
             print(f"python -m tools prepare: {len(paths)} file(s), {len(ranges)} byte range(s), {workers} worker "
                   f"process(es), rows of {cfg.model.max_seq_len} tokens -> {output}", file=sys.stderr)
             start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
@@ -456,11 +523,15 @@ def prepare(args: argparse.Namespace, overrides: list[str]) -> int:
                 raise PrepareFailed(f"no complete row of {cfg.model.max_seq_len} tokens: {summary['documents']} "
                                     f"usable documents ({summary['document_tokens']} tokens) in {summary['records']} "
                                     f"records; expected {EXPECTED_RECORD}")
+            validation = write_validation_split(stats_dir, len(ranges), output, cfg.data.val_max_tokens,
+                                                encoder.eos_id)
             meta = {"format": shards.FORMAT, "seq_len": cfg.model.max_seq_len, "tokenizer": cfg.data.tokenizer,
                     "tokenizer_sha256": sha256_file(tokenizer), "vocab_size": encoder.vocab_size,
                     "eos_id": encoder.eos_id, "max_token_id": summary["max_token_id"], "seed": cfg.seed,
                     "inputs": paths, "settings": {k: v for k, v in asdict(settings).items() if k != "stats_dir"},
-                    "summary": summary}
+                    "summary": summary, "validation": validation}
+            meta["fingerprint"] = fingerprint(meta, input_digests(stats_dir, len(ranges)),
+                                              max(1, int(args.range_mib * 2**20)))
             shards.write_meta(output, meta)
         except PrepareFailed as failed:
             if folder is not None:

@@ -1,0 +1,159 @@
+"""``tools compare`` on runs written here (a record and a history each, no training): the check that
+names what differs, the page's plots holding the runs' own numbers, and the page in a real browser."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from callbacks.history import COLUMNS
+from tools import compare
+
+CHROMIUM = Path("/usr/bin/chromium")
+UPDATES = 40
+
+
+def record(seed: int = 1) -> dict:
+    return {"status": "completed", "wall_seconds": 100.0, "optimizer_steps": UPDATES, "seed": seed,
+            "config": {"seed": seed, "model": {"n_layer": 12}}, "world_size": 1, "precision": "bf16-mixed",
+            "environment": {"libraries": {"torch": "2.13"}, "gpu": "NVIDIA H200"},
+            "summary": {"tokens_per_second": 500_000.0, "mfu": 0.5, "peak_allocated_gib": 30.0},
+            "comparability": {
+                "initial_weights_sha256": "a" * 64,
+                "training_tokens": {"sha256": "b" * 64, "updates": UPDATES},
+                "validation": {"sha256": "c" * 64, "documents": 10, "tokens": 1000, "ce_before": 10.9,
+                               "ce_after": 6.8},
+                "tokenizer_sha256": "d" * 64,
+                "measurement_scope": {"warmup_updates": 10, "observed_updates": []}}}
+
+
+def history(loss_scale: float = 1.0, digests: np.ndarray | None = None) -> dict:
+    updates = np.arange(1, UPDATES + 1)
+    rng = np.random.default_rng(5)
+    return {"update": updates, "loss": (10.0 / np.sqrt(updates) + rng.uniform(0, 0.2, UPDATES)) * loss_scale,
+            "lr": np.minimum(updates / 10, 1.0) * 6e-4, "grad_norm": rng.uniform(0.5, 2.0, UPDATES),
+            "target_tokens": rng.integers(100_000, 130_000, UPDATES), "seconds": updates * 0.25,
+            "tokens_digest": digests if digests is not None else np.arange(UPDATES) * 7 + 3}
+
+
+def write_run(folder: Path, rec: dict, columns: dict) -> Path:
+    model = folder / "model"
+    model.mkdir(parents=True)
+    (model / "run_record.json").write_text(json.dumps(rec))
+    np.savez_compressed(model / "history.npz", stride=np.int64(1),
+                        **{name: np.asarray(columns[name], dtype=dtype) for name, dtype in COLUMNS.items()})
+    return folder
+
+
+@pytest.fixture
+def two_runs(tmp_path) -> tuple[Path, Path, dict, dict]:
+    first, second = history(), history(loss_scale=0.9)
+    faster = record()
+    faster["summary"]["tokens_per_second"] = 600_000.0
+    return (write_run(tmp_path / "baseline", record(), first), write_run(tmp_path / "change", faster, second),
+            first, second)
+
+
+def path_vertices(page: str, gid: str) -> np.ndarray:
+    """The (x, y) vertices of the line drawn with id ``gid``, as matplotlib wrote them into the SVG."""
+    found = re.search(rf'id="{re.escape(gid)}".*?\sd="([^"]+)"', page, re.S)
+    assert found, f"no line {gid} on the page"
+    numbers = [float(v) for v in re.findall(r"-?\d+(?:\.\d+)?", found.group(1))]
+    return np.array(numbers).reshape(-1, 2)
+
+
+def assert_drawn_from(vertices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+    """Every point drawn, at a position linear in the data (SVG's y axis points down)."""
+    assert len(vertices) == len(x)
+    assert np.corrcoef(vertices[:, 0], x)[0, 1] == pytest.approx(1.0, abs=1e-6)
+    assert np.corrcoef(vertices[:, 1], y)[0, 1] == pytest.approx(-1.0, abs=1e-6)
+
+
+def test_the_plots_hold_each_runs_numbers_and_the_table_its_ratios(two_runs, tmp_path, capsys):
+    a, b, first, second = two_runs
+    assert compare.main([str(a), str(b / "model"), "--out", str(tmp_path / "page")]) == 0
+    assert json.loads(capsys.readouterr().out)["comparable"] is True
+    page = (tmp_path / "page" / "index.html").read_text()
+    for index, columns in enumerate((first, second)):
+        assert_drawn_from(path_vertices(page, f"line-loss-by-update-{index}"), columns["update"], columns["loss"])
+        assert_drawn_from(path_vertices(page, f"line-loss-by-tokens-{index}"), np.cumsum(columns["target_tokens"]),
+                          columns["loss"])
+        assert_drawn_from(path_vertices(page, f"line-grad-norm-{index}"), columns["update"], columns["grad_norm"])
+        assert len(path_vertices(page, f"line-validation-{index}-fixed-set")) == 2  # before and after
+    results = page[page.index('<table id="results">'):]
+    assert "(1.200x)" in results[:results.index("</tr>", results.index("tokens/s"))]
+    assert "<script" not in page and "http" not in page.replace("http://www.w3.org", "")
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda c: c.update(initial_weights_sha256="e" * 64), "initial weights"),
+    (lambda c: c["validation"].update(sha256="f" * 64), "validation set"),
+    (lambda c: c["measurement_scope"].update(warmup_updates=5), "measurement scope"),
+    (lambda c: c.update(tokenizer_sha256="0" * 64), "tokenizer"),
+])
+def test_each_fingerprint_that_differs_is_named(tmp_path, capsys, change, named):
+    other = record()
+    change(other["comparability"])
+    a = write_run(tmp_path / "a", record(), history())
+    b = write_run(tmp_path / "b", other, history())
+    assert compare.main([str(a), str(b), "--out", str(tmp_path / "page")]) == 1
+    assert [d["fingerprint"] for d in json.loads(capsys.readouterr().out)["differences"]] == [named]
+
+
+def test_the_first_update_whose_tokens_differ_is_found(tmp_path, capsys):
+    digests = history()["tokens_digest"].copy()
+    digests[16] += 1  # update 17
+    other = copy.deepcopy(record())
+    other["comparability"]["training_tokens"]["sha256"] = "9" * 64
+    a = write_run(tmp_path / "a", record(), history())
+    b = write_run(tmp_path / "b", other, history(digests=digests))
+    assert compare.main([str(a), str(b), "--out", str(tmp_path / "page")]) == 1
+    captured = capsys.readouterr()
+    assert "training tokens differ in b: from update 17" in captured.err
+
+
+def run_chromium(*arguments: str, profile: Path) -> bytes:
+    command = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+               "--hide-scrollbars", "--force-device-scale-factor=1", f"--user-data-dir={profile}", *arguments]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        stdout, _ = process.communicate(timeout=60)
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+    return stdout
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium "
+                                                  "(apt-get install -y chromium; .ci/run installs it)")
+def test_chromium_renders_the_page_with_every_runs_curves(two_runs, tmp_path, capsys):
+    import matplotlib.image
+
+    a, b, _, _ = two_runs
+    assert compare.main([str(a), str(b), "--out", str(tmp_path / "page")]) == 0
+    page = tmp_path / "page" / "index.html"
+    dom = run_chromium("--dump-dom", page.as_uri(), profile=tmp_path / "profile-dom").decode("utf-8")
+    for curve in compare.CURVES:
+        assert f'id="plot-{curve.slug}"' in dom
+        for index in (0, 1):
+            assert f'id="line-{curve.slug}-{index}' in dom, (curve.slug, index)
+    assert "Comparable." in dom
+    screenshot = tmp_path / "compare.png"
+    run_chromium(f"--screenshot={screenshot}", "--window-size=1280,3000", page.as_uri(), profile=tmp_path / "shot")
+    pixels = (matplotlib.image.imread(screenshot)[:, :, :3] * 255).astype(int)
+    for color in compare.COLORS[:2]:
+        rgb = np.array([int(color[i:i + 2], 16) for i in (1, 3, 5)])
+        near = (np.abs(pixels - rgb).max(axis=2) <= 24).sum()
+        assert near > 500, f"the run drawn in {color} is not on the screenshot"
