@@ -1,0 +1,57 @@
+"""The stop of a run from prepared shards: SIGTERM or SIGINT on any rank, every rank finishes the same
+update (pipeline/shards.py's UpdateAgreement), the checkpoint is written, and training ends."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import lightning as L
+
+from runfab.lifetime import on_stop_signals
+
+if TYPE_CHECKING:
+    from pipeline.shards import UpdateAgreement
+
+log = logging.getLogger(__name__)
+
+
+class StopAtAgreedUpdate(L.Callback):
+    """SIGTERM or SIGINT on any rank: every rank finishes the same update, the checkpoint is written,
+    and training ends; a second signal ends the process at once.
+
+    Installed when training starts, over Lightning's handler (which would end fit between
+    microbatches, without a checkpoint) and over GracefulStop's (which ends a single process's
+    stream without one)."""
+
+    def __init__(self, agreement: UpdateAgreement, checkpoint: Path) -> None:
+        self.agreement, self.checkpoint = agreement, checkpoint
+        self.saved: str | None = None
+        self._restore = lambda: None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._restore = on_stop_signals(self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.agreement.stop_signal is not None:  # asked twice: stop now, as the signal's default does
+            on_stop_signals(signal.SIG_DFL)
+            signal.raise_signal(signum)
+            return
+        log.warning("%s received: every rank finishes the update in hand, then the checkpoint is written and "
+                    "training stops (resume with --ckpt_path last); send it again to stop at once", name)
+        self.agreement.request_stop(name)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx) -> None:
+        stop_after = self.agreement.stop_after
+        if stop_after is None or trainer.global_step != stop_after or self.saved:
+            return
+        self.saved = str(self.checkpoint)
+        trainer.save_checkpoint(self.checkpoint)  # every rank takes part; rank 0 writes
+        trainer.should_stop = True
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._restore()
+        self._restore = lambda: None

@@ -1,0 +1,10 @@
+"""The ground floor: what the RunFab platform is and does, written once, importing nothing of the project.
+
+limits.py         the contract's numbers (bundle sizes, probe time, cores, host memory, /tmp, output, records)
+hooks.py          the contract's interface: the batch-size name and the hooks train.py defines
+lifetime.py       how a process ends: the one installer of SIGTERM/SIGINT handlers, and ending with its parent
+shipping.py       which files make up the upload bundle
+created_files.py  creating a file without following a link someone planted where it goes
+
+Training, the pipeline, the callbacks and the tools import these; these import only the standard library.
+"""
