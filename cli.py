@@ -28,7 +28,8 @@ import lightning as L
 import yaml
 from jsonargparse import ArgumentParser, set_parsing_settings
 
-from runtime import created_files, launcher
+from runfab import created_files
+from runtime import launcher
 from runtime import training_run
 from runtime.batch_split import BatchSplit, command_line_microbatch
 from callbacks.export import ExportFailed

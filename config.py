@@ -28,7 +28,7 @@ from pipeline.stages import DataConfig
 from lit_module import OptimConfig
 from model.gpt import MOVED_KEYS, REMOVED_KEYS, GPTConfig
 from model.kernels import ComputeConfig
-from runtime.runfab_limits import GIB, OUTPUT_BYTES, RAM_BYTES
+from runfab.limits import GIB, OUTPUT_BYTES, RAM_BYTES
 
 BUNDLE_ROOT = Path(__file__).resolve().parent
 DEFAULT_CONFIG = "conf/config.yaml"

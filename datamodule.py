@@ -1,7 +1,7 @@
-"""The LightningDataModule: training batches from a stream of complete updates, validation from the held-out pool.
-
-The stream is the feeder's queue (feeder.py) in a single process, or the feeder's socket
-(launcher.py) in a data-parallel worker.
+"""The LightningDataModules: ``StreamingDataModule`` gives training batches from a stream of complete
+updates and validation from the held-out pool (the stream is the feeder's queue, pipeline/feeder.py,
+in a single process, or the feeder's socket, runtime/launcher.py, in a data-parallel worker);
+``ShardDataModule`` gives training batches from prepared rows (pipeline/shards.py).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
 from pipeline.feeder import INPUT_PENDING
+from pipeline.shards import GroupCollate, ShardsError, ShardUpdates, UpdateAgreement, open_rows
 from pipeline.stages import StreamSettings, StreamStats, ValidationPool, collate_rows, pack_rows
 
 
@@ -113,3 +114,32 @@ class StreamingDataModule(L.LightningDataModule):
     def teardown(self, stage: str) -> None:
         if self.on_teardown is not None:
             self.on_teardown()
+
+
+class ShardDataModule(L.LightningDataModule):
+    """Training batches from prepared rows; no periodic validation (the run scores the validation split
+    beside the rows at its end: fixed_validation.py)."""
+
+    input_wait_seconds = 0.0  # the loader reads prepared chunks ahead of training; no wait is measured here
+
+    def __init__(self, path: str, seq_len: int, microbatch: int, accumulation: int, seed: int, workers: int,
+                 agreement: UpdateAgreement, pin_memory: bool = False, token_digests: bool = True) -> None:
+        super().__init__()
+        self.path, self.seq_len, self.seed, self.workers = path, seq_len, seed, workers
+        self.token_digests = token_digests
+        self.microbatch, self.accumulation = microbatch, accumulation
+        self.agreement, self.pin_memory = agreement, pin_memory
+
+    def train_dataloader(self) -> ShardUpdates:
+        # Called after the process group exists, so LitData sees this rank's place in it.
+        rows = self.microbatch * self.accumulation
+        collate = GroupCollate(self.seq_len, self.microbatch, self.token_digests)
+        loader = open_rows(self.path, self.seed, rows, self.workers, collate, self.pin_memory)
+        if len(loader) == 0:
+            raise ShardsError(
+                f"{self.path} gives this rank no complete update: an update takes {rows} rows on each of "
+                f"{self.trainer.world_size} rank(s); prepare more text, or lower the batch (trainer.global_batch_size)"
+            )
+        self.agreement.attach(self.trainer)
+        return ShardUpdates(loader, self.accumulation, self.agreement)
+

@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from callbacks import owned_folders
-from runtime import created_files
+from runfab import created_files
 from model.gpt import GPT, GPTConfig
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ import lightning as L
 import numpy as np
 import torch
 
-from callbacks import fingerprints
+from pipeline import fingerprints
 from pipeline.stages import StreamStats, collate_rows, pack_rows
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import lightning as L
 
-from runtime.lifetime import on_stop_signals
+from runfab.lifetime import on_stop_signals
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import lightning as L
 import numpy as np
 import torch
 
-from callbacks import fingerprints
-from runtime import created_files
+from pipeline import fingerprints
+from runfab import created_files
 
 log = logging.getLogger(__name__)
 

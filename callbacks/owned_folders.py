@@ -11,7 +11,7 @@ from pathlib import Path
 
 import lightning as L
 
-from runtime import created_files
+from runfab import created_files
 
 MARK = ".train-py-output"
 MARK_TEXT = ("train.py wrote this folder. A later run on the same output root moves it aside (previous-NAME/) "

@@ -24,8 +24,8 @@ from model import flash4
 from callbacks.observe import ObservationWindows
 from callbacks.runfab_metrics import RunFabMetrics
 from model.flops import count_parameters
-from runtime import created_files
-from runtime.shipping import folder_bytes, shipped_files, source_commit
+from runfab import created_files
+from runfab.shipping import folder_bytes, shipped_files, source_commit
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from typing import TextIO
 import lightning as L
 import torch
 
-from runtime import created_files
-from runtime.runfab_limits import METRIC_LINE_CHARS
+from runfab import created_files
+from runfab.limits import METRIC_LINE_CHARS
 
 log = logging.getLogger(__name__)
 

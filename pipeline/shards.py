@@ -23,7 +23,7 @@ One update on each rank: the loader yields the rank's whole share of the update 
 its microbatches. The exact loss normalisation needs the update's target-token count over all
 ranks; ``UpdateAgreement`` gets it with one all-reduce of four integers per update, which also
 carries a stop request (a signal on any rank), rank 0's "a metric line is due" and the digest of
-the update's rows (callbacks/fingerprints.py), so every rank stops, checkpoints and reports at the
+the update's rows (pipeline/fingerprints.py), so every rank stops, checkpoints and reports at the
 same update.
 
 LitData is optional (pyproject extra ``cluster``): it is imported inside the functions that use
@@ -50,8 +50,8 @@ import numpy as np
 import torch
 
 from pipeline.stages import Row, collate_rows
-from runtime import created_files
-from runtime.lifetime import exit_with_parent
+from runfab import created_files
+from runfab.lifetime import exit_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ class UpdateAgreement:
         self._report_updates: set[int] = set()
         self._last_report = time.monotonic()
         self._trainer: L.Trainer | None = None
-        self.update_digest = 0  # the settled update's rows digest over all ranks (callbacks/fingerprints.py)
+        self.update_digest = 0  # the settled update's rows digest over all ranks (pipeline/fingerprints.py)
 
     def attach(self, trainer: L.Trainer) -> None:
         self._trainer = trainer
@@ -365,32 +365,3 @@ def same_split_everywhere(dataset) -> None:
     profile = getattr(dataset, "posix_fast", None)
     if profile is not None and profile.window_shuffle:
         dataset.posix_fast = dataclasses.replace(profile, kind="posix")
-
-
-class ShardDataModule(L.LightningDataModule):
-    """Training batches from prepared rows; no periodic validation (the run scores the validation split
-    beside the rows at its end: fixed_validation.py)."""
-
-    input_wait_seconds = 0.0  # the loader reads prepared chunks ahead of training; no wait is measured here
-
-    def __init__(self, path: str, seq_len: int, microbatch: int, accumulation: int, seed: int, workers: int,
-                 agreement: UpdateAgreement, pin_memory: bool = False, token_digests: bool = True) -> None:
-        super().__init__()
-        self.path, self.seq_len, self.seed, self.workers = path, seq_len, seed, workers
-        self.token_digests = token_digests
-        self.microbatch, self.accumulation = microbatch, accumulation
-        self.agreement, self.pin_memory = agreement, pin_memory
-
-    def train_dataloader(self) -> ShardUpdates:
-        # Called after the process group exists, so LitData sees this rank's place in it.
-        rows = self.microbatch * self.accumulation
-        collate = GroupCollate(self.seq_len, self.microbatch, self.token_digests)
-        loader = open_rows(self.path, self.seed, rows, self.workers, collate, self.pin_memory)
-        if len(loader) == 0:
-            raise ShardsError(
-                f"{self.path} gives this rank no complete update: an update takes {rows} rows on each of "
-                f"{self.trainer.world_size} rank(s); prepare more text, or lower the batch (trainer.global_batch_size)"
-            )
-        self.agreement.attach(self.trainer)
-        return ShardUpdates(loader, self.accumulation, self.agreement)
-

@@ -27,10 +27,10 @@ from typing import BinaryIO, Literal, get_args
 import numpy as np
 import torch
 
-from callbacks.fingerprints import rows_digest
+from pipeline.fingerprints import rows_digest
 from model.attention import document_offsets
 from model.loss import IGNORE_INDEX
-from runtime.runfab_limits import RECORD_BYTES
+from runfab.limits import RECORD_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -501,7 +501,7 @@ def collate_rows(rows: list[Row], digest: bool = True) -> dict[str, torch.Tensor
         "cu_seqlens": cu_seqlens,
         "attention_pairs": int((lengths * lengths).sum()),  # sum of s^2 over documents, for MFU
         "target_tokens": int(np.count_nonzero(targets != IGNORE_INDEX)),
-        "rows_digest": digest,  # callbacks/fingerprints.py: what the run record's training-tokens digest is made of
+        "rows_digest": digest,  # pipeline/fingerprints.py: what the run record's training-tokens digest is made of
     }
 
 

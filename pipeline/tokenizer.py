@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from runtime import created_files
+from runfab import created_files
 
 EOS_TOKEN = "<|endoftext|>"
 # GPT-2's pre-tokenization split; HF's ByteLevel(use_regex=True) applies the

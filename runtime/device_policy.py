@@ -22,7 +22,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from model import flash4
 from runtime import hostmem
 from config import ConfigError, RunConfig
-from runtime.runfab_limits import CPU_CORES
+from runfab.limits import CPU_CORES
 from lit_module import GPTTrainingModule
 
 log = logging.getLogger("train")
@@ -75,7 +75,7 @@ def setup_process(cfg: RunConfig) -> None:
     """Logging to stderr, quiet about what we chose on purpose, seeded."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[%(asctime)s %(name)s] %(message)s")
-    for name in ("train", "datamodule", "callbacks", "model", "pipeline", "runtime", "lightning.pytorch"):
+    for name in ("train", "datamodule", "callbacks", "model", "pipeline", "runfab", "runtime", "lightning.pytorch"):
         logging.getLogger(name).setLevel(cfg.log_level.upper())  # log_level: what stderr tells
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_advertisement)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -150,7 +150,7 @@ def check_host_memory(cfg: RunConfig, world: int, microbatch: int) -> None:
         problem = hostmem.cpu_memory_problem(cfg.model, microbatch, world, hostmem.available_host_bytes(),
                                              cfg.compute.loss_chunk_tokens)
     else:
-        written = hostmem.output_bytes(cfg)
+        written = hostmem.output_bytes(cfg) + hostmem.observation_bytes(cfg)  # the output folder is RAM too
         problem = hostmem.host_budget_problem(cfg.trainer.host_memory_budget_gib, world, written)
         if problem is None and cfg.trainer.host_memory_budget_gib > 0:
             log.info(hostmem.host_budget(world, written).line(cfg.trainer.host_memory_budget_gib))

@@ -6,38 +6,27 @@ split among the processes that map it), summed over the process tree. RSS counts
 once per process that maps it and overstates a tree of several CUDA processes by gigabytes; it is
 reported beside PSS, never instead of it.
 
-- ``read_rollup`` / ``tree_memory``: /proc/PID/smaps_rollup of one process, or summed over a tree.
 - ``host_budget`` / ``host_budget_problem``: the job's peak for a GPU count (processes' PSS, the
   output folder, /tmp), from measured figures; train() and probe_batch() refuse a count that cannot
   fit before they read any data or start any worker.
-- ``HostMemory``: a callback that records the process's memory at each stage of a run and keeps
-  Lightning's teardown from copying weights, gradients and optimizer state into host memory once a
-  GPU run is over (that copy was the job's peak: 2 GiB per GPU process).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
-import os
-import time
 from pathlib import Path
 
-import lightning as L
 import torch
 
 from model.flops import count_parameters
 from model.gpt import GPT
 from model.kernels import ComputeConfig
 from model.loss import padded_vocab_size
-from runtime import created_files
+from runfab.limits import GIB
 
 log = logging.getLogger(__name__)
 
-FIELDS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Pss_Shmem", "Anonymous")
-STAGE_LOG_ENV = "RUNFAB_HOST_MEMORY_LOG"  # a file: one JSON line per stage, from every process (benchmarks)
-GIB = 2**30
 
 # RunFab charges the processes' PSS, the RAM-backed output folder and /tmp to the one budget.
 # The process figures are the whole job's peak PSS with the reference configuration under RunFab's
@@ -48,37 +37,6 @@ PER_ADDED_GPU_GIB = 0.68
 COMPILE_CACHE_GIB_PER_GPU = 0.02  # inductor, Triton and FA4 caches under the output's data/
 TMP_GIB = 0.25  # RunFab's /tmp may hold 256 MiB; the trainer writes nothing there, others may
 MARGIN_GIB = 0.25  # what a sampler every 0.5 s can miss, and the spread between runs
-
-def read_rollup(pid: int | str = "self") -> dict[str, int]:
-    """The fields of FIELDS in bytes, from /proc/PID/smaps_rollup; {} when the process is gone."""
-    found = dict.fromkeys(FIELDS, 0)
-    try:
-        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    except OSError:
-        return {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        if key in found:
-            try:
-                found[key] = int(rest.split()[0]) * 1024
-            except (IndexError, ValueError):
-                continue
-    return found
-
-
-def tree_memory(pids) -> dict[str, int]:
-    """FIELDS summed over ``pids`` (a process and its descendants), plus how many were read."""
-    totals = dict.fromkeys(FIELDS, 0)
-    counted = 0
-    for pid in pids:
-        rollup = read_rollup(pid)
-        if rollup:
-            counted += 1
-            for key in FIELDS:
-                totals[key] += rollup[key]
-    totals["processes"] = counted
-    return totals
-
 
 # ----------------------------------------------------------------------------- budget
 
@@ -115,6 +73,12 @@ def output_bytes(cfg) -> int:
     with torch.device("meta"):  # the real parameter count, without allocating anything
         parameters = count_parameters(GPT(cfg.model))
     return 4 * parameters + (2 * 12 * parameters if cfg.trainer.checkpoint_every_steps > 0 else 0)
+
+
+def observation_bytes(cfg) -> int:
+    """What the observation files of a run take in the output folder: 8x what the reference model's
+    took on an H200 (a profiler trace per profiled update, a memory snapshot)."""
+    return len(cfg.observe.profiled()) * (16 << 20) + ((8 << 20) if cfg.observe.memory_update > 0 else 0)
 
 
 def host_budget_problem(budget_gib: float, gpus: int, output_bytes: float) -> str | None:
@@ -196,83 +160,3 @@ def cpu_memory_problem(model, microbatch: int, processes: int, available: float 
         f"tokens, {model.n_layer} layers of width {model.n_embd}), but {available / GIB:.1f} GiB are available. "
         f"Use {advice}a smaller model (--config conf/smoke.yaml), or a GPU"
     )
-
-
-# ----------------------------------------------------------------------------- stages
-
-
-def _process_age() -> float:
-    """Seconds since this process started (from /proc), so stages read as a timeline."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return uptime - ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return float("nan")
-
-
-def record_stage(name: str, rank: int | None = None) -> dict:
-    """This process's memory now: logged (a trace, at debug level: log_level), and appended to
-    $RUNFAB_HOST_MEMORY_LOG when set."""
-    rank = int(os.environ.get("LOCAL_RANK", 0)) if rank is None else rank
-    rollup = read_rollup()
-    entry = {"stage": name, "rank": rank, "pid": os.getpid(), "age_seconds": round(_process_age(), 2),
-             "time": time.time(), **{k: v for k, v in rollup.items()}}
-    log.debug("host memory, rank %d, %s: PSS %.2f GiB (anonymous %.2f, files %.2f), RSS %.2f GiB, %.1f s after start",
-             rank, name, rollup.get("Pss", 0) / GIB, rollup.get("Pss_Anon", 0) / GIB, rollup.get("Pss_File", 0) / GIB,
-             rollup.get("Rss", 0) / GIB, entry["age_seconds"])
-    path = os.environ.get(STAGE_LOG_ENV)
-    if path and path not in _UNWRITABLE:
-        try:
-            with created_files.open_created(path, "a") as f:
-                f.write(json.dumps(entry) + "\n")
-        except OSError as error:  # an observation, never a reason to lose the run
-            _UNWRITABLE.add(path)
-            log.warning("$%s names %s, which cannot be written (%s): host memory goes to this log only",
-                        STAGE_LOG_ENV, path, error.strerror)
-    return entry
-
-
-_UNWRITABLE: set[str] = set()  # stage-log paths already reported as unwritable, once per process
-
-
-class HostMemory(L.Callback):
-    """Records this process's memory at each stage of a run, and keeps Lightning's teardown from
-    copying a finished GPU run's weights, gradients and optimizer state into host memory."""
-
-    STAGE_UPDATES = (1, 2, 3, 5, 10)
-
-    def __init__(self) -> None:
-        self._done: set[int] = set()
-
-    def stage(self, name: str, trainer: L.Trainer | None = None) -> None:
-        record_stage(name, trainer.global_rank if trainer is not None else None)
-
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        self.stage("process group and device ready", trainer)
-
-    def on_fit_start(self, trainer, pl_module) -> None:
-        self.stage("model on the device, optimizer built", trainer)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        update = trainer.global_step
-        if update not in self.STAGE_UPDATES or update in self._done:
-            return
-        self._done.add(update)
-        self.stage(f"update {update}", trainer)
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        """Runs after the export and the run record (callbacks run in order; this one is last).
-
-        Lightning's teardown then copies the optimizer state and the module to the CPU, which for
-        the reference model is 2 GiB of host memory per GPU process (weights, gradients, two AdamW
-        moments) just before the process exits, the job's peak. On a GPU nothing
-        is needed after this point, so the copy is made of nothing."""
-        self.stage("training ended", trainer)
-        if pl_module.device.type != "cuda":
-            return
-        for optimizer in trainer.optimizers:
-            optimizer.state.clear()
-        for parameter in pl_module.parameters():
-            parameter.grad = None
-            parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)

@@ -51,7 +51,7 @@ import torch
 from callbacks.runfab_metrics import deliver
 from config import WORKER_STARTS
 from pipeline.feeder import INPUT_PENDING, ValidationDocument
-from runtime.lifetime import on_stop_signals
+from runfab.lifetime import on_stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class FeederConnection:
         self.conn.close()
 
 
-PER_RANK_LOGGERS = ("runtime.hostmem", "runtime.probe")  # what each rank measures of its own process and device
+PER_RANK_LOGGERS = ("runfab.memory", "runtime.probe")  # what each rank measures of its own process and device
 
 
 def quiet_peer_rank(rank: int) -> None:

@@ -23,15 +23,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
-import threading
 import warnings
 from pathlib import Path
 
-import lightning as L
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
+from callbacks.agreed_stop import StopAtAgreedUpdate
 from config import ConfigError, RunConfig, bundle_path
+from datamodule import ShardDataModule
 from pipeline import shards
 from runtime import checkpoints, launcher
 from runtime.batch_split import BatchSplit
@@ -40,7 +39,6 @@ from runtime.training_run import claimed_output, fit, load_encoder
 
 log = logging.getLogger("train")
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STOP_CHECKPOINT = "stopped.ckpt"  # written when a signal stops the run; the periodic ones are Lightning's
 
 
@@ -96,51 +94,6 @@ def resolve_checkpoint(ckpt_path: str | None, folder: Path) -> tuple[str, dict] 
     return str(found[0]), found[1]
 
 
-class StopAtAgreedUpdate(L.Callback):
-    """SIGTERM or SIGINT on any rank: every rank finishes the same update (UpdateAgreement), the
-    checkpoint is written, and training ends; a second signal ends the process at once.
-
-    Installed when training starts, over Lightning's handler (which would end fit between
-    microbatches, without a checkpoint) and over GracefulStop's (which ends a single process's
-    stream without one)."""
-
-    def __init__(self, agreement: shards.UpdateAgreement, checkpoint: Path) -> None:
-        self.agreement, self.checkpoint = agreement, checkpoint
-        self.saved: str | None = None
-        self._replaced: dict = {}
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if threading.current_thread() is threading.main_thread():
-            self._replaced = {sig: signal.getsignal(sig) for sig in SIGNALS}
-            for sig in SIGNALS:
-                signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.agreement.stop_signal is not None:  # asked twice: stop now
-            for sig in SIGNALS:
-                signal.signal(sig, signal.SIG_DFL)
-            signal.raise_signal(signum)
-            return
-        log.warning("%s received: every rank finishes the update in hand, then the checkpoint is written and "
-                    "training stops (resume with --ckpt_path last); send it again to stop at once", name)
-        self.agreement.request_stop(name)
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx) -> None:
-        stop_after = self.agreement.stop_after
-        if stop_after is None or trainer.global_step != stop_after or self.saved:
-            return
-        self.saved = str(self.checkpoint)
-        trainer.save_checkpoint(self.checkpoint)  # every rank takes part; rank 0 writes
-        trainer.should_stop = True
-
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        for sig, handler in self._replaced.items():
-            if signal.getsignal(sig) == self._handle:
-                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-        self._replaced = {}
-
-
 def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = None,
                       accumulation: int | None = None, ckpt_path: str | None = None) -> dict:
     """Train on the prepared rows at ``data.path``; ``effective`` is train.EFFECTIVE_BATCH_SIZE, used
@@ -173,7 +126,7 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
     with claim:
         use_allocator_settings(cfg)
         agreement = shards.UpdateAgreement(cfg.metrics.interval_seconds)
-        datamodule = shards.ShardDataModule(
+        datamodule = ShardDataModule(
             cfg.data.path, cfg.model.max_seq_len, split.microbatch, split.accumulation, cfg.seed,
             cfg.data.loader_workers, agreement, pin_memory=resolve_accelerator(cfg) == "gpu",
             token_digests=cfg.data.token_digests)

@@ -25,11 +25,13 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from runtime import created_files
+from runfab import memory
+from runfab import created_files
+from callbacks.host_memory import HostMemory
 from runtime import hostmem
 from runtime import launcher
 from runtime.batch_split import BatchSplit
-from runtime.lifetime import exit_with_parent
+from runfab.lifetime import exit_with_parent
 from callbacks import owned_folders
 from callbacks.export import ExportFailed, ExportModel, unfinished_exports
 from callbacks.fixed_validation import FixedValidation
@@ -232,23 +234,13 @@ def compile_folder(cfg: RunConfig) -> Path:
     return Path(cfg.output.root) / "data" / "compile-cache"
 
 
-def output_bytes(cfg: RunConfig) -> tuple[int, int]:
-    """What a run writes into its output root, in bytes: the model export and checkpoints
-    (hostmem.output_bytes), and the observation files, which get 8x what the reference model's took
-    on an H200: 2.1 MB of trace per profiled update, 0.9 MB per memory snapshot.
-    """
-    need = hostmem.output_bytes(cfg)
-    observed = len(cfg.observe.profiled()) * (16 << 20) + ((8 << 20) if cfg.observe.memory_update > 0 else 0)
-    return need, observed
-
-
 SMALL_FILES_BYTES = 16 << 20  # beside the weights: configs, the run record, metric lines, the lock
 
 
 def check_output_space(cfg: RunConfig, root: Path) -> None:
     """Refuse, before any training, a run whose output the filesystem under ``root`` has no room for,
     rather than fail at the export after all the training."""
-    need, observed = output_bytes(cfg)
+    need, observed = hostmem.output_bytes(cfg), hostmem.observation_bytes(cfg)
     tokenizer = bundle_path(cfg.data.tokenizer)
     need += observed + SMALL_FILES_BYTES + (tokenizer.stat().st_size if tokenizer.is_file() else 0)
     free = shutil.disk_usage(root).free
@@ -262,7 +254,7 @@ def check_output_space(cfg: RunConfig, root: Path) -> None:
 
 def check_output_budget(cfg: RunConfig) -> None:
     """Refuse, before any training, a run whose deliverables cannot fit RunFab's output space (output_bytes)."""
-    need, observed = output_bytes(cfg)
+    need, observed = hostmem.output_bytes(cfg), hostmem.observation_bytes(cfg)
     if need + observed > cfg.output.budget_bytes:
         raise ConfigError(
             f"the output would need about {(need + observed) / 2**30:.2f} GiB (model export"
@@ -345,7 +337,7 @@ def fit(cfg: RunConfig, split: BatchSplit, datamodule: StreamingDataModule,
     microbatch, accumulation, world = split.microbatch, split.accumulation, split.ranks
     accelerator = resolve_accelerator(cfg)
     on_gpu = accelerator == "gpu"
-    host_memory = hostmem.HostMemory()
+    host_memory = HostMemory()
     if on_gpu:
         limit_gpu_memory(cfg, local_device(), platform_fraction)
         host_memory.stage("CUDA initialized")
@@ -505,7 +497,7 @@ def run_worker() -> int:
               "(--trainer.devices N for N ranks)", file=sys.stderr)
         return 2
     exit_with_parent()  # a worker whose feeder vanished (even by SIGKILL) must not wait in a collective
-    hostmem.record_stage("worker started, modules imported")
+    memory.record_stage("worker started, modules imported")
     spec = launcher.worker_spec()
     cfg = load_config_dict(spec["config"])
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])

@@ -1,4 +1,4 @@
-"""Developer tools beside the bundle, never shipped in it (runtime/shipping.py leaves tools/ out).
+"""Developer tools beside the bundle, never shipped in it (runfab/shipping.py leaves tools/ out).
 
     bundle/       what proves a bundle before upload: package, check, emulate
     bench/        measurements: the trainer's experiments, kernels, all-reduce, traces, rank balance

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from runtime.lifetime import on_stop_signals
+from runfab.lifetime import on_stop_signals
 from tools import dispatch
 
 # name -> ("module:function" run with the remaining arguments, the line --help shows for it)

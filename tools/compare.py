@@ -4,7 +4,7 @@ and how they went, on one HTML page.
 A RUN is a run's output root, or its ``model/`` folder as RunFab archives it. Runs may be compared
 when they started from the same initial weights, trained on the same tokens in the same order,
 were validated on the same set, measured over the same scope and tokenized alike: the run record's
-``comparability`` section holds a digest of each (callbacks/fingerprints.py). Where the training
+``comparability`` section holds a digest of each (pipeline/fingerprints.py). Where the training
 tokens differ, the per-update histories (``history.npz``) give the first update that differs.
 Every run is checked against the first.
 

@@ -77,11 +77,11 @@ def evaluate(folder: Path, data: Path, microbatch: int = 8, max_record_bytes: in
              device: str = "auto") -> dict:
     import torch
 
-    from callbacks.fingerprints import ValidationDigest
+    from pipeline.fingerprints import ValidationDigest
     from callbacks.fixed_validation import cross_entropy
     from pipeline.stages import StreamStats, encode_documents, read_records
     from pipeline.tokenizer import TextEncoder
-    from runtime.runfab_limits import RECORD_BYTES
+    from runfab.limits import RECORD_BYTES
 
     model = load_gpt(folder)
     chosen = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else

@@ -3,7 +3,7 @@ host memory of its tree is read as RunFab charges it.
 
 A tool starts its children in sessions of their own (so a terminal's Ctrl-C does not reach them
 halfway through), which also takes them out of reach of whoever kills the tool: ``start`` binds
-each to the tool with the one parent-death helper, ``runtime.lifetime.exit_with_parent``. The
+each to the tool with the one parent-death helper, ``runfab.lifetime.exit_with_parent``. The
 process table comes from psutil (the ``tools`` extra); memory from ``runtime.hostmem``, the one
 reader of /proc/PID/smaps_rollup.
 """
@@ -19,7 +19,8 @@ import time
 
 import psutil
 
-from runtime.lifetime import exit_with_parent
+from runfab import memory
+from runfab.lifetime import exit_with_parent
 
 SAMPLE_SECONDS = 0.5
 
@@ -72,10 +73,8 @@ def family(pid: int) -> list[int]:
 
 
 def tree_memory(pid: int) -> dict[str, int]:
-    """runtime.hostmem's figures (Pss, Rss, Anonymous, ... in bytes; ``processes``) summed over ``pid``'s tree."""
-    from runtime import hostmem  # imports torch, which the check's own process never needs
-
-    return hostmem.tree_memory(family(pid))
+    """runfab.memory's figures (Pss, Rss, Anonymous, ... in bytes; ``processes``) summed over ``pid``'s tree."""
+    return memory.tree_memory(family(pid))
 
 
 class MemorySampler(threading.Thread):

@@ -32,7 +32,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import EngFormatter
 
-from runtime import created_files
+from runfab import created_files
 
 METRICS_FILE = Path("run/metrics.jsonl")
 RUN_RECORD_FILE = Path("model/run_record.json")

@@ -431,7 +431,7 @@ def test_a_memory_window_dumps_a_snapshot_the_memory_viz_reads(tmp_path, monkeyp
 
     from runtime import training_run
     from config import load_config
-    from runtime.shipping import folder_bytes
+    from runfab.shipping import folder_bytes
     from tests.helpers import IN_PROCESS_RUN, Stdin, as_dotlist, records
 
     monkeypatch.chdir(tmp_path)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import shipping
+from runfab import shipping
 from tools.bundle import package as bundle
 
 from tests.helpers import ROOT
@@ -182,7 +182,7 @@ def test_training_never_imports_a_tool_nor_what_only_the_tools_need():
 
 def test_shipped_sources_do_not_flag_themselves():
     """The selection and the limits ship with training: their own patterns must not trip the scan."""
-    assert bundle.find_secrets(ROOT, ["runtime/shipping.py", "runtime/runfab_limits.py", "tools/bundle/package.py"]) == []
+    assert bundle.find_secrets(ROOT, ["runfab/shipping.py", "runfab/limits.py", "tools/bundle/package.py"]) == []
 
 
 # ----------------------------------------------------------------------------- selection

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from config import ConfigError
-from runtime import created_files
+from runfab import created_files
 from runtime.training_run import LOCK_NAME, claimed_output
 
 from tests.helpers import ROOT, as_args, records, tiny

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from callbacks import fingerprints
+from pipeline import fingerprints
 from callbacks.history import COLUMNS, History, merge_pairs, model_weights_digest
 from model.gpt import GPT, GPTConfig
 from pipeline.stages import Row, StreamStats, collate_rows, pack_rows, split_update

@@ -10,6 +10,7 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
+from runfab import memory
 from runtime import hostmem
 import train
 from runtime.batch_split import BatchSplit
@@ -23,9 +24,9 @@ def test_pss_of_a_tree_counts_a_child_and_shares_what_parent_and_child_map():
     child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(64 << 20); time.sleep(30)"])
     try:
         time.sleep(1.5)
-        alone = hostmem.read_rollup()
-        tree = hostmem.tree_memory([child.pid, __import__("os").getpid()])
-        child_alone = hostmem.read_rollup(child.pid)
+        alone = memory.read_rollup()
+        tree = memory.tree_memory([child.pid, __import__("os").getpid()])
+        child_alone = memory.read_rollup(child.pid)
         assert alone["Pss"] > 0 and alone["Pss"] <= alone["Rss"]
         assert child_alone["Anonymous"] >= 64 << 20  # the child's own heap
         assert tree["processes"] == 2 and tree["Pss"] >= child_alone["Pss"] + alone["Pss"] * 0.9
@@ -33,7 +34,7 @@ def test_pss_of_a_tree_counts_a_child_and_shares_what_parent_and_child_map():
     finally:
         child.kill()
         child.wait()
-    assert hostmem.read_rollup(child.pid) == {}  # a process that is gone adds nothing
+    assert memory.read_rollup(child.pid) == {}  # a process that is gone adds nothing
 
 
 def test_a_gpu_count_over_the_host_budget_is_refused_before_any_input_is_read(monkeypatch):
@@ -104,8 +105,8 @@ def test_a_cpu_run_that_cannot_fit_the_machine_is_refused_with_a_microbatch_that
 @pytest.mark.parametrize("where", ["missing-folder", "folder"])
 def test_an_unwritable_stage_log_costs_the_log_lines_not_the_run(tmp_path, monkeypatch, caplog, where):
     path = tmp_path / "no-such-folder" / "memory.jsonl" if where == "missing-folder" else tmp_path
-    monkeypatch.setenv(hostmem.STAGE_LOG_ENV, str(path))
+    monkeypatch.setenv(memory.STAGE_LOG_ENV, str(path))
     for stage in ("model built", "update 1"):
-        assert hostmem.record_stage(stage)["stage"] == stage  # was an OSError that ended training
+        assert memory.record_stage(stage)["stage"] == stage  # was an OSError that ended training
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 1 and f"${hostmem.STAGE_LOG_ENV} names {path}, which cannot be written" in warnings[0]
+    assert len(warnings) == 1 and f"${memory.STAGE_LOG_ENV} names {path}, which cannot be written" in warnings[0]

@@ -12,20 +12,20 @@ import time
 import psutil
 import pytest
 
-from runtime.lifetime import on_stop_signals
+from runfab.lifetime import on_stop_signals
 
 from tests.helpers import ROOT
 
 # A parent that starts a sleeping child bound to it one of two ways; the child's pid is printed once bound.
 PARENT = textwrap.dedent("""
     import functools, os, subprocess, sys, time
-    from runtime.lifetime import exit_with_parent
+    from runfab.lifetime import exit_with_parent
     if sys.argv[1] == "preexec":  # as the tools start a command they cannot change
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
                                  preexec_fn=functools.partial(exit_with_parent, os.getpid()))
         print(child.pid, flush=True)
     else:  # as a data-parallel worker binds itself
-        code = ("import os, time; from runtime.lifetime import exit_with_parent; exit_with_parent(); "
+        code = ("import os, time; from runfab.lifetime import exit_with_parent; exit_with_parent(); "
                 "print(os.getpid(), flush=True); time.sleep(60)")
         subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     time.sleep(60)

@@ -257,7 +257,7 @@ def test_the_bundle_imports_and_refuses_shards_in_one_line_without_litdata(tmp_p
 def test_no_shipped_module_imports_litdata_at_its_top():
     import ast
 
-    from runtime import shipping
+    from runfab import shipping
 
     for rel in shipping.shipped_files(ROOT):
         if rel.endswith(".py"):

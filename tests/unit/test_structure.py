@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 
-from runtime import shipping
+from runfab import shipping
 
 from tests.helpers import ROOT
 
@@ -28,7 +28,7 @@ def project_imports() -> dict[str, set[str]]:
 def test_no_training_module_imports_one_that_imports_it_back():
     graph = project_imports()
     assert {"train", "pipeline.stages", "pipeline.feeder", "datamodule", "runtime.launcher",
-            "runtime.training_run", "runtime.lifetime"} <= graph.keys()
+            "runtime.training_run", "runfab.lifetime"} <= graph.keys()
     done: set[str] = set()
 
     def visit(name: str, path: list[str]) -> None:
@@ -42,3 +42,47 @@ def test_no_training_module_imports_one_that_imports_it_back():
 
     for name in sorted(graph):
         visit(name, [])
+
+
+def test_the_ground_floor_imports_nothing_of_the_project():
+    graph = project_imports()
+    ground = {name for name in graph if name.split(".")[0] == "runfab"}
+    assert {"runfab.limits", "runfab.lifetime", "runfab.shipping", "runfab.created_files", "runfab.memory"} <= ground
+    above = {name: sorted(m for m in graph[name] if m.split(".")[0] != "runfab") for name in ground}
+    assert not any(above.values()), f"the ground floor imports the project: {above}"
+
+
+def package_imports(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[str]]:
+    """(importing package, imported package) -> the modules of the first that import the second."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for name, imported in graph.items():
+        for other in imported:
+            pair = (name.split(".")[0], other.split(".")[0])
+            if pair[0] != pair[1]:
+                found.setdefault(pair, []).append(name)
+    return found
+
+
+def test_no_import_runs_back_up_between_the_packages():
+    """Each package (and top-level module) stands above what it imports: no two import each other,
+    so the layers read from train.py down to runfab/."""
+    pairs = package_imports(project_imports())
+    both_ways = sorted((a, b, sorted(pairs[a, b]), sorted(pairs[b, a])) for a, b in pairs if (b, a) in pairs and a < b)
+    assert not both_ways, f"packages that import each other: {both_ways}"
+
+
+def test_no_tool_module_imports_one_that_imports_it_back():
+    modules = {str(path.relative_to(ROOT).with_suffix("")).replace("/", "."): path
+               for path in (ROOT / "tools").rglob("*.py")}
+    modules = {name.removesuffix(".__init__"): path for name, path in modules.items()}
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        graph[name] = {m for m in found if m in modules and m != name}
+    mutual = sorted((a, b) for a in graph for b in graph[a] if a in graph.get(b, ()) and a < b)
+    assert not mutual, f"tool modules that import each other: {mutual}"

@@ -26,13 +26,16 @@ import torch.nn.functional as F
 
 import cli
 import train
+from runfab import memory
 from callbacks.runfab_metrics import peak_memory
 from config import ConfigError, RunConfig, load_config
 from lit_module import GPTTrainingModule
 from model.flops import training_flops
 from pipeline.feeder import UpdateFeeder
 from pipeline.stages import ValidationPool
-from runtime import created_files, device_policy, hostmem, training_run
+from runfab import created_files
+from runfab.limits import GIB
+from runtime import device_policy, training_run
 from runtime.batch_split import BatchSplit
 from tools import processes
 from tools.bench.gpu_clocks import GpuClocks
@@ -46,7 +49,6 @@ LAYOUTS = {
     "realistic": ["--mean-tokens", str(MEAN_TOKENS["realistic"]), "--sigma", "1.0"],
     "one-doc": ["--mean-tokens", str(MEAN_TOKENS["one-doc"]), "--sigma", "0"],
 }
-GIB = 2**30
 
 
 # ----------------------------------------------------------------------------- command line
@@ -179,7 +181,7 @@ def run_lightning(layout: str, args, name: str = "lightning", extra: tuple[str, 
     output = out / f"{name}-{layout}"
     stages = out / f"{name}-{layout}-stages.jsonl"
     stages.unlink(missing_ok=True)
-    env = dict(os.environ, RUNFABRIC_OUTPUT=str(output), **{hostmem.STAGE_LOG_ENV: str(stages)})
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(output), **{memory.STAGE_LOG_ENV: str(stages)})
     if cold:
         for variable in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
             env.pop(variable, None)
@@ -362,7 +364,7 @@ def peak_time(sampler: processes.MemorySampler, started: float) -> float | None:
 
 
 def read_stages(path: Path, started: float) -> list[dict]:
-    """hostmem's stage records of every process of a run, in GiB, in time order."""
+    """runfab.memory's stage records of every process of a run, in GiB, in time order."""
     if not path.is_file():
         return []
     wall = time.time() - (time.perf_counter() - started)

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from runtime import created_files
+from runfab import created_files
 
 GPU_TOKENS_PER_SECOND = 500_000  # one H200, reference model, realistic packed documents (docs/PERFORMANCE.md)
 ROOT = Path(__file__).resolve().parents[2]

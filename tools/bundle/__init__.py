@@ -1,6 +1,6 @@
 """What proves a bundle before it is uploaded.
 
-    package.py        the upload ZIP: runtime.shipping's files, refused when it would break the contract
+    package.py        the upload ZIP: runfab.shipping's files, refused when it would break the contract
     check.py          the contract check, driven from here:
       static_checks.py    what reading the bundle tells (layout, sizes, the batch literal, the hooks)
       sandbox.py          where the bundle runs: a read-only copy, empty folders, one fresh child each

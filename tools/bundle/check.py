@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
-from runtime.runfab_limits import PROBE_SECONDS
+from runfab.limits import PROBE_SECONDS
 from tools.bundle.judge import IMPORT_GRACE, judge_import, judge_probe
 from tools.bundle.sandbox import BundleSource, Sandbox, UsageError, run_child
 from tools.bundle.static_checks import (

@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from runtime import created_files, runfab_limits
-from runtime.shipping import folder_bytes
+from runfab import created_files, limits as runfab_limits
+from runfab.shipping import folder_bytes
 from tools import processes
 from tools import report as run_report
 from tools.bundle import check

@@ -5,7 +5,7 @@ tests, virtual environments, caches, run outputs, downloaded weights and, on a d
 credentials. Zipping the folder by hand ships all of it, so this module packs what
 ``shipping.shipped_files`` selects (an allow-list of what training needs; ``tools/`` is not in it) and
 refuses to write anything when the result would break RunFab's contract (section 1: a small,
-self-contained code ZIP within the size limits of ``runfab_limits``, with no keys, virtual
+self-contained code ZIP within the size limits of ``runfab.limits``, with no keys, virtual
 environments, caches, large datasets or model weights).
 
 In a git checkout only tracked files ship; untracked files that the allow-list would take are named
@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-from runtime import runfab_limits
-from runtime.runfab_limits import MIB
-from runtime.shipping import git_files, shipped_files, untracked_matches
+from runfab import limits as runfab_limits
+from runfab.limits import MIB
+from runfab.shipping import git_files, shipped_files, untracked_matches
 
 DEFAULT_ROOT = Path(__file__).resolve().parents[2]
 ZIP_PREFIX = "runfab-trainer-"

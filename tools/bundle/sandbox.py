@@ -2,7 +2,7 @@
 each child a fresh interpreter in a session of its own, watched from outside.
 
 ``BundleSource`` is what would be uploaded: a ZIP's members, or the files a directory would ship
-(``runtime.shipping.shipped_files``, exactly what ``python -m tools package`` packs). ``Sandbox`` is
+(``runfab.shipping.shipped_files``, exactly what ``python -m tools package`` packs). ``Sandbox`` is
 one child's world; ``run_child`` starts ``child.py`` in it, feeds stdin, enforces the time limit
 and kills whatever the child left behind. Emulate and the end-to-end tests use the same sandbox.
 """
@@ -24,10 +24,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from runtime.shipping import git_files, shipped_files
+from runfab.shipping import git_files, shipped_files
 from tools import processes
 from tools.bundle import child
-from tools.bundle.static_checks import BATCH_NAME, HOOKS
+from runfab.hooks import BATCH_NAME, HOOKS
 
 STDIN_PAYLOAD_BYTES = 256 * 1024  # several pipe buffers, so even a partial read shows
 

@@ -13,14 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runtime.runfab_limits import EXPANDED_BYTES as EXPANDED_LIMIT, ZIP_BYTES as ZIP_LIMIT
+from runfab.hooks import BATCH_MAX, BATCH_MIN, BATCH_NAME, HOOKS
+from runfab.limits import EXPANDED_BYTES as EXPANDED_LIMIT, ZIP_BYTES as ZIP_LIMIT
 
 if TYPE_CHECKING:
     from tools.bundle.sandbox import BundleSource, ChildRun
 
-BATCH_NAME = "EFFECTIVE_BATCH_SIZE"
-BATCH_MIN, BATCH_MAX = 1, 65536
-HOOKS = {"probe_batch": ["microbatch"], "train": ["microbatch", "accumulation"]}
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from runtime import created_files
+from runfab import created_files
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUTPUT = ROOT / "conf" / "gpt2" / "tokenizer.json"

@@ -21,7 +21,7 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
-from runtime import created_files
+from runfab import created_files
 
 # Directories whose contents are tests, tooling or third-party code rather
 # than documented library API.

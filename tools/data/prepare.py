@@ -48,8 +48,8 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime import created_files
-from runtime.lifetime import STOP_SIGNALS, exit_with_parent, on_stop_signals
+from runfab import created_files
+from runfab.lifetime import STOP_SIGNALS, exit_with_parent, on_stop_signals
 
 DEFAULT_RANGE_MIB = 64
 CHUNK_BYTES = "64MB"  # LitData's chunk size: large reads from object stores, few files
@@ -200,7 +200,7 @@ def held_out_fraction(val_fraction: float, val_max_tokens: int, input_bytes: int
 def write_validation_split(stats_dir: Path, ranges: int, output: str, max_tokens: int, eos_id: int) -> dict:
     """The held-out documents of every range, in range order, up to ``max_tokens`` (as the stdin path's
     pool takes them), written as ``validation.jsonl`` beside the rows; its digest and size."""
-    from callbacks.fingerprints import validation_digest
+    from pipeline.fingerprints import validation_digest
     from pipeline import shards
 
     kept, documents, tokens = [], [], 0
