@@ -49,7 +49,8 @@ SUBCOMMANDS = {
 }
 # The commands of `python -m tools`: named to train.py, they are pointed there (never imported here:
 # tools/ does not ship). tests/tools/test_entry_point.py keeps the two lists equal.
-TOOLS = ("package", "check", "emulate", "report", "bench", "tokenizer", "gpt2-tokenizer", "sample-data", "prepare")
+TOOLS = ("package", "check", "emulate", "report", "compare", "evaluate", "sample", "bench", "tokenizer", "gpt2-tokenizer",
+         "sample-data", "prepare")
 HELP = ("-h", "--help")
 PRINT_CONFIG = "--print_config"
 PASSED_TO_LIGHTNING = "trainer.lightning"  # the config's field for them; on the command line each is --trainer.NAME

@@ -237,7 +237,8 @@ def test_fa4_matches_the_plain_path_forward_and_gradients_at_the_trainers_shapes
         if kernel == "plain":
             out = plain_attention(*(z.view(b, t, h, hd) for z in qkv.split(h * hd, dim=-1)), cu)
         else:
-            out = attend(qkv.view(b, t, 3, h, hd), DocumentLayout(positions, cu if positions is not None else None, kernel))
+            out = attend(qkv.view(b, t, 3, h, hd), DocumentLayout(positions, cu if positions is not None else None),
+                         kernel)
         out.backward(grad.to(out.dtype))
         return [out.detach()] + list(qkv.grad.float().split(h * hd, dim=-1))
 

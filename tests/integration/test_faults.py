@@ -760,17 +760,19 @@ def test_an_export_that_still_fails_is_one_line_and_exit_2(tmp_path, monkeypatch
     def full_weights(*args, **kwargs):
         raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    write_text = Path.write_text
+    from runfab import created_files
+
+    write_text = created_files.write_text
 
     def full_record(path, *args, **kwargs):
-        if path.name == "run_record.json":
+        if Path(path).name == "run_record.json":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         return write_text(path, *args, **kwargs)
 
     if full_at == "weights":
         monkeypatch.setattr(callbacks.export, "save_file", full_weights)
     else:
-        monkeypatch.setattr(Path, "write_text", full_record)
+        monkeypatch.setattr(created_files, "write_text", full_record)
     monkeypatch.setenv("RUNFABRIC_OUTPUT", str(tmp_path / "out"))
     assert cli.main([*ARGS, "--data.source", "sample", "--trainer.max_steps", "2"], train.EFFECTIVE_BATCH_SIZE) == 2
     stderr = capsys.readouterr().err

@@ -220,7 +220,7 @@ def test_the_probe_runs_on_every_device_under_the_training_setup(tmp_path):
     stderr = result.stderr.decode()
     assert stderr.count('probe figures: {"microbatch": 4, "steps": 2}') == 2  # one per rank, two optimizer steps each
     assert stderr.count("probe passed: microbatch 4 of worst-case rows trained 2 optimizer steps on rank ") == 2
-    assert stderr.count("] attention for packed rows: ") == 1  # the rest is said once, by rank 0
+    assert stderr.count("] kernels: attention: ") == 1  # the rest is said once, by rank 0
     assert result.stdout == b"" and not (tmp_path / "out").exists()
 
 
