@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
+import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -108,3 +111,23 @@ class BrokenAfter(io.RawIOBase):
         n = min(len(buffer), len(self.data))
         buffer[:n], self.data = self.data[:n], self.data[n:]
         return n
+
+
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's; .ci/run installs it, and the browser tests skip without it
+
+
+def run_chromium(*arguments: str, profile: Path, timeout: float = 60) -> bytes:
+    """Headless Chromium in a session of its own, killed with all its helpers when done or after ``timeout`` s."""
+    command = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+               "--hide-scrollbars", "--force-device-scale-factor=1", f"--user-data-dir={profile}", *arguments]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        stdout, _ = process.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+    return stdout

@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
-import signal
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.helpers import CHROMIUM, run_chromium
+
 from callbacks.history import COLUMNS
 from tools import compare
 
-CHROMIUM = Path("/usr/bin/chromium")
 UPDATES = 40
 
 
@@ -118,22 +116,6 @@ def test_the_first_update_whose_tokens_differ_is_found(tmp_path, capsys):
     assert compare.main([str(a), str(b), "--out", str(tmp_path / "page")]) == 1
     captured = capsys.readouterr()
     assert "training tokens differ in b: from update 17" in captured.err
-
-
-def run_chromium(*arguments: str, profile: Path) -> bytes:
-    command = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync",
-               "--hide-scrollbars", "--force-device-scale-factor=1", f"--user-data-dir={profile}", *arguments]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        stdout, _ = process.communicate(timeout=60)
-    finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait()
-    return stdout
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium "

@@ -14,9 +14,7 @@ import math
 import os
 import re
 import shutil
-import signal
 import struct
-import subprocess
 import zlib
 from collections import Counter
 from pathlib import Path
@@ -24,10 +22,10 @@ from xml.etree import ElementTree
 
 import pytest
 
+from tests.helpers import CHROMIUM, run_chromium
+
 from tools import report
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_TIMEOUT = 60
 WARMUP_LINES, OBSERVED_LINES, VALIDATION_EVERY = 5, (18, 19), 10
 MARKUP_IN_CONFIG = "<script>alert('x')</script>"
 
@@ -289,23 +287,6 @@ def test_a_plot_of_its_own_is_a_well_formed_svg_file(tmp_path):
 
 
 # ----------------------------------------------------------------------------- in a real browser
-
-
-def run_chromium(*arguments: str, profile: Path) -> bytes:
-    """Headless Chromium in a session of its own, killed with all its helpers when done or after 60 s."""
-    command = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync",
-               "--hide-scrollbars", "--force-device-scale-factor=1", f"--user-data-dir={profile}", *arguments]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        stdout, _ = process.communicate(timeout=CHROMIUM_TIMEOUT)
-    finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait()
-    return stdout
 
 
 def png_pixels(data: bytes) -> tuple[int, int, Counter]:

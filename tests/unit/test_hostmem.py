@@ -78,7 +78,9 @@ def test_the_cpu_estimate_matches_a_measured_probe_within_a_tenth(tmp_path):
     OmegaConf.save(OmegaConf.merge(OmegaConf.load(ROOT / "conf/smoke.yaml"), OmegaConf.from_dotlist(overrides)), config)
     code = ("import resource, train; train.probe_batch(4); "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
-    env = {**__import__("os").environ, "RUNFAB_CONFIG": str(config), "CUDA_VISIBLE_DEVICES": ""}
+    # Only what the probe needs: a variable an earlier test left in this worker's environment must not move the peak.
+    env = {name: value for name, value in __import__("os").environ.items() if name in ("PATH", "HOME", "LANG")}
+    env |= {"RUNFAB_CONFIG": str(config), "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
