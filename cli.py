@@ -219,10 +219,12 @@ def build_parser(config_path: str | None = None) -> ArgumentParser:
     root = ArgumentParser(prog=PROG, exit_on_error=False, description=describe(),
                           usage=f"{PROG} [{{{','.join(SUBCOMMANDS)}}}] [--config FILE] [--section.key VALUE ...]")
     subcommands = root.add_subcommands(dest="subcommand", required=False)  # train.py names fit when none is given
+    values = flatten(as_dict(load_config(config_from_here(config_path)))) if config_path is not None else None
     for name, summary in SUBCOMMANDS.items():
-        parser = subcommand_parser(name, summary)
-        if config_path is not None:
-            values = flatten(as_dict(load_config(config_from_here(config_path))))
+        if values is None:
+            parser = subcommand_parser(name, summary)
+        else:  # a parser of its own: the shared one keeps the dataclasses' defaults
+            parser = new_subcommand_parser(name, summary)
             parser.set_defaults({key: values[key] for key in config_keys(RunConfig) if key != PASSED_TO_LIGHTNING})
         subcommands.add_subcommand(name, parser, help=summary)
     return root
@@ -241,6 +243,11 @@ def describe(summary: str = "") -> str:
 
 @cache
 def subcommand_parser(name: str, summary: str = "") -> ArgumentParser:
+    """The parser of one subcommand, built once per process (reading every docstring takes a while)."""
+    return new_subcommand_parser(name, summary)
+
+
+def new_subcommand_parser(name: str, summary: str = "") -> ArgumentParser:
     # The help of each key is the docstring under its dataclass field (PEP 257 attribute docstrings).
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     parser = ArgumentParser(prog=f"{PROG} {name}", exit_on_error=False, description=describe(summary),

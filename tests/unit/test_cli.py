@@ -356,3 +356,9 @@ def test_trainer_keys_named_as_lightning_names_them_reach_the_trainer():
     assert load_config("conf/config.yaml").trainer.gradient_clip_val == 1.0
     with pytest.raises(ConfigError, match="Key 'grad_clip' not in 'OptimConfig'"):
         load_config("conf/smoke.yaml", ["optim.grad_clip=1.0"])
+
+
+def test_help_after_a_config_file_leaves_the_shared_parser_at_the_schema_defaults():
+    assert load_config("conf/smoke.yaml").model.n_layer != RunConfig().model.n_layer
+    cli.build_parser("conf/smoke.yaml")  # what `--config conf/smoke.yaml --help` builds
+    assert cli.subcommand_parser("fit", cli.SUBCOMMANDS["fit"]).get_defaults()["model.n_layer"] == RunConfig().model.n_layer
