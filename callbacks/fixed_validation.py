@@ -27,6 +27,7 @@ import torch
 
 from pipeline import fingerprints
 from pipeline.stages import StreamStats, collate_rows, pack_rows
+from runfab import created_files
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def cross_entropy(model, documents: Iterable[np.ndarray], seq_len: int, microbat
 def write_documents(documents: Iterable[np.ndarray], path: Path) -> None:
     """A validation set as NDJSON records of token ids, which read back as the same documents (the
     reader appends the EOS that ends each, so it is left out)."""
-    with Path(path).open("w") as file:
+    with created_files.open_created(path, "w") as file:
         for doc in documents:
             file.write(json.dumps({"input_ids": np.asarray(doc[:-1]).tolist()}, separators=(",", ":")) + "\n")
 

@@ -150,9 +150,7 @@ def read_meta(path: str) -> dict:
 def read_validation(path: str, meta: dict, encode_batch: Callable, eos_id: int, vocab_size: int) -> list[np.ndarray]:
     """The documents of the validation split beside the rows (``VALIDATION_FILE``), read by the record
     rules and tokenizer of training; none when the preparation held none out."""
-    import io
-
-    from pipeline.stages import encode_documents, read_records, StreamStats
+    from pipeline.stages import StreamStats, file_documents
 
     if not (meta.get("validation") or {}).get("documents"):
         return []
@@ -163,10 +161,9 @@ def read_validation(path: str, meta: dict, encode_batch: Callable, eos_id: int, 
 
             local = Path(folder) / VALIDATION_FILE
             _get_fs_provider(path).download_file(f"{path.rstrip('/')}/{VALIDATION_FILE}", str(local))
-        data = local.read_bytes()
-    stats = StreamStats()
-    docs = read_records(io.BytesIO(data), stats, vocab_size, len(data) + 1, give_up_after=1 << 62)
-    return [ids for _, ids in encode_documents(docs, encode_batch, eos_id, stats, 256, 8 << 20)]
+        with local.open("rb") as stream:  # every record whole: the preparation wrote them, none is too long
+            return list(file_documents(stream, StreamStats(), encode_batch, eos_id, vocab_size,
+                                       local.stat().st_size + 1))
 
 
 def check_meta(meta: dict, path: str, seq_len: int, tokenizer_sha256: str, tokenizer_name: str,

@@ -339,6 +339,16 @@ def encode_documents(
 # ----------------------------------------------------------------------------- hold out, shuffle
 
 
+def file_documents(stream: BinaryIO, stats: StreamStats, encode_batch: Callable[[list[str]], list[np.ndarray]],
+                   eos_id: int, vocab_size: int, max_record_bytes: int) -> Iterator[np.ndarray]:
+    """The token ids of every usable record of a whole file (a validation set), by training's record rules
+    and tokenizer, in the default tokenizer batches; rejects are counted in ``stats``, never a reason to stop."""
+    records = read_records(stream, stats, vocab_size, max_record_bytes, give_up_after=1 << 62)
+    for _, ids in encode_documents(records, encode_batch, eos_id, stats, DataConfig.tokenize_batch_docs,
+                                   DataConfig.tokenize_batch_bytes):
+        yield ids
+
+
 def is_held_out(key: bytes, fraction: float) -> bool:
     """Stable across runs, machines and record order: a hash of the document's content."""
     digest = hashlib.blake2b(key, digest_size=8).digest()

@@ -27,6 +27,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from config import ConfigError
 from pipeline import shards
+from runfab import created_files
 
 log = logging.getLogger("train")
 
@@ -42,9 +43,8 @@ def _write_durably(path: Path, write) -> None:
     """``write(file)`` into a temporary name beside ``path``, fsync, rename over ``path``, fsync the folder."""
     partial = _partial_name(path)
     partial.unlink(missing_ok=True)  # a leftover of a write that was cut short: this trainer's own name
-    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
-        with os.fdopen(descriptor, "wb") as file:
+        with created_files.open_created(partial, "xb") as file:
             write(file)
             file.flush()
             os.fsync(file.fileno())

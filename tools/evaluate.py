@@ -79,7 +79,7 @@ def evaluate(folder: Path, data: Path, microbatch: int = 8, max_record_bytes: in
 
     from pipeline.fingerprints import ValidationDigest
     from callbacks.fixed_validation import cross_entropy
-    from pipeline.stages import StreamStats, encode_documents, read_records
+    from pipeline.stages import StreamStats, file_documents
     from pipeline.tokenizer import TextEncoder
     from runfab.limits import RECORD_BYTES
 
@@ -95,9 +95,8 @@ def evaluate(folder: Path, data: Path, microbatch: int = 8, max_record_bytes: in
 
     def documents():
         with data.open("rb") as stream:
-            records = read_records(stream, stats, model.config.vocab_size, max_record_bytes or RECORD_BYTES,
-                                   give_up_after=1 << 62)
-            for _, ids in encode_documents(records, encoder.encode_batch_arrays, encoder.eos_id, stats, 256, 8 << 20):
+            for ids in file_documents(stream, stats, encoder.encode_batch_arrays, encoder.eos_id,
+                                      model.config.vocab_size, max_record_bytes or RECORD_BYTES):
                 digest.update(ids)
                 yield ids
 
