@@ -76,8 +76,11 @@ def test_the_cpu_estimate_matches_a_measured_probe_within_a_tenth(tmp_path):
     overrides = ["model.n_layer=3", "model.n_embd=96", "model.n_head=3", "model.max_seq_len=768"]
     config = tmp_path / "cpu.yaml"  # smoke.yaml with a model big enough for activations to dominate
     OmegaConf.save(OmegaConf.merge(OmegaConf.load(ROOT / "conf/smoke.yaml"), OmegaConf.from_dotlist(overrides)), config)
-    code = ("import resource, train; train.probe_batch(4); "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    # The peak of the probe's own address space (VmHWM). Not getrusage's ru_maxrss: Linux carries the
+    # parent's high-water mark across fork and exec into it, so under a test worker that had grown past
+    # the probe's peak it reported the worker's.
+    code = ("import train; train.probe_batch(4); "
+            "print(next(int(line.split()[1]) * 1024 for line in open('/proc/self/status') if line.startswith('VmHWM:')))")
     # Only what the probe needs: a variable an earlier test left in this worker's environment must not move the peak.
     env = {name: value for name, value in __import__("os").environ.items() if name in ("PATH", "HOME", "LANG")}
     env |= {"RUNFAB_CONFIG": str(config), "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
