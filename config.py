@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from callbacks.observe import ObserveConfig
-from pipeline.stages import DataConfig
+from pipeline.config import DataConfig
 from lit_module import OptimConfig
 from model.gpt import MOVED_KEYS, REMOVED_KEYS, GPTConfig
 from model.kernels import ComputeConfig

@@ -22,29 +22,11 @@ from pipeline.feeder import INPUT_PENDING, UpdateFeeder
 
 from pipeline.sources import PIPE_BYTES, DescriptorReader, open_input, widen_pipe
 
-from pipeline.stages import (
-    assemble_updates,
-    attention_pairs,
-    balance_ranks,
-    collate_rows,
-    DataConfig,
-    encode_documents,
-    INPUT_IDLE,
-    is_held_out,
-    pack_rows,
-    parse_record,
-    read_records,
-    Row,
-    shuffle_documents,
-    split_update,
-    split_validation,
-    stream_updates,
-    summary_line,
-    StreamSettings,
-    StreamStats,
-    UnusableInputError,
-    ValidationPool,
-)
+from pipeline.config import DataConfig
+from pipeline.packing import Row, attention_pairs, collate_rows, pack_rows, shuffle_documents
+from pipeline.records import INPUT_IDLE, StreamStats, UnusableInputError, encode_documents, parse_record, read_records
+from pipeline.stream import StreamSettings, assemble_updates, balance_ranks, split_update, stream_updates, summary_line
+from pipeline.validation_split import ValidationPool, is_held_out, split_validation
 
 from model.attention import document_offsets
 from model.loss import IGNORE_INDEX

@@ -11,7 +11,9 @@ import torch
 from pipeline import fingerprints
 from callbacks.history import COLUMNS, History, merge_pairs, model_weights_digest
 from model.gpt import GPT, GPTConfig
-from pipeline.stages import Row, StreamStats, collate_rows, pack_rows, split_update
+from pipeline.packing import Row, collate_rows, pack_rows
+from pipeline.records import StreamStats
+from pipeline.stream import split_update
 
 from tests.helpers import ROOT
 
