@@ -39,7 +39,7 @@ from config import (CONFIG_ENV, DEFAULT_CONFIG, LIGHTNING_REFUSED, ConfigError, 
 from runtime.device_policy import world_size
 from runtime.probe import run_probe
 from pipeline.shards import ShardsError
-from pipeline.stages import UnusableInputError
+from pipeline.records import UnusableInputError
 
 PROG = "train.py"
 DEFAULT_SUBCOMMAND = "fit"

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from callbacks.observe import ObserveConfig
-from pipeline.stages import DataConfig
+from pipeline.config import DataConfig
 from lit_module import OptimConfig
 from model.gpt import MOVED_KEYS, REMOVED_KEYS, GPTConfig
 from model.kernels import ComputeConfig
@@ -36,8 +36,7 @@ Accelerator = Literal["auto", "cpu", "gpu"]
 Precision = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true"]  # Lightning's names
 WorkerStart = Literal["auto", "fork", "exec"]  # launcher.py says what each does
 LogLevel = Literal["debug", "info", "warning"]
-LOG_LEVELS = get_args(LogLevel)
-ACCELERATORS, PRECISIONS, WORKER_STARTS = get_args(Accelerator), get_args(Precision), get_args(WorkerStart)
+WORKER_STARTS = get_args(WorkerStart)
 CONFIG_ENV = "RUNFAB_CONFIG"
 SEED_RANGE = range(2**32)  # what numpy's generators (and so Lightning's seed_everything) accept
 
@@ -106,11 +105,6 @@ class TrainerConfig:
                 self.time_limit()
             except ValueError as error:
                 found.append(str(error))
-        if self.accelerator not in ACCELERATORS:
-            found.append(f"trainer.accelerator must be one of {', '.join(ACCELERATORS)}, not {self.accelerator!r}")
-        if self.precision is not None and self.precision not in PRECISIONS:
-            found.append(f"trainer.precision must be one of {', '.join(PRECISIONS)} (or null: bf16-mixed on a GPU, "
-                         f"32-true on a CPU), not {self.precision!r}")
         found += [f"trainer.{name} must be at least 1, not {getattr(self, name)}"
                   for name in ("devices", "limit_val_batches", "global_batch_size")
                   if getattr(self, name) is not None and getattr(self, name) < 1]
@@ -119,8 +113,6 @@ class TrainerConfig:
                   if getattr(self, name) < 0]
         if self.memory_headroom_gib < 0 or self.probe_margin_gib < 0:
             found.append("trainer.memory_headroom_gib and trainer.probe_margin_gib must be >= 0")
-        if self.worker_start not in WORKER_STARTS:
-            found.append(f"trainer.worker_start must be one of {', '.join(WORKER_STARTS)}, not {self.worker_start!r}")
         if self.host_memory_budget_gib < 0 or self.ddp_bucket_cap_mb <= 0:
             found.append("trainer.host_memory_budget_gib must be >= 0 (0: no check) and trainer.ddp_bucket_cap_mb > 0")
         if self.gradient_clip_val < 0:
@@ -329,7 +321,7 @@ def lightning_arguments_apart(values: DictConfig) -> DictConfig:
 @cache
 def schema(section: type) -> type:
     """``section`` as omegaconf's schema, its choice keys typed ``str``: omegaconf before 2.4 refuses
-    ``Literal`` fields. The choices are checked by the sections' ``problems()`` with either version."""
+    ``Literal`` fields. The choices are checked by ``choice_problems`` with either version."""
     hints = typing.get_type_hints(section)
     specs = []
     for item in fields(section):
@@ -383,19 +375,54 @@ def load_config_dict(values: dict) -> RunConfig:
 
 
 def check_config(cfg: RunConfig) -> None:
-    """Every section checks itself (its ``problems()``); all problems are reported at once. A NaN or an
-    infinity, which no key has a use for and which slips through range checks, is reported alone."""
+    """Every key typed with ``Literal`` choices holds one of them, and every section checks itself (its
+    ``problems()``); all problems are reported at once, each once. A NaN or an infinity, which no key has a
+    use for and which slips through range checks, is reported alone."""
     problems = non_finite_keys(cfg) or [
         *([] if cfg.seed in SEED_RANGE else [f"seed must be a whole number in 0..{SEED_RANGE[-1]}, not {cfg.seed}"]),
-        *([] if cfg.log_level in LOG_LEVELS else
-          [f"log_level must be one of {', '.join(LOG_LEVELS)}, not {cfg.log_level!r}"]),
+        *choice_problems(cfg),
         *cfg.model.problems(), *cfg.compute.problems(), *cfg.data.problems(), *cfg.optim.problems(cfg.trainer.max_steps),
         *cfg.trainer.problems(), *cfg.metrics.problems(), *cfg.observe.problems(), *cfg.output.problems(),
     ]
+    problems = list(dict.fromkeys(problems))  # a section may check a choice too (compute, in model/kernels.py)
     if len(problems) == 1:
         raise ConfigError(f"invalid configuration: {problems[0]}")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def choice_problems(section: object, prefix: str = "") -> list[str]:
+    """A line for every key of ``section`` (and the sections under it) typed ``Literal[...]`` (or a list of
+    them, or either or null) whose value is none of the choices. The command line's parser refuses such a
+    value itself; a YAML file (RUNFAB_CONFIG, --config) is read by omegaconf, which takes any string."""
+    found = []
+    hints = typing.get_type_hints(type(section))
+    for item in fields(section):
+        key, value, hint = f"{prefix}{item.name}", getattr(section, item.name), hints[item.name]
+        if is_dataclass(value):
+            found += choice_problems(value, f"{key}.")
+        elif typing.get_origin(hint) is list:
+            choices = literal_choices(typing.get_args(hint)[0])
+            found += [f"{key} must list only {', '.join(map(str, choices))}, not {one!r}"
+                      for one in value or () if choices and one not in choices]
+        elif (choices := literal_choices(hint)) and value not in choices and not (value is None and nullable(hint)):
+            null = " (or null)" if nullable(hint) else ""
+            found.append(f"{key} must be one of {', '.join(map(str, choices))}{null}, not {value!r}")
+    return found
+
+
+def literal_choices(hint: Any) -> tuple:
+    """The values of the ``Literal[...]`` in ``hint`` (itself, or it or null); () where it has none."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return args
+    if origin in (typing.Union, types.UnionType):
+        return tuple(choice for arg in args for choice in literal_choices(arg))
+    return ()
+
+
+def nullable(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
 
 
 def non_finite_keys(section: object, prefix: str = "") -> list[str]:

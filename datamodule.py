@@ -14,7 +14,10 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from pipeline.feeder import INPUT_PENDING
 from pipeline.shards import GroupCollate, ShardsError, ShardUpdates, UpdateAgreement, open_rows
-from pipeline.stages import StreamSettings, StreamStats, ValidationPool, collate_rows, pack_rows
+from pipeline.packing import collate_rows, pack_rows
+from pipeline.records import StreamStats
+from pipeline.stream import StreamSettings
+from pipeline.validation_split import ValidationPool
 
 
 class PendingMicrobatch:

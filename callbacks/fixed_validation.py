@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from pipeline import fingerprints
-from pipeline.stages import StreamStats, collate_rows, pack_rows
+from pipeline.packing import collate_rows, pack_rows
+from pipeline.records import StreamStats
 from runfab import created_files
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,9 @@ from typing import BinaryIO
 
 import numpy as np
 
-from pipeline.stages import StreamSettings, StreamStats, ValidationPool, stream_updates
+from pipeline.records import StreamStats
+from pipeline.stream import StreamSettings, stream_updates
+from pipeline.validation_split import ValidationPool
 
 log = logging.getLogger(__name__)
 

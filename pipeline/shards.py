@@ -49,7 +49,7 @@ import lightning as L
 import numpy as np
 import torch
 
-from pipeline.stages import Row, collate_rows
+from pipeline.packing import Row, collate_rows
 from runfab import created_files
 from runfab.lifetime import exit_with_parent
 
@@ -150,7 +150,7 @@ def read_meta(path: str) -> dict:
 def read_validation(path: str, meta: dict, encode_batch: Callable, eos_id: int, vocab_size: int) -> list[np.ndarray]:
     """The documents of the validation split beside the rows (``VALIDATION_FILE``), read by the record
     rules and tokenizer of training; none when the preparation held none out."""
-    from pipeline.stages import StreamStats, file_documents
+    from pipeline.records import StreamStats, file_documents
 
     if not (meta.get("validation") or {}).get("documents"):
         return []

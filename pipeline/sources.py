@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from pipeline.stages import UnusableInputError
+from pipeline.records import UnusableInputError
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from runtime.batch_split import probe_accumulation
 from callbacks.runfab_metrics import peak_memory
 from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict
 from model import attention
-from pipeline.stages import Row, collate_rows
+from pipeline.packing import Row, collate_rows
 from runtime.device_policy import (
     build_module, check_host_memory, limit_gpu_memory, lightning_trainer, local_device, platform_memory_fraction,
     resolve_accelerator, setup_process, use_allocator_settings, world_size,

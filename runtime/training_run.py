@@ -44,7 +44,9 @@ from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, lo
 from datamodule import StreamingDataModule
 from pipeline.feeder import UpdateFeeder
 from pipeline.sources import open_input
-from pipeline.stages import StreamSettings, UnusableInputError, ValidationPool, summary_line
+from pipeline.records import UnusableInputError
+from pipeline.stream import StreamSettings, summary_line
+from pipeline.validation_split import ValidationPool
 from runtime.device_policy import (
     build_module, check_host_memory, compiles, limit_gpu_memory, lightning_trainer, local_device,
     platform_memory_fraction, preload_worker_modules, prepare_compile, resolve_accelerator, setup_process,

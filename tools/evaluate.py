@@ -1,7 +1,7 @@
 """``python -m tools evaluate MODEL --data FILE.jsonl``: the cross-entropy of an exported model on NDJSON
 records, computed as training validates.
 
-The records go through the trainer's own rules (pipeline/stages.py: what is accepted, what is
+The records go through the trainer's own rules (pipeline/records.py: what is accepted, what is
 rejected and why), the model's own tokenizer (MODEL/tokenizer.json, EOS after every document), are
 packed into rows of the model's length as validation packs them, and are scored by the trainer's
 decoder and loss (the export's weights loaded back into model/gpt.py's GPT): the exact
@@ -79,7 +79,7 @@ def evaluate(folder: Path, data: Path, microbatch: int = 8, max_record_bytes: in
 
     from pipeline.fingerprints import ValidationDigest
     from callbacks.fixed_validation import cross_entropy
-    from pipeline.stages import StreamStats, file_documents
+    from pipeline.records import StreamStats, file_documents
     from pipeline.tokenizer import TextEncoder
     from runfab.limits import RECORD_BYTES
 
@@ -133,7 +133,7 @@ def main(argv: list[str]) -> int:
     if problems:
         print(f"{PROG}: {problems[0]}", file=sys.stderr)
         return 2
-    from pipeline.stages import UnusableInputError
+    from pipeline.records import UnusableInputError
 
     try:
         result = evaluate(args.model, args.data, args.microbatch, device=args.device)

@@ -36,7 +36,7 @@ from callbacks.export import gpt2_state_dict
 from config import load_config
 from lit_module import GPTTrainingModule
 from pipeline import shards
-from pipeline.stages import collate_rows
+from pipeline.packing import collate_rows
 from tools.data import prepare as prepare_tool
 
 from tests.helpers import ROOT, as_yaml, records, tiny

@@ -258,7 +258,8 @@ def test_trainer_runs_read_records_written_once_beforehand_enough_for_their_upda
     """Every run of a layout reads one file written before the first run, holding at least the rows of --steps
     updates (and the feeder's read-ahead); one-doc records fill exactly one 4096-token row each."""
     import train
-    from pipeline.stages import StreamStats, pack_rows
+    from pipeline.packing import pack_rows
+    from pipeline.records import StreamStats
 
     args = runs.parse(runs.parser("trainer", "records"), ["--steps", "3", "--out", str(tmp_path / "o")])
     needed_rows = (args.steps + 2) * train.EFFECTIVE_BATCH_SIZE

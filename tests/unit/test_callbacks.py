@@ -24,7 +24,9 @@ from runtime import device_policy
 from runtime import training_run
 from callbacks.runfab_metrics import NonFiniteLossError, RunFabMetrics
 from config import load_config
-from pipeline.stages import Row, StreamStats, split_update
+from pipeline.packing import Row
+from pipeline.records import StreamStats
+from pipeline.stream import split_update
 from lit_module import GPTTrainingModule, OptimConfig
 from model.gpt import GPTConfig
 from tests.helpers import IN_PROCESS_RUN, Stdin, as_dotlist, records

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,7 +12,9 @@ import torch
 from pipeline import fingerprints
 from callbacks.history import COLUMNS, History, merge_pairs, model_weights_digest
 from model.gpt import GPT, GPTConfig
-from pipeline.stages import Row, StreamStats, collate_rows, pack_rows, split_update
+from pipeline.packing import Row, collate_rows, pack_rows
+from pipeline.records import StreamStats
+from pipeline.stream import split_update
 
 from tests.helpers import ROOT
 
@@ -95,21 +98,24 @@ def test_merged_rows_keep_the_token_weighted_loss_and_the_sums():
     assert merged["loss"][2] == loss[4]
 
 
-class _Trainer:
-    world_size = 1
-
-
 def test_the_history_stays_within_its_bound_and_says_its_stride():
+    """Updates reach the history as Lightning reports them, one microbatch per update here."""
     history = History(max_rows=8)
     rows = history_rows(37)
+    optimizer = SimpleNamespace(param_groups=[{"lr": 0.0}])
+    trainer = SimpleNamespace(world_size=1, global_step=0, optimizers=[optimizer])
     for i in range(37):
         tokens = int(rows["target_tokens"][i])
-        history._pending.append((i + 1, torch.tensor(rows["loss"][i] * tokens, dtype=torch.float64),
-                                 torch.tensor(rows["grad_norm"][i]), float(rows["lr"][i]), tokens,
-                                 int(rows["tokens_digest"][i]), float(rows["seconds"][i])))
-        if (i + 1) % 5 == 0:
-            history.flush(_Trainer())
-    history.flush(_Trainer())
+        batch = {"update_target_tokens": tokens, "update_digest": int(rows["tokens_digest"][i])}
+        optimizer.param_groups[0]["lr"] = float(rows["lr"][i])
+        history.on_train_batch_start(trainer, None, batch, i)
+        trainer.global_step = i + 1  # the optimizer stepped: the update is complete
+        module = SimpleNamespace(last_grad_norm=torch.tensor(rows["grad_norm"][i]))
+        outputs = {"loss_sum": torch.tensor(rows["loss"][i] * tokens, dtype=torch.float64)}
+        history.on_train_batch_end(trainer, module, outputs, batch, i)
+        if (i + 1) % 5 == 0:  # flushed at other updates than every FLUSH_UPDATES, so rows join at a stride
+            history.flush(trainer)
+    history.on_train_end(trainer, None)
     assert len(history.columns["update"]) <= 8 and history.stride == 8
     assert history.columns["target_tokens"].sum() == rows["target_tokens"].sum()  # no update lost in merging
     assert history.columns["update"][-1] == 37 and history.updates == 37

@@ -11,7 +11,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from pipeline.stages import Row, StreamStats, split_update
+from pipeline.packing import Row
+from pipeline.records import StreamStats
+from pipeline.stream import split_update
 from lit_module import GPTTrainingModule, OptimConfig, lr_factor
 from model.gpt import GPTConfig
 from model.loss import IGNORE_INDEX, token_loss_sum

@@ -1,7 +1,7 @@
 """Memory stays flat while a large stream runs through the whole data flow.
 
 A separate process generates NDJSON text records (random words) into a pipe, so the input never
-exists in this process as a whole; ``pipeline.stages.stream_updates`` reads, validates, tokenizes
+exists in this process as a whole; ``pipeline.stream.stream_updates`` reads, validates, tokenizes
 (with the bundled tokenizer), holds out, shuffles, packs and assembles it into updates, which
 are dropped as soon as they are counted. RSS is sampled as it goes: after a warm-up (buffers
 filled, tokenizer threads started) it may not grow by more than ``GROWTH_BOUND``.
@@ -21,7 +21,10 @@ import time
 
 import psutil
 
-from pipeline.stages import DataConfig, StreamSettings, StreamStats, ValidationPool, stream_updates
+from pipeline.config import DataConfig
+from pipeline.records import StreamStats
+from pipeline.stream import StreamSettings, stream_updates
+from pipeline.validation_split import ValidationPool
 from pipeline.tokenizer import TextEncoder
 
 from tests.helpers import ROOT

@@ -18,8 +18,8 @@ import pytest
 
 from config import ConfigError
 from pipeline import shards
-from pipeline.stages import (Row, StreamStats, collate_rows, encode_documents, pack_rows, read_records,
-                             shuffle_documents)
+from pipeline.packing import Row, collate_rows, pack_rows, shuffle_documents
+from pipeline.records import StreamStats, encode_documents, read_records
 from pipeline.tokenizer import TextEncoder
 from tools.data import prepare as prepare_tool
 

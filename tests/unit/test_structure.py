@@ -27,8 +27,8 @@ def project_imports() -> dict[str, set[str]]:
 
 def test_no_training_module_imports_one_that_imports_it_back():
     graph = project_imports()
-    assert {"train", "pipeline.stages", "pipeline.feeder", "datamodule", "runtime.launcher",
-            "runtime.training_run", "runfab.lifetime"} <= graph.keys()
+    assert {"train", "pipeline.stream", "pipeline.records", "pipeline.packing", "pipeline.feeder", "datamodule",
+            "runtime.launcher", "runtime.training_run", "runfab.lifetime"} <= graph.keys()
     done: set[str] = set()
 
     def visit(name: str, path: list[str]) -> None:

@@ -14,7 +14,7 @@ import time
 
 import train
 from pipeline.feeder import UpdateFeeder
-from pipeline.stages import ValidationPool
+from pipeline.validation_split import ValidationPool
 from runtime import training_run
 from runtime.batch_split import BatchSplit
 from tools import processes

@@ -2,7 +2,7 @@
 
 Packs records through the training pipeline into updates of ranks x microbatch rows, then splits
 each update two ways: in stream order (rank r takes the r-th block of rows) and by
-``stages.balance_ranks``. Prints the busiest rank's attention work over the average, per
+``pipeline.stream.balance_ranks``. Prints the busiest rank's attention work over the average, per
 update (E[max] / E[mean]): every rank waits for the busiest at each gradient all-reduce.
 Needs no GPU.
 
@@ -17,10 +17,10 @@ import sys
 import numpy as np
 
 from config import load_config
-from pipeline.stages import (
-    StreamStats, ValidationPool, assemble_updates, attention_pairs, balance_ranks, encode_documents, pack_rows,
-    read_records, shuffle_documents, split_validation,
-)
+from pipeline.packing import attention_pairs, pack_rows, shuffle_documents
+from pipeline.records import StreamStats, encode_documents, read_records
+from pipeline.stream import assemble_updates, balance_ranks
+from pipeline.validation_split import ValidationPool, split_validation
 from runtime import training_run
 from runtime.batch_split import BatchSplit
 

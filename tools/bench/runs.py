@@ -32,7 +32,7 @@ from config import ConfigError, RunConfig, load_config
 from lit_module import GPTTrainingModule
 from model.flops import training_flops
 from pipeline.feeder import UpdateFeeder
-from pipeline.stages import ValidationPool
+from pipeline.validation_split import ValidationPool
 from runfab import created_files
 from runfab.limits import GIB
 from runtime import device_policy, training_run

@@ -1,13 +1,13 @@
 """``python -m tools prepare --input 'PATTERN.jsonl' --output DIR``: tokenize NDJSON records once into
 packed rows stored as LitData chunks, for ``python train.py --data.source litdata --data.path DIR``.
 
-The records go through the stdin path's own stages (pipeline/stages.py: the same record rules, the
-same tokenizer, the bounded seeded shuffle, the same packer) and each packed row becomes one LitData
-item (pipeline/shards.py says what an item holds and why rows are packed here). ``litdata.optimize``
-runs the work in parallel worker processes: every input file is cut into byte ranges of
-``--range-mib`` (a record belongs to the range holding its first byte), each range is one work item,
-and the partial row left at the end of a range is dropped and counted, as the stdin path drops the
-one at the end of its input. DIR is a local folder or an object-store URL LitData writes to
+The records go through the stdin path's own stages (pipeline/records.py, pipeline/packing.py: the
+same record rules, the same tokenizer, the bounded seeded shuffle, the same packer) and each packed
+row becomes one LitData item (pipeline/shards.py says what an item holds and why rows are packed
+here). ``litdata.optimize`` runs the work in parallel worker processes: every input file is cut into
+byte ranges of ``--range-mib`` (a record belongs to the range holding its first byte), each range is
+one work item, and the partial row left at the end of a range is dropped and counted, as the stdin
+path drops the one at the end of its input. DIR is a local folder or an object-store URL LitData writes to
 (``s3://bucket/prefix``, ``gs://...``).
 
 The settings come from the same configuration as training (``--config``, default conf/config.yaml, and
@@ -133,8 +133,9 @@ def prepare_range(piece: tuple[str, int, int, int], settings: PrepareSettings):
     """LitData's work function: the packed rows of one byte range, as items; its counts go to a file."""
     from pipeline.shards import row_item
     from callbacks.fixed_validation import write_documents
-    from pipeline.stages import (StreamStats, UnusableInputError, ValidationPool, encode_documents, pack_rows,
-                                 read_records, shuffle_documents, split_validation)
+    from pipeline.packing import pack_rows, shuffle_documents
+    from pipeline.records import StreamStats, UnusableInputError, encode_documents, read_records
+    from pipeline.validation_split import ValidationPool, split_validation
 
     path, start, end, index = piece
     s = settings
@@ -518,7 +519,7 @@ def prepare(args: argparse.Namespace, overrides: list[str]) -> int:
             summary = summarize(stats_dir, len(ranges))
             print(summary_line(summary, cfg.model.max_seq_len), file=sys.stderr)
             if not summary["rows"]:
-                from pipeline.stages import EXPECTED_RECORD
+                from pipeline.records import EXPECTED_RECORD
 
                 raise PrepareFailed(f"no complete row of {cfg.model.max_seq_len} tokens: {summary['documents']} "
                                     f"usable documents ({summary['document_tokens']} tokens) in {summary['records']} "

@@ -1,0 +1,50 @@
+"""config.py: a YAML file (RUNFAB_CONFIG, --config) is held to every key's choices, as the command line is."""
+
+from __future__ import annotations
+
+import pytest
+
+from config import ConfigError, load_config
+from tests.helpers import as_yaml
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("data.source", "web", "data.source must be one of auto, stdin, sample, litdata, not 'web'"),
+    ("optim.schedule", "linear", "optim.schedule must be one of cosine, constant, not 'linear'"),
+    ("trainer.accelerator", "tpu", "trainer.accelerator must be one of auto, cpu, gpu, not 'tpu'"),
+    ("trainer.worker_start", "spawn", "trainer.worker_start must be one of auto, fork, exec, not 'spawn'"),
+    ("trainer.precision", "fp8", "trainer.precision must be one of 32-true, bf16-mixed, bf16-true, 16-mixed, 16-true, "
+                                 "64-true (or null), not 'fp8'"),
+    ("log_level", "loud", "log_level must be one of debug, info, warning, not 'loud'"),
+    ("observe.loggers", ["csv", "mlflow"], "observe.loggers must list only csv, tensorboard, wandb, not 'mlflow'"),
+])
+def test_a_bad_choice_in_a_yaml_file_is_refused_naming_the_key_and_the_choices(tmp_path, key, value, says):
+    config = tmp_path / "config.yaml"
+    config.write_text(as_yaml({key: value}))
+    with pytest.raises(ConfigError) as refused:
+        load_config(config)
+    assert str(refused.value) == f"invalid configuration: {says}"
+
+
+def test_every_bad_choice_is_reported_once_beside_the_other_problems(tmp_path):
+    """compute checks its own choices as well (model/kernels.py): the line appears once."""
+    config = tmp_path / "config.yaml"
+    config.write_text(as_yaml({"compute.attention": "bogus", "data.source": "web", "data.microbatch": 0}))
+    with pytest.raises(ConfigError) as refused:
+        load_config(config)
+    lines = str(refused.value).splitlines()[1:]
+    assert sorted(line.strip() for line in lines) == [
+        "compute.attention must be one of auto, fa4, varlen, sdpa, not 'bogus'",
+        "data.microbatch must be at least 1, not 0",
+        "data.source must be one of auto, stdin, sample, litdata, not 'web'",
+    ]
+
+
+def test_a_null_is_a_choice_only_where_the_key_may_be_null(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(as_yaml({"trainer.precision": None}))
+    assert load_config(config).trainer.precision is None
+    config.write_text(as_yaml({"trainer.precision": None, "data.source": None}))
+    with pytest.raises(ConfigError, match="data.source") as refused:
+        load_config(config)
+    assert "trainer.precision" not in str(refused.value)
