@@ -100,7 +100,7 @@ def host_budget_problem(budget_gib: float, gpus: int, output_bytes: float) -> st
 # peak RSS in the probe (two eager fp32 steps on worst-case rows) fits this model, checked against
 # measured peaks in docs/PERFORMANCE.md ("Host memory"):
 #   0.40 GiB imported (a one-layer probe's whole peak) + 0.03 GiB of headroom, so that the estimate stays
-#     above the measured peaks (tests/unit/test_hostmem.py)
+#     above the measured peaks (tests/unit/test_runtime_hostmem.py)
 #   + 16 B per parameter (weights, gradients, AdamW's two moments)
 #   + tokens x layers x width x 20 fp32 values (the blocks' saved activations)
 #   + min(tokens, loss chunk) x padded vocabulary x 2.5 fp32 values (a chunk's logits, and the copy its softmax
