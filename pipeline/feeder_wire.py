@@ -83,6 +83,7 @@ def receive_items(conn: Connection, on_end=lambda end: None) -> Iterator[dict | 
             offset += size
         yield batch
 
+
 # ----------------------------------------------------------------------------- the feeder's side
 
 

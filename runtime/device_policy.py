@@ -95,8 +95,7 @@ class SameStreamDDP(L.pytorch.strategies.DDPStrategy):
 
 
 def resolve_strategy(cfg: RunConfig, accelerator: str, world: int) -> str | L.pytorch.strategies.DDPStrategy:
-    """Lightning's default for one rank, else DDP joining the processes launcher.py started (Lightning
-    then launches none)."""
+    """Lightning's default for one rank, else DDP (``ddp_strategy``)."""
     return "auto" if world == 1 else ddp_strategy(cfg, accelerator)
 
 

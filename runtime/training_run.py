@@ -249,11 +249,13 @@ def build_callbacks(cfg: RunConfig, accelerator: str, split: BatchSplit, descrip
         host_memory,
     ]
     if every > 0:
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=every, save_top_k=1))
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=every,
+                                                             save_top_k=1))
     return callbacks
 
 
-def build_fixed_validation(cfg: RunConfig, split: BatchSplit, source: TrainingInput, history: History) -> FixedValidation:
+def build_fixed_validation(cfg: RunConfig, split: BatchSplit, source: TrainingInput,
+                           history: History) -> FixedValidation:
     """The held-out loss at the start and the end: on the documents the input held out (saved in run/
     for a later comparison), or on the fixed set the input came with."""
     documents, where = source.validation or (source.datamodule.pool.snapshot,

@@ -49,7 +49,8 @@ def test_a_gpu_experiment_is_refused_in_one_line_without_a_gpu(no_gpu, capsys, t
     (["--variant", "--model.no_such_key 1"], "--variant --model.no_such_key 1: "),
     (["--variant", "--model.n_layer two"], "--variant --model.n_layer two: "),
     (["--variant", "model.n_layer=2"], "--variant 'model.n_layer=2': give train.py's options, --section.key VALUE"),
-    (["--variant", "--config conf/smoke.yaml --model.n_layer 2"], "the configuration file and subcommand are the job's"),
+    (["--variant", "--config conf/smoke.yaml --model.n_layer 2"],
+     "the configuration file and subcommand are the job's"),
 ])
 def test_a_bad_override_is_refused_before_anything_runs(no_gpu, capsys, tmp_path, argv, says):
     out = tmp_path / "bench-out"
@@ -66,8 +67,8 @@ def test_a_variant_keeps_its_keys_together_in_train_py_form(no_gpu, capsys, tmp_
     flags = runs.variant_flags(args, "--compute.loss_chunk_tokens 32768 --data.token_digests=false")
     assert flags == ("--compute.loss_chunk_tokens", "32768", "--data.token_digests=false")
     out = tmp_path / "bench-out"
-    assert tools(["bench", "trainer", "--out", str(out), "--variant", "--compute.loss_chunk_tokens 32768 "
-                  "--data.token_digests false", "--variant=--model.n_layer=2"]) == 2  # accepted: only the GPU is missing
+    variants = ["--variant", "--compute.loss_chunk_tokens 32768 --data.token_digests false", "--variant=--model.n_layer=2"]
+    assert tools(["bench", "trainer", "--out", str(out), *variants]) == 2  # accepted: only the GPU is missing
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
