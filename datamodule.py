@@ -1,6 +1,6 @@
 """The LightningDataModules: ``StreamingDataModule`` gives training batches from a stream of complete
 updates and validation from the held-out pool (the stream is the feeder's queue, pipeline/feeder.py,
-in a single process, or the feeder's socket, runtime/launcher.py, in a data-parallel worker);
+in a single process, or the feeder's socket, pipeline/feeder_wire.py, in a data-parallel worker);
 ``ShardDataModule`` gives training batches from prepared rows (pipeline/shards.py).
 """
 

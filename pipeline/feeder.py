@@ -1,7 +1,7 @@
 """The stream beside training: a daemon thread runs the stages and fills one bounded queue per rank.
 
 stdin is read by the process that owns it, and the training loop (or, with several GPUs, each
-rank's sender in launcher.py) only ever takes complete updates, every rank the same number.
+rank's sender in feeder_wire.py) only ever takes complete updates, every rank the same number.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class _InputPending:
 
 
 INPUT_PENDING = _InputPending()
-"""Given (by ``iterate(mark_waits=True)`` and launcher.FeederConnection) at an update boundary when
+"""Given (by ``iterate(mark_waits=True)`` and feeder_wire.FeederConnection) at an update boundary when
 the next update has not arrived: the consumer may then finish the update it holds before waiting
 (datamodule.py hands Lightning a stand-in for the microbatch it fetches one ahead)."""
 

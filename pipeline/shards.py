@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from pipeline.packing import Row, collate_rows
+from pipeline.report_marks import ReportMarks
 from runfab import created_files
 from runfab.lifetime import exit_with_parent
 
@@ -219,7 +220,7 @@ class UpdateAgreement:
         self.report_every = report_every_seconds
         self.stop_signal: str | None = None  # the signal this rank received, if any
         self.stop_after: int | None = None  # the update after which every rank stops
-        self._report_updates: set[int] = set()
+        self.report_marks = ReportMarks()  # the updates rank 0 asked a metric line after, agreed by every rank
         self._last_report = time.monotonic()
         self._trainer: L.Trainer | None = None
         self.update_digest = 0  # the settled update's rows digest over all ranks (pipeline/fingerprints.py)
@@ -256,17 +257,10 @@ class UpdateAgreement:
             tokens, stop, report, digest = values.tolist()
         self.update_digest = digest
         if report:
-            self._report_updates.add(update)
+            self.report_marks.mark(update)
         if stop and self.stop_after is None:
             self.stop_after = update
         return tokens
-
-    def report_due(self, update: int) -> bool:
-        """Whether rank 0 asked for a metric line after ``update``: the same answer on every rank."""
-        if update in self._report_updates:
-            self._report_updates.discard(update)
-            return True
-        return False
 
 
 class ShardUpdates:

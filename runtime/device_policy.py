@@ -1,5 +1,5 @@
-"""Where and how a process computes: devices and ranks, precision, the Lightning Trainer's shared
-arguments, GPU and host memory limits, and the compile caches' place.
+"""Where and how a process computes: devices and ranks, precision, the data-parallel strategy, GPU
+and host memory limits, and the compile caches' place (the Trainer built from them: trainer.py).
 
 Training, the probe and every data-parallel worker take these decisions through the same
 functions, so a probe that fits means training fits.
@@ -17,7 +17,6 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from model import flash4
 from runtime import hostmem
@@ -83,38 +82,6 @@ def setup_process(cfg: RunConfig) -> None:
     L.seed_everything(cfg.seed, verbose=False)
 
 
-def lightning_trainer(cfg: RunConfig, accelerator: str, world: int, **overrides) -> L.Trainer:
-    """The Trainer arguments shared by training and the probe, so both run the same settings,
-    the other Trainer arguments of the config (``trainer.lightning``) included.
-
-    With several ranks the processes already exist (launcher.py started them), so Lightning's
-    DDP strategy joins them instead of launching any.
-    """
-    arguments = dict(
-        accelerator=accelerator,
-        devices=world,
-        strategy="auto" if world == 1 else ddp_strategy(cfg, accelerator),
-        precision=resolve_precision(cfg, accelerator),
-        max_epochs=1,  # the stream is one pass
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        gradient_clip_val=cfg.trainer.gradient_clip_val,  # GPTTrainingModule.configure_gradient_clipping clips with it
-    )
-    arguments.update(cfg.trainer.lightning)  # config.py refuses those that must stay as set here or by the caller
-    arguments.update(overrides)
-    try:
-        return L.Trainer(**arguments)
-    except (TypeError, ValueError, MisconfigurationException) as error:
-        if not cfg.trainer.lightning:
-            raise
-        given = ", ".join(f"trainer.{name}={value!r}" for name, value in cfg.trainer.lightning.items())
-        reason = " ".join(str(error).split())
-        raise ConfigError(f"Lightning's Trainer refused its arguments ({given}): {reason}") from None
-
-
 class SameStreamDDP(L.pytorch.strategies.DDPStrategy):
     """Lightning wraps the model in DDP on a side CUDA stream; DDP keeps the gradient accumulators it
     made there, and PyTorch then warns at every backward that their stream does not match the
@@ -125,6 +92,11 @@ class SameStreamDDP(L.pytorch.strategies.DDPStrategy):
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+
+
+def resolve_strategy(cfg: RunConfig, accelerator: str, world: int) -> str | L.pytorch.strategies.DDPStrategy:
+    """Lightning's default for one rank, else DDP (``ddp_strategy``)."""
+    return "auto" if world == 1 else ddp_strategy(cfg, accelerator)
 
 
 def ddp_strategy(cfg: RunConfig, accelerator: str) -> L.pytorch.strategies.DDPStrategy:

@@ -4,9 +4,10 @@ Lightning's own ``ddp`` launcher re-runs ``sys.argv``, which under RunFab is Run
 and its children would race for stdin. So the process RunFab started stays the feeder: it reads
 and packs the stream, starts ``python train.py worker`` once per rank with LOCAL_RANK,
 NODE_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (Lightning then treats the processes as
-created externally), and sends each rank its share of every update over a local socket. Rank 0's
-metric lines come back on its stdout and are forwarded unchanged. Any worker failing fails the run
-promptly with that worker's error, and no process is left behind.
+created externally), and each rank receives its share of every update over a local socket
+(pipeline/feeder_wire.py). Rank 0's metric lines come back on its stdout and are forwarded
+unchanged. Any worker failing fails the run promptly with that worker's error, and no process is
+left behind.
 
 A worker is started one of two ways (``trainer.worker_start``), both running ``train.py worker``:
 
@@ -17,8 +18,6 @@ A worker is started one of two ways (``trainer.worker_start``), both running ``t
   the CUDA driver (a forked child cannot use a driver its parent initialized), which
   ``cuda_driver_initialized`` checks without initializing it.
 - **exec**: a fresh interpreter (``python train.py worker``), whatever the parent did.
-
-The wire carries raw tensor bytes behind a JSON header (no pickle): see ``send_item``.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ import json
 import logging
 import os
 import runpy
-import secrets
 import signal
 import socket
 import subprocess
@@ -41,16 +39,10 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Iterator
-from typing import NamedTuple
-from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
-
-import numpy as np
-import torch
 
 from callbacks.runfab_metrics import deliver
 from config import WORKER_STARTS
-from pipeline.feeder import INPUT_PENDING, ValidationDocument
 from runfab.lifetime import on_stop_signals
 
 log = logging.getLogger(__name__)
@@ -96,134 +88,7 @@ def raise_on_signals(first=None):
     return on_stop_signals(interrupt)
 
 
-# ----------------------------------------------------------------------------- wire format
-
-
-def send_item(conn: Connection, item: object) -> None:
-    """A microbatch (dict of tensors and ints), a held-out document, the end, or an error."""
-    if isinstance(item, dict):
-        tensors = {k: v for k, v in item.items() if torch.is_tensor(v)}
-        header = {
-            "kind": "batch",
-            "tensors": [[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in tensors.items()],
-            "ints": {k: int(v) for k, v in item.items() if not torch.is_tensor(v)},
-        }
-        conn.send_bytes(json.dumps(header).encode())
-        conn.send_bytes(b"".join(v.contiguous().numpy().tobytes() for v in tensors.values()))
-    elif isinstance(item, ValidationDocument):
-        conn.send_bytes(json.dumps({"kind": "validation", "length": len(item.tokens)}).encode())
-        conn.send_bytes(item.tokens.astype(np.int32).tobytes())
-    elif isinstance(item, BaseException):
-        conn.send_bytes(json.dumps({"kind": "error", "message": f"{type(item).__name__}: {item}"}).encode())
-    else:  # the end: an End, or None
-        end = item or End()
-        conn.send_bytes(json.dumps({"kind": "end", "early": end.early, "input": end.input_summary}).encode())
-
-
-class End(NamedTuple):
-    """The end of a rank's stream: why it came early (a signal, an input error) or None at the end of
-    input or a step limit, and the feeder's input summary, which rank 0 writes into the run record."""
-
-    early: str | None = None
-    input_summary: dict | None = None
-
-
-def receive_items(conn: Connection, on_end=lambda end: None) -> Iterator[dict | np.ndarray]:
-    """Microbatches (dicts) and held-out documents (int32 arrays) until the feeder says it ended;
-    ``on_end`` receives the End."""
-    while True:
-        header = json.loads(conn.recv_bytes())
-        if header["kind"] == "end":
-            on_end(End(header.get("early"), header.get("input")))
-            return
-        if header["kind"] == "error":
-            raise RuntimeError(f"the feeder stopped: {header['message']}")
-        payload = conn.recv_bytes()
-        if header["kind"] == "validation":
-            yield np.frombuffer(payload, dtype=np.int32).copy()
-            continue
-        batch: dict = dict(header["ints"])
-        offset = 0
-        for name, dtype, shape in header["tensors"]:
-            tensor_dtype = getattr(torch, dtype)
-            count = int(np.prod(shape))
-            size = count * tensor_dtype.itemsize
-            batch[name] = torch.frombuffer(bytearray(payload[offset : offset + size]), dtype=tensor_dtype).view(shape)
-            offset += size
-        yield batch
-
-
-# ----------------------------------------------------------------------------- worker side
-
-
-class FeederConnection:
-    """A worker's end of the socket: training microbatches for Lightning, held-out documents into the pool."""
-
-    def __init__(self, address: tuple[str, int], authkey: bytes, rank: int, pool, microbatches_per_update: int) -> None:
-        self.conn = Client(address, authkey=authkey)
-        self.conn.send_bytes(str(rank).encode())
-        self.pool = pool
-        self.early_end: str | None = None  # the feeder's reason for ending before the input did
-        self.input_summary: dict | None = None  # what the feeder read, sent with the end
-        self._done = False
-        self._acknowledging = True
-        self._per_update = microbatches_per_update
-        self._taken = 0
-        self._report_updates: set[int] = set()
-
-    def batches(self) -> Iterator[dict]:
-        """Lightning's microbatches, with INPUT_PENDING first whenever an update after the first has
-        not arrived when asked for (as the feeder's ``iterate(mark_waits=True)``).
-
-        The stream always ends after one: a stand-in costs Lightning one more step of its loop, and
-        each step starts with a collective (its SIGTERM broadcast), so every rank must take the
-        same number, whether or not its end had already arrived.
-        """
-        if self._done:
-            return
-        items = receive_items(self.conn, on_end=self._ended)
-        while True:
-            boundary = self._taken and self._taken % self._per_update == 0
-            marked = boundary and not self.conn.poll()
-            if marked:
-                yield INPUT_PENDING
-            item = next(items, None)
-            if item is None:
-                if boundary and not marked:
-                    yield INPUT_PENDING
-                break
-            if isinstance(item, np.ndarray):
-                self.pool.offer(item)
-                continue
-            if item.pop("report", 0):  # the feeder's mark travels on the wire, not into training_step
-                self._report_updates.add(self._taken // self._per_update + 1)
-            self._taken += 1
-            self._acknowledge()
-            yield item
-        self._done = True
-
-    def report_due(self, update: int) -> bool:
-        """Whether the feeder marked ``update`` for a metric line: it marks the same update on every
-        rank, so the ranks report (and sum their intervals) together without a collective to agree."""
-        if update in self._report_updates:
-            self._report_updates.remove(update)
-            return True
-        return False
-
-    def _ended(self, end: End) -> None:
-        self.early_end, self.input_summary = end.early, end.input_summary
-
-    def _acknowledge(self) -> None:
-        """Taken: the feeder may send one more (see _serve). Once it has sent its last item it closes
-        its end, and the items still in the socket need no acknowledgement."""
-        if self._acknowledging:
-            try:
-                self.conn.send_bytes(b"")
-            except (BrokenPipeError, ConnectionResetError):
-                self._acknowledging = False
-
-    def close(self) -> None:
-        self.conn.close()
+# ----------------------------------------------------------------------------- in a worker
 
 
 PER_RANK_LOGGERS = ("runfab.memory", "runtime.probe")  # what each rank measures of its own process and device
@@ -247,7 +112,7 @@ def worker_spec() -> dict:
     return json.loads(os.environ[WORKER_SPEC_ENV])
 
 
-# ----------------------------------------------------------------------------- feeder side
+# ----------------------------------------------------------------------------- starting the workers
 
 
 CUDA_ERROR_NOT_INITIALIZED = 3
@@ -550,71 +415,3 @@ def _signal_group(process: subprocess.Popen | ForkedWorker, sig: int) -> None:
         os.killpg(process.pid, sig)
     except ProcessLookupError:
         pass
-
-
-def serve_feeder(feeder, listener: Listener, world_size: int) -> threading.Thread:
-    """In the background: accept each rank's connection, then stream it that rank's items.
-
-    Accepting happens off the main thread, so a worker that dies before it connects is seen
-    by WorkerGroup.wait instead of hanging the feeder.
-    """
-    thread = threading.Thread(target=_serve, args=(feeder, listener, world_size), name="feeder-server", daemon=True)
-    thread.start()
-    return thread
-
-
-def _serve(feeder, listener: Listener, world_size: int) -> None:
-    connections: dict[int, Connection] = {}
-    try:
-        for _ in range(world_size):
-            conn = listener.accept()
-            connections[int(conn.recv_bytes())] = conn
-    except OSError:
-        return  # the listener was closed: the run is being torn down
-
-    # Microbatches a rank may have in flight (sent, not yet taken by its training loop): the
-    # socket's own buffers would otherwise hold megabytes of updates that a stop cannot recall.
-    window = feeder.settings.data.prefetch_updates * feeder.settings.accumulation
-
-    def send(rank: int) -> None:
-        conn = connections[rank]
-        in_flight = 0
-        try:
-            for item in feeder.iterate(rank):
-                if isinstance(item, dict):
-                    while in_flight >= window:
-                        conn.recv_bytes()  # the worker took one
-                        in_flight -= 1
-                    in_flight += 1
-                send_item(conn, item)
-            send_item(conn, End(feeder.early_end, feeder.stats.as_dict()))
-            _drain(conn)
-        except (BrokenPipeError, ConnectionResetError, EOFError):
-            feeder.stop()  # the worker is gone; WorkerGroup.wait reports why
-        except BaseException as error:
-            feeder.error = error
-            try:
-                send_item(conn, error)
-            except OSError:
-                pass
-
-    threads = [threading.Thread(target=send, args=(rank,), daemon=True) for rank in range(world_size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-
-
-def _drain(conn: Connection) -> None:
-    """Read the worker's last acknowledgements until it closes its end. A socket closed with unread
-    bytes resets the connection, and the worker could lose the end of the stream still in flight."""
-    try:
-        while True:
-            conn.recv_bytes()
-    except (EOFError, OSError):
-        pass
-
-
-def new_listener() -> tuple[Listener, bytes]:
-    authkey = secrets.token_bytes(16)
-    return Listener(("127.0.0.1", 0), authkey=authkey), authkey

@@ -26,9 +26,10 @@ from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict
 from model import attention
 from pipeline.packing import Row, collate_rows
 from runtime.device_policy import (
-    build_module, check_host_memory, limit_gpu_memory, lightning_trainer, local_device, platform_memory_fraction,
+    build_module, check_host_memory, limit_gpu_memory, local_device, platform_memory_fraction,
     resolve_accelerator, setup_process, use_allocator_settings, world_size,
 )
+from runtime.trainer import build_trainer
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def run_probe_local(cfg: RunConfig, microbatch: int, world: int, effective: int,
     accumulation = probe_accumulation(effective, microbatch, world)
     kinds = probe_batches(microbatch, cfg.model.max_seq_len, cfg.model.vocab_size, accumulation * world)
     batches = DataLoader(kinds * PROBE_PASSES, batch_size=None)
-    trainer = lightning_trainer(
+    trainer = build_trainer(
         cfg, accelerator, world, max_steps=len(kinds) * PROBE_PASSES // accumulation, accumulate_grad_batches=accumulation,
         limit_val_batches=0, enable_progress_bar=False, callbacks=[HostMemory()],
     )

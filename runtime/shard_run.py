@@ -35,7 +35,8 @@ from pipeline import shards
 from runtime import checkpoints, launcher
 from runtime.batch_split import BatchSplit
 from runtime.device_policy import resolve_accelerator, setup_process, use_allocator_settings, world_size
-from runtime.training_run import claimed_output, fit, load_encoder
+from runtime.output_folder import claimed_output
+from runtime.training_run import TrainingInput, fit, load_encoder
 
 log = logging.getLogger("train")
 
@@ -140,11 +141,12 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
                  meta["summary"]["rows"], meta["seq_len"], nodes, per_node)
         summary = {"source": "litdata", "path": cfg.data.path, "resumed_from": resume, **meta["summary"],
                    "fingerprint": meta.get("fingerprint")}
-        result = fit(cfg, split, datamodule, encoder, lambda: summary, end_input=agreement.request_stop,
-                     early_end=lambda: agreement.stopped_by, report_due=agreement.report_due if world > 1 else None,
-                     ckpt_path=resume, extra_callbacks=(stop, checkpoints.ResumeFingerprint(unchanged)),
-                     trainer_overrides=overrides,
-                     validation=(lambda: held_out, f"{cfg.data.path}/{shards.VALIDATION_FILE}"))
+        source = TrainingInput(datamodule, summary=lambda: summary, end=agreement.request_stop,
+                               early_end=lambda: agreement.stopped_by,
+                               report_due=agreement.report_marks.due if world > 1 else None,
+                               validation=(lambda: held_out, f"{cfg.data.path}/{shards.VALIDATION_FILE}"))
+        result = fit(cfg, split, source, encoder, ckpt_path=resume,
+                     extra_callbacks=(stop, checkpoints.ResumeFingerprint(unchanged)), trainer_overrides=overrides)
     if agreement.stopped_by is not None:
         where = f"checkpoint {stop.saved}" if stop.saved else "no checkpoint"
         raise launcher.Interrupted(f"stopped by {agreement.stopped_by} after optimizer step {result['steps']}; "

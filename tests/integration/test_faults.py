@@ -20,7 +20,7 @@ import pytest
 import train
 from runtime.batch_split import BatchSplit
 from config import ConfigError
-from runtime import training_run
+from runtime import output_folder, training_run
 from config import load_config
 
 from tests.helpers import ROOT, BrokenAfter, as_args, as_dotlist, tiny
@@ -56,13 +56,13 @@ def test_a_signal_during_training_exports_the_model_so_far_and_exits_non_zero(tm
 def test_an_output_that_cannot_fit_the_budget_is_refused_before_training():
     cfg = load_config("conf/config.yaml", ["trainer.checkpoint_every_steps=100"])
     with pytest.raises(ConfigError, match="GiB") as error:
-        training_run.check_output_budget(cfg)
+        output_folder.check_output_budget(cfg)
     assert "checkpoint" in str(error.value)
-    training_run.check_output_budget(load_config("conf/config.yaml"))  # the export alone (0.5 GB) fits
-    training_run.check_output_budget(load_config("conf/config.yaml", ["observe.profile_update=20", "observe.memory_update=30"]))
+    output_folder.check_output_budget(load_config("conf/config.yaml"))  # the export alone (0.5 GB) fits
+    output_folder.check_output_budget(load_config("conf/config.yaml", ["observe.profile_update=20", "observe.memory_update=30"]))
     endless_profile = load_config("conf/config.yaml", ["observe.profile_update=20", "observe.profile_updates=200"])
     with pytest.raises(ConfigError, match="observation files"):
-        training_run.check_output_budget(endless_profile)  # 200 profiled updates: about 3.2 GiB of traces
+        output_folder.check_output_budget(endless_profile)  # 200 profiled updates: about 3.2 GiB of traces
 
 
 def test_max_time_keeps_the_export_reserve_out_of_the_training_loop():
@@ -465,7 +465,7 @@ def test_an_earlier_runs_results_are_moved_aside_and_never_deleted(tmp_path, cap
     previous-<folder>/, the first's (with a file the user added to it) is kept as previous-<folder>.1/
     instead of being deleted or mixed with a later run's files."""
     from callbacks.owned_folders import mark
-    from runtime.training_run import claimed_output
+    from runtime.output_folder import claimed_output
 
     root = tmp_path / "out"
     for run in (1, 2, 3):
@@ -577,7 +577,7 @@ def test_what_no_run_wrote_is_refused_in_one_line_and_left_in_place(tmp_path, ki
     previous-model/; only folders that carry a run's mark are moved now, and anything else is refused
     before anything moves."""
     from callbacks.owned_folders import mark
-    from runtime.training_run import claimed_output
+    from runtime.output_folder import claimed_output
 
     root = tmp_path / "out"
     root.mkdir()
@@ -626,7 +626,7 @@ def test_the_bundle_or_a_system_folder_is_no_output_root(tmp_path, root):
     there (/run is one of the names a run sets aside)."""
     import pwd
 
-    from runtime.training_run import refuse_unsafe_root
+    from runtime.output_folder import refuse_unsafe_root
 
     path = {"bundle": ROOT, "home": Path(pwd.getpwuid(os.getuid()).pw_dir)}.get(root, Path(root))
     if root == "link to /":
@@ -641,7 +641,7 @@ def test_the_bundle_or_a_system_folder_is_no_output_root(tmp_path, root):
 
 def test_an_export_killed_while_writing_is_removed_by_the_next_run(tmp_path):
     from callbacks.owned_folders import mark
-    from runtime.training_run import claimed_output
+    from runtime.output_folder import claimed_output
 
     root = tmp_path / "out"
     mark(root / ".model.tmp-killed")  # a run's staging folder, as export_model marks it before writing

@@ -11,14 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from pipeline.feeder import ValidationDocument
-from runtime.launcher import End, receive_items, send_item
 
 from tests.helpers import ROOT, as_args, tiny
 
@@ -39,28 +35,6 @@ def run_train(tmp_path: Path, name: str, args: list[str], stdin: bytes, timeout:
     result = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, *args], input=stdin, env=env,
                             capture_output=True, timeout=timeout, cwd=tmp_path)
     return result, out
-
-
-def test_the_wire_carries_microbatches_documents_end_and_errors_without_pickle():
-    from multiprocessing import Pipe
-
-    a, b = Pipe()
-    batch = {"input_ids": torch.arange(12).view(3, 4), "cu_seqlens": torch.tensor([0, 5, 12], dtype=torch.int32),
-             "update_target_tokens": 99, "report": 1}
-    send_item(a, batch)
-    send_item(a, ValidationDocument(np.array([7, 8, 9], dtype=np.int32)))
-    send_item(a, None)
-    ends = []
-    items = list(receive_items(b, on_end=ends.append))
-    assert ends == [End(None, None)]
-    send_item(a, End("SIGTERM", {"records": 3}))  # an early end carries its reason and the input summary
-    assert list(receive_items(b, on_end=ends.append)) == [] and ends[-1] == End("SIGTERM", {"records": 3})
-    assert torch.equal(items[0]["input_ids"], batch["input_ids"]) and items[0]["input_ids"].dtype == torch.int64
-    assert torch.equal(items[0]["cu_seqlens"], batch["cu_seqlens"]) and items[0]["update_target_tokens"] == 99
-    assert items[1].tolist() == [7, 8, 9]
-    send_item(a, ValueError("no usable record"))
-    with pytest.raises(RuntimeError, match="ValueError: no usable record"):
-        list(receive_items(b))
 
 
 def test_two_workers_reach_the_weights_of_one_process(tmp_path):

@@ -46,7 +46,11 @@ def test_a_gpu_experiment_is_refused_in_one_line_without_a_gpu(no_gpu, capsys, t
     (["--model.n_layer", "two"], "model.n_layer"),
     (["--model.no_such_key", "1"], "--model.no_such_key"),
     (["stray"], "unexpected 'stray'"),
-    (["--compare", "model.no_such_key=1"], "--compare model.no_such_key=1"),
+    (["--variant", "--model.no_such_key 1"], "--variant --model.no_such_key 1: "),
+    (["--variant", "--model.n_layer two"], "--variant --model.n_layer two: "),
+    (["--variant", "model.n_layer=2"], "--variant 'model.n_layer=2': give train.py's options, --section.key VALUE"),
+    (["--variant", "--config conf/smoke.yaml --model.n_layer 2"],
+     "the configuration file and subcommand are the job's"),
 ])
 def test_a_bad_override_is_refused_before_anything_runs(no_gpu, capsys, tmp_path, argv, says):
     out = tmp_path / "bench-out"
@@ -56,6 +60,16 @@ def test_a_bad_override_is_refused_before_anything_runs(no_gpu, capsys, tmp_path
     err = capsys.readouterr().err
     assert says in err and "needs a CUDA GPU" not in err, err
     assert not out.exists()
+
+
+def test_a_variant_keeps_its_keys_together_in_train_py_form(no_gpu, capsys, tmp_path):
+    args = runs.parse(runs.parser("trainer", "a variant"), ["--model.n_layer", "2"])
+    flags = runs.variant_flags(args, "--compute.loss_chunk_tokens 32768 --data.token_digests=false")
+    assert flags == ("--compute.loss_chunk_tokens", "32768", "--data.token_digests=false")
+    out = tmp_path / "bench-out"
+    variants = ["--variant", "--compute.loss_chunk_tokens 32768 --data.token_digests false", "--variant=--model.n_layer=2"]
+    assert tools(["bench", "trainer", "--out", str(out), *variants]) == 2  # accepted: only the GPU is missing
+    assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_overrides_reach_the_runs_as_train_py_reads_them(tmp_path):

@@ -339,19 +339,19 @@ def test_a_trainer_argument_the_run_sets_itself_is_refused_with_the_reason(tmp_p
 
 
 def test_a_value_lightning_refuses_is_a_config_error_naming_the_argument():
-    from runtime.device_policy import lightning_trainer
+    from runtime.trainer import build_trainer
 
     cfg = load_config("conf/smoke.yaml", ["trainer.profiler=no_such_profiler"])
     refused = r"^Lightning's Trainer refused its arguments \(trainer.profiler='no_such_profiler'\): "
     with pytest.raises(ConfigError, match=refused):
-        lightning_trainer(cfg, "cpu", 1)
+        build_trainer(cfg, "cpu", 1)
 
 
 def test_trainer_keys_named_as_lightning_names_them_reach_the_trainer():
-    from runtime.device_policy import lightning_trainer
+    from runtime.trainer import build_trainer
 
     cfg = load_config("conf/smoke.yaml", ["trainer.gradient_clip_val=0.25", "trainer.limit_val_batches=3"])
-    trainer = lightning_trainer(cfg, "cpu", 1)
+    trainer = build_trainer(cfg, "cpu", 1)
     assert trainer.gradient_clip_val == 0.25
     assert load_config("conf/config.yaml").trainer.gradient_clip_val == 1.0
     with pytest.raises(ConfigError, match="Key 'grad_clip' not in 'OptimConfig'"):

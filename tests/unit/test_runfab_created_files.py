@@ -11,7 +11,7 @@ import pytest
 
 from config import ConfigError
 from runfab import created_files
-from runtime.training_run import LOCK_NAME, claimed_output
+from runtime.output_folder import LOCK_NAME, claimed_output
 
 from tests.helpers import ROOT, as_args, records, tiny
 

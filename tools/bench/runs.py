@@ -16,6 +16,7 @@ import gc
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -133,9 +134,25 @@ def prepare(args) -> None:
     device_policy.prepare_compile(args.compile_cache or args.out / "compile-cache", 1)
 
 
-def as_flags(assignments: list[str]) -> list[str]:
-    """["model.x=1"] -> ["--model.x", "1"]: train.py's command-line form of a --compare variant."""
-    return [part for item in assignments for part in ("--" + item.split("=", 1)[0], item.split("=", 1)[1])]
+class VariantError(ValueError):
+    """A --variant that train.py would refuse; the message names the variant and what is wrong."""
+
+
+def variant_flags(args, text: str) -> tuple[str, ...]:
+    """A --variant's train.py options, as typed (``"--compute.x 0 --data.y false"``), refused now if
+    train.py would refuse them after the job's own configuration, rather than after the first run."""
+    flags = tuple(shlex.split(text))
+    if not flags or not flags[0].startswith("--"):
+        raise VariantError(f"--variant {text!r}: give train.py's options, --section.key VALUE ...")
+    try:
+        command = cli.parse(list(flags))
+        if command.name != cli.DEFAULT_SUBCOMMAND or command.config_path is not None:
+            raise VariantError(f"--variant {text}: a variant changes single keys (--section.key VALUE); the "
+                               "configuration file and subcommand are the job's")
+        load_config(args.config, [*args.overrides, *command.overrides])
+    except (cli.CommandLineError, ConfigError) as error:
+        raise VariantError(f"--variant {text}: {one_line(error)}") from None
+    return flags
 
 
 # ----------------------------------------------------------------------------- runs

@@ -1,7 +1,7 @@
 """The trainer's experiments, one function each (``python -m tools bench NAME``); each needs a CUDA GPU.
 
     trainer       train.py against the same work in a plain PyTorch loop, per document layout;
-                  --compare adds train.py runs with other settings, --against runs of another
+                  --variant adds train.py runs with other settings, --against runs of another
                   checkout's train.py (another revision) on the same records
     observe       a run with a profiler window and a memory snapshot against one without: its normal
                   region leaves the observed updates out, so both must show one pace
@@ -31,7 +31,7 @@ import yaml
 
 import train
 from runfab import memory
-from config import CONFIG_ENV, ConfigError, as_dict
+from config import CONFIG_ENV, as_dict
 from runfab import created_files
 from runtime import probe
 from tools import processes
@@ -43,9 +43,10 @@ WORKERS = ("--trainer.worker_processes", "true")
 
 def trainer(argv: list[str]) -> int:
     parser = runs.parser("trainer", "train.py against the same work in a plain PyTorch loop.")
-    parser.add_argument("--compare", nargs="+", action="append", default=[], metavar="KEY=VALUE",
-                        help="add a train.py run with these settings (e.g. compute.loss_chunk_tokens=32768); "
-                             "repeat for more runs")
+    parser.add_argument("--variant", action="append", default=[], metavar='"--section.key VALUE ..."',
+                        help="add a train.py run with these settings, train.py's options quoted as one argument "
+                             '(e.g. --variant "--compute.loss_chunk_tokens 32768 --data.token_digests false", or '
+                             "--variant=--section.key=VALUE for one key); repeat for more runs")
     parser.add_argument("--against", type=Path, action="append", default=[], metavar="CHECKOUT",
                         help="add a run of the train.py in CHECKOUT, another revision of this project (for example "
                              "`git worktree add ../before REV`), on the same records in the same job; repeatable")
@@ -53,20 +54,18 @@ def trainer(argv: list[str]) -> int:
     for checkout in args.against:
         if not (checkout / "train.py").is_file():
             parser.error(f"--against {checkout}: no train.py there (a checkout of this project is expected)")
-    for variant in args.compare:
-        try:
-            runs.config(args, *variant)
-        except ConfigError as error:
-            parser.error(f"--compare {' '.join(variant)}: {runs.one_line(error)}")
+    try:
+        variants = {text: runs.variant_flags(args, text) for text in args.variant}
+    except runs.VariantError as error:
+        parser.error(str(error))
     if not runs.require_gpu("trainer"):
         return 2
     runs.prepare(args)
     results = {}
     for layout in args.layouts:
         found = results[layout] = {"lightning": runs.run_lightning(layout, args), "plain": runs.run_plain(layout, args)}
-        for number, variant in enumerate(args.compare):
-            found["lightning " + " ".join(variant)] = runs.run_lightning(layout, args, f"compare{number}",
-                                                                         tuple(runs.as_flags(variant)))
+        for number, (text, flags) in enumerate(variants.items()):
+            found[f"lightning {text}"] = runs.run_lightning(layout, args, f"variant{number}", flags)
         for number, checkout in enumerate(args.against):
             found[f"lightning at {checkout}"] = runs.run_lightning(layout, args, f"against{number}",
                                                                    tree=checkout.resolve())

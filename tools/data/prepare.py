@@ -277,7 +277,7 @@ class PreparedFolder:
 
     def problem(self, overwrite: bool) -> str | None:
         """Why this preparation may not write here, or None."""
-        from runtime.training_run import unsafe_folder
+        from runtime.output_folder import unsafe_folder
 
         folder = self.path
         if (what := unsafe_folder(folder)) is not None:
