@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from model import flash4, fused_mlp, kernels
 from model.attention import DocumentLayout, attend, document_offsets, varlen_attn
-from model.gpt import GPT, GPTConfig
+from model.decoder import ModelConfig
+from model.gpt import GPT
 from model.kernels import ComputeConfig
 from model.loss import IGNORE_INDEX, token_loss_sum
 
@@ -46,7 +47,7 @@ def twin_models(n_layer: int = 2, fast: dict | None = None, plain: dict | None =
     """A fast model (PyTorch's varlen attention, chunked loss, unless ``fast`` says otherwise) and a plain one (SDPA
     with the document mask, the whole loss at once, unless ``plain`` says otherwise) with the same weights."""
     torch.manual_seed(0)
-    shape = GPTConfig(vocab_size=512, n_layer=n_layer, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05)
+    shape = ModelConfig(vocab_size=512, n_layer=n_layer, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05)
     fast = GPT(shape, ComputeConfig(**(dict(attention="varlen", loss_chunk_tokens=128) | (fast or {})))).cuda()
     plain = GPT(shape, ComputeConfig(**(dict(attention="sdpa", loss_chunk_tokens=0) | (plain or {})))).cuda()
     plain.load_state_dict(fast.state_dict())
@@ -184,7 +185,7 @@ def test_the_triton_chunk_kernel_matches_pytorchs_at_the_trainers_vocabulary():
 
 def test_the_compiled_model_with_the_two_pass_triton_loss_takes_the_plain_step():
     torch.manual_seed(0)  # vocabulary 500: the head is padded to 512 columns inside the loss
-    shape = GPTConfig(vocab_size=500, n_layer=3, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05)
+    shape = ModelConfig(vocab_size=500, n_layer=3, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05)
     triton_model = GPT(shape, ComputeConfig(attention="sdpa", loss_chunk_tokens=384, loss="triton")).cuda()
     plain = GPT(shape, ComputeConfig(attention="sdpa", loss_chunk_tokens=0)).cuda()
     plain.load_state_dict(triton_model.state_dict())
@@ -254,7 +255,7 @@ def test_fa4_matches_the_plain_path_forward_and_gradients_at_the_trainers_shapes
 def test_fa4_varlen_never_crosses_documents_and_agrees_with_fa4_dense():
     torch.manual_seed(0)
     base = dict(vocab_size=512, n_layer=2, n_head=2, n_embd=128, max_seq_len=256, init_std=0.05)  # head dim 64
-    fast = GPT(GPTConfig(**base), ComputeConfig(attention="fa4")).cuda()
+    fast = GPT(ModelConfig(**base), ComputeConfig(attention="fa4")).cuda()
     assert_each_document_as_if_alone(fast, packed_batch(rows=2, seq_len=256, vocab=512, seed=2))
     ran = fast.kernels_used()["attention"]["ran"]
     assert ran["packed rows"].startswith("FlashAttention 4 varlen")
@@ -268,7 +269,7 @@ def test_the_compiled_trunk_runs_fa4_without_a_graph_break_and_matches_eager():
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    shape = GPTConfig(vocab_size=512, n_layer=3, n_head=2, n_embd=128, max_seq_len=256, init_std=0.05)
+    shape = ModelConfig(vocab_size=512, n_layer=3, n_head=2, n_embd=128, max_seq_len=256, init_std=0.05)
     fast, eager = (GPT(shape, ComputeConfig(attention="fa4")).cuda() for _ in range(2))
     eager.load_state_dict(fast.state_dict())
     fast.compile_trunk()
@@ -403,7 +404,7 @@ def test_the_compiled_model_takes_the_same_step_with_the_log_sum_exp_from_quacks
     """compute.loss quack (the logits with their log-sum-exp, then one Triton pass) against triton (cuBLAS's logits,
     then two), at a padded vocabulary."""
     torch.manual_seed(0)  # vocabulary 500: the head is padded to 512 columns inside the loss
-    shape = GPTConfig(vocab_size=500, n_layer=3, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05)
+    shape = ModelConfig(vocab_size=500, n_layer=3, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05)
     lse_model, triton_model = (GPT(shape, ComputeConfig(attention="sdpa", loss_chunk_tokens=384, loss=kernel)).cuda()
                                for kernel in ("auto", "triton"))
     triton_model.load_state_dict(lse_model.state_dict())

@@ -13,11 +13,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
 from callbacks.export import ExportModel, export_model
-from model.gpt import GPT, GPTConfig
+from model.decoder import ModelConfig
+from model.gpt import GPT
 
 EOS = "<|endoftext|>"
 # init_std well above the default so attention is far from uniform and a q/k mix-up shows.
-CONFIG = GPTConfig(vocab_size=300, n_layer=2, n_head=4, n_embd=64, max_seq_len=64, init_std=0.1)
+CONFIG = ModelConfig(vocab_size=300, n_layer=2, n_head=4, n_embd=64, max_seq_len=64, init_std=0.1)
 TEXT = "the quick brown fox jumps over the lazy dog. hello world, hello tokenizer!"
 
 
@@ -217,7 +218,7 @@ def test_a_full_disk_at_any_write_of_the_export_is_one_line_and_nothing_is_left(
     from callbacks.export import ExportFailed
 
     mount_point, leave = small_filesystem
-    model = GPT(GPTConfig(vocab_size=8192, n_layer=1, n_head=2, n_embd=32, max_seq_len=32))
+    model = GPT(ModelConfig(vocab_size=8192, n_layer=1, n_head=2, n_embd=32, max_seq_len=32))
     tokenizer = "conf/tokenizer.json"
 
     def record(trainer, module, staging):

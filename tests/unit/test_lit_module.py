@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from pipeline.stages import Row, StreamStats, split_update
 from lit_module import GPTTrainingModule, OptimConfig, lr_factor
-from model.gpt import GPTConfig
+from model.decoder import ModelConfig
 from model.loss import IGNORE_INDEX, token_loss_sum
 
 SEQ_LEN = 16
@@ -34,7 +34,7 @@ def uneven_rows(seed: int = 0) -> list[Row]:
 
 def module(seed: int = 0, **optim) -> GPTTrainingModule:
     torch.manual_seed(seed)
-    config = GPTConfig(vocab_size=61, n_layer=2, n_head=2, n_embd=16, max_seq_len=SEQ_LEN, init_std=0.1)
+    config = ModelConfig(vocab_size=61, n_layer=2, n_head=2, n_embd=16, max_seq_len=SEQ_LEN, init_std=0.1)
     return GPTTrainingModule(config, OptimConfig(warmup_steps=1, schedule="constant", **optim))
 
 
