@@ -90,7 +90,8 @@ class ModelConfig:
         if self.family == "gpt2":
             defaults = ModelConfig.__dataclass_fields__
             found += [f"model.{name} is a llama key: gpt2 {GPT2_HAS[name]}; leave it at {defaults[name].default} "
-                      f"or set model.family llama" for name in GPT2_HAS if getattr(self, name) != defaults[name].default]
+                      f"or set model.family llama"
+                      for name in GPT2_HAS if getattr(self, name) != defaults[name].default]
         elif self.n_head >= 1 and self.n_embd % self.n_head == 0:
             if self.kv_heads >= 1 and self.n_head % self.kv_heads:
                 found.append(f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head ({self.kv_heads}): "

@@ -133,7 +133,8 @@ def cpu_process_bytes(model, microbatch: int, chunk_tokens: int = ComputeConfig.
     L, C, T = model.n_layer, model.n_embd, model.max_seq_len
     vocab = padded_vocab_size(model.vocab_size)  # the loss's weight copy and gradient are padded; so are its logits
     tokens = microbatch * T
-    per_token_layer = CPU_FP32_PER_TOKEN_LAYER_WIDTH * C + CPU_FP32_PER_TOKEN_LAYER_MLP_UNIT[model.family] * model.mlp_width
+    mlp_units = CPU_FP32_PER_TOKEN_LAYER_MLP_UNIT[model.family] * model.mlp_width
+    per_token_layer = CPU_FP32_PER_TOKEN_LAYER_WIDTH * C + mlp_units
     logits = min(tokens, chunk_tokens or tokens) * vocab
     values = (per_token_layer * tokens * L + CPU_FP32_PER_LOGIT * logits
               + CPU_FP32_PER_ATTENTION_PAIR * microbatch * T * T * model.n_head * L)

@@ -291,7 +291,8 @@ def test_a_llama_export_names_its_rotary_base_for_transformers_4_and_5(tokenizer
     assert settings["model_type"] == "llama" and settings["architectures"] == ["LlamaForCausalLM"]
     assert settings["rope_theta"] == 500.0
     assert settings.get("rope_parameters", {"rope_theta": 500.0})["rope_theta"] == 500.0
-    assert settings["pad_token_id"] == settings["eos_token_id"] == Tokenizer.from_file(str(tokenizer_path)).token_to_id(EOS)
+    eos_id = Tokenizer.from_file(str(tokenizer_path)).token_to_id(EOS)
+    assert settings["pad_token_id"] == settings["eos_token_id"] == eos_id
 
 
 def swap_k_v(model):
