@@ -52,7 +52,8 @@ class DocumentLayout:
     """Where the documents of a batch of rows start, in the forms the kernels want.
 
     Built once per forward and shared by every layer. ``cu_seqlens`` usually comes precomputed
-    with the batch (host side, no device sync); the mask is only built if a layer needs it.
+    with the batch (host side, no device sync); the mask and the rotary angles are only built if a
+    layer needs them.
     ``positions`` None means one document per row.
     """
 
