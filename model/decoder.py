@@ -10,10 +10,11 @@ blocks are, and which norm ends the trunk.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
 import torch
@@ -88,10 +89,9 @@ class ModelConfig:
         if self.n_head >= 1 and self.n_embd % self.n_head:
             found.append(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
         if self.family == "gpt2":
-            defaults = ModelConfig.__dataclass_fields__
-            found += [f"model.{name} is a llama key: gpt2 {GPT2_HAS[name]}; leave it at {defaults[name].default} "
-                      f"or set model.family llama"
-                      for name in GPT2_HAS if getattr(self, name) != defaults[name].default]
+            defaults = {item.name: item.default for item in fields(ModelConfig)}
+            found += [f"model.{name} is a llama key: gpt2 {GPT2_HAS[name]}; leave it at {json.dumps(defaults[name])} "
+                      f"or set model.family llama" for name in GPT2_HAS if getattr(self, name) != defaults[name]]
         elif self.n_head >= 1 and self.n_embd % self.n_head == 0:
             if self.kv_heads >= 1 and self.n_head % self.kv_heads:
                 found.append(f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head ({self.kv_heads}): "
