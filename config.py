@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from callbacks.observe import ObserveConfig
 from pipeline.config import DataConfig
 from lit_module import OptimConfig
-from model.gpt import MOVED_KEYS, REMOVED_KEYS, GPTConfig
+from model.decoder import MOVED_KEYS, REMOVED_KEYS, ModelConfig
 from model.kernels import ComputeConfig
 from runfab.limits import GIB, OUTPUT_BYTES, RAM_BYTES
 
@@ -184,8 +184,8 @@ class RunConfig:
     log_level: LogLevel = "info"
     """What stderr tells: info (the run's steps, the budget lines, each metric line, the outcome); debug adds
     each stage's host memory; warning keeps only warnings and errors. stdout always has the metric lines"""
-    model: GPTConfig = field(default_factory=GPTConfig)
-    """The decoder's shape"""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The decoder: its family (gpt2, llama) and shape"""
     compute: ComputeConfig = field(default_factory=ComputeConfig)
     """How the model computes: kernels, the residual stream's dtype, loss chunks, recomputation"""
     data: DataConfig = field(default_factory=DataConfig)
@@ -281,7 +281,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         config = built(RunConfig, OmegaConf.merge(OmegaConf.structured(schema(RunConfig)), values, given))
     except ConfigError:
         raise
-    except (OmegaConfBaseException, ValueError) as error:  # ValueError: a section that cannot be built (GPTConfig)
+    except (OmegaConfBaseException, ValueError) as error:  # ValueError: a section that cannot be built (ModelConfig)
         raise ConfigError(f"invalid configuration ({source}): {error}") from None
     except yaml.YAMLError as error:
         raise ConfigError(f"{path} is not valid YAML: {error}") from None

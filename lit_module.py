@@ -11,7 +11,8 @@ import torch
 from torch.profiler import record_function
 from torchmetrics.aggregation import MeanMetric
 
-from model.gpt import GPT, GPTConfig
+from model.decoder import ModelConfig
+from model.families import build_model
 from model.kernels import ComputeConfig
 
 
@@ -29,7 +30,8 @@ class OptimConfig:
     weight_decay: float = 0.1
     """AdamW weight decay of the weight matrices; norms and biases get none"""
     decay_embeddings: bool = False
-    """Apply weight_decay to the token and position embeddings too"""
+    """Apply weight_decay to the token embedding (and gpt2's position embedding) too. An untied LM head (llama's
+    model.tie_embeddings false) is a weight matrix and always decays"""
     beta1: float = 0.9
     """AdamW's first-moment decay"""
     beta2: float = 0.95
@@ -80,18 +82,18 @@ def lr_factor(step: int, cfg: OptimConfig) -> float:
 
 
 class GPTTrainingModule(L.LightningModule):
-    """Trains GPT so that every optimizer update's gradient is exactly
+    """Trains the decoder (either family) so that every optimizer update's gradient is exactly
 
         sum of the update's target-token losses / the update's target-token count,
 
     however the update is split into microbatches (accumulation) and ranks.
     """
 
-    def __init__(self, model_config: GPTConfig, optim_config: OptimConfig,
+    def __init__(self, model_config: ModelConfig, optim_config: OptimConfig,
                  compute_config: ComputeConfig | None = None) -> None:
         super().__init__()
         self.optim_config = optim_config
-        self.model = GPT(model_config, compute_config)
+        self.model = build_model(model_config, compute_config)
         self.val_loss = MeanMetric()
         self.last_grad_norm: torch.Tensor | None = None
         self._step_marker: record_function | None = None  # open from on_before_optimizer_step to optimizer_step's end
@@ -135,7 +137,7 @@ class GPTTrainingModule(L.LightningModule):
 
     def parameter_groups(self) -> list[dict]:
         """Weight decay on matrices only; norms, biases and (by default) embeddings are left alone."""
-        embeddings = {id(self.model.wte.weight), id(self.model.wpe.weight)}
+        embeddings = {id(p) for p in self.model.embeddings()}
         decay, no_decay = [], []
         for p in self.model.parameters():
             is_embedding = id(p) in embeddings

@@ -1,8 +1,9 @@
-"""Export a trained GPT as a Hugging Face GPT-2 checkpoint (safetensors, no pickle).
+"""Export a trained decoder as a Hugging Face checkpoint of its family (safetensors, no pickle).
 
-Our decoder is architecturally GPT-2 (pre-LN, learned positions, exact GELU, tied head), so
-its weights map one to one onto ``GPT2LMHeadModel``: anyone can then load the result with
-``AutoModelForCausalLM.from_pretrained(out_dir)`` and ``AutoTokenizer.from_pretrained(out_dir)``
+Each family is architecturally its Hugging Face model, so its weights map one to one: gpt2 (pre-LN,
+learned positions, exact GELU, tied head) onto ``GPT2LMHeadModel``, llama (RMSNorm, rotate-half rotary
+positions, SwiGLU, grouped-query attention) onto ``LlamaForCausalLM``. Anyone can then load the result
+with ``AutoModelForCausalLM.from_pretrained(out_dir)`` and ``AutoTokenizer.from_pretrained(out_dir)``
 without this package.
 """
 
@@ -26,11 +27,14 @@ from torch import nn
 
 from callbacks import owned_folders
 from runfab import created_files
-from model.gpt import GPT, GPTConfig
+from model.decoder import Decoder, ModelConfig
+from model.gpt import GPT
+from model.llama import Llama
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "model.safetensors"
+HF_NAMES = {"gpt2": "GPT-2", "llama": "Llama"}
 # safetensors and tokenizers write in Rust and raise a plain error whose text carries the OS error's number.
 RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
@@ -92,7 +96,7 @@ def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return sd
 
 
-def gpt2_config(config: GPTConfig, eos_id: int):
+def gpt2_config(config: ModelConfig, eos_id: int):
     """A GPT2Config that computes exactly what our GPT computes (exact GELU, no dropout)."""
     from transformers import GPT2Config  # heavy import, only paid when exporting
 
@@ -119,7 +123,71 @@ def gpt2_config(config: GPTConfig, eos_id: int):
     )
 
 
-def _write_export(model: GPT, tokenizer_path: Path, folder: Path, eos_token: str) -> None:
+def llama_state_dict(model: Llama) -> dict[str, torch.Tensor]:
+    """Our weights under ``LlamaForCausalLM`` key names: the fused products split into Hugging Face's (qkv's rows
+    are q_proj's, k_proj's and v_proj's in that order; gate_up's gate_proj's then up_proj's). The rotary positions
+    are Hugging Face's rotate-half convention already, so q and k need no permutation. ``lm_head.weight`` only when
+    the head is untied: tied, Llama takes it from ``model.embed_tokens.weight`` on load."""
+    config = model.config
+    sd: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": _export_tensor(model.wte.weight),
+        "model.norm.weight": _export_tensor(model.norm.weight),
+    }
+    if model.lm_head is not None:
+        sd["lm_head.weight"] = _export_tensor(model.lm_head.weight)
+    q_rows, kv_rows = config.n_head * config.head_dim, config.kv_heads * config.head_dim
+    for i, block in enumerate(model.blocks):
+        prefix = f"model.layers.{i}."
+        q, k, v = block.attn.qkv.weight.split((q_rows, kv_rows, kv_rows))
+        gate, up = block.mlp.gate_up.weight.chunk(2)
+        weights = {"self_attn.q_proj": q, "self_attn.k_proj": k, "self_attn.v_proj": v,
+                   "self_attn.o_proj": block.attn.proj.weight, "mlp.gate_proj": gate, "mlp.up_proj": up,
+                   "mlp.down_proj": block.mlp.proj.weight, "input_layernorm": block.attn_norm.weight,
+                   "post_attention_layernorm": block.mlp_norm.weight}
+        sd.update({prefix + name + ".weight": _export_tensor(weight) for name, weight in weights.items()})
+    return sd
+
+
+def llama_config(config: ModelConfig, eos_id: int):
+    """A LlamaConfig that computes exactly what our Llama computes (no biases, no dropout, default rotary)."""
+    from transformers import LlamaConfig  # heavy import, only paid when exporting
+
+    return LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.n_embd,
+        intermediate_size=config.mlp_width,
+        num_hidden_layers=config.n_layer,
+        num_attention_heads=config.n_head,
+        num_key_value_heads=config.kv_heads,
+        head_dim=config.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=config.max_seq_len,
+        initializer_range=config.init_std,
+        rms_norm_eps=config.layer_norm_eps,
+        rope_theta=config.rope_theta,
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=0.0,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,  # the tokenizer's and generation_config.json's pad token too
+        tie_word_embeddings=config.tie_embeddings,
+        architectures=["LlamaForCausalLM"],
+        dtype="float32",
+    )
+
+
+def hf_state_dict(model: Decoder) -> dict[str, torch.Tensor]:
+    """``model``'s weights under the Hugging Face key names of its family."""
+    return llama_state_dict(model) if isinstance(model, Llama) else gpt2_state_dict(model)
+
+
+def hf_config(model: Decoder, eos_id: int):
+    """The Hugging Face config of ``model``'s family that computes what it computes."""
+    return llama_config(model.config, eos_id) if isinstance(model, Llama) else gpt2_config(model.config, eos_id)
+
+
+def _write_export(model: Decoder, tokenizer_path: Path, folder: Path, eos_token: str) -> None:
     """Write every file of the checkpoint into ``folder`` (which must exist)."""
     from transformers import GenerationConfig, PreTrainedTokenizerFast
 
@@ -133,9 +201,11 @@ def _write_export(model: GPT, tokenizer_path: Path, folder: Path, eos_token: str
             f"vocab_size {model.config.vocab_size}"
         )
 
-    save_file(gpt2_state_dict(model), str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
-    gpt2_config(model.config, eos_id).save_pretrained(folder)
-    # Without a pad id, generate() warns and guesses one; GPT-2 convention pads with EOS.
+    save_file(hf_state_dict(model), str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    hf_config(model, eos_id).save_pretrained(folder)
+    if isinstance(model, Llama):
+        _name_rope_theta_for_4x(folder / "config.json", model.config.rope_theta)
+    # Without a pad id, generate() warns and guesses one; GPT-2's convention, kept for both families, pads with EOS.
     GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id).save_pretrained(folder)
     # Byte-level BPE has no unknown token; GPT-2 uses EOS for bos/unk too.
     PreTrainedTokenizerFast(
@@ -147,6 +217,14 @@ def _write_export(model: GPT, tokenizer_path: Path, folder: Path, eos_token: str
         model_max_length=model.config.max_seq_len,
     ).save_pretrained(folder)
     _name_portable_tokenizer_class(folder / "tokenizer_config.json")
+
+
+def _name_rope_theta_for_4x(path: Path, theta: float) -> None:
+    """Write the rotary base also as ``rope_theta``, the key transformers 4.x reads; 5.x writes only
+    ``rope_parameters`` (and reads either), so a 4.x reader would otherwise turn by its default base."""
+    settings = json.loads(path.read_text())
+    settings["rope_theta"] = theta
+    created_files.write_text(path, json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
 def _name_portable_tokenizer_class(path: Path) -> None:
@@ -161,10 +239,10 @@ def _name_portable_tokenizer_class(path: Path) -> None:
 
 
 def export_model(
-    model: GPT, tokenizer_path: str | Path, out_dir: str | Path, eos_token: str = "<|endoftext|>",
+    model: Decoder, tokenizer_path: str | Path, out_dir: str | Path, eos_token: str = "<|endoftext|>",
     prepare: Callable[[Path], None] = lambda staging: None, complete: Callable[[Path], None] = lambda staging: None,
 ) -> list[Path]:
-    """Write a GPT-2 checkpoint of ``model`` plus its tokenizer to ``out_dir``; return its files.
+    """Write a Hugging Face checkpoint of ``model`` (its family's) plus its tokenizer to ``out_dir``; return its files.
 
     Everything is written into a temporary sibling folder first and then renamed into place,
     so a crash mid-export leaves either the previous export or none, never half a model; one
@@ -207,7 +285,7 @@ def unfinished_exports(out_dir: Path) -> list[Path]:
 
 
 class ExportModel(pl.Callback):
-    """At the end of training, export ``pl_module.model`` as a Hugging Face GPT-2 folder.
+    """At the end of training, export ``pl_module.model`` as a Hugging Face folder of its family.
 
     Only global rank 0 writes. The weights are read directly, so this suits single-device and
     DDP runs; a sharded (FSDP) model would need its parameters gathered on every rank first.
@@ -239,4 +317,4 @@ class ExportModel(pl.Callback):
                 f"writing the model to {self.out_dir} failed after {trainer.global_step} optimizer steps: "
                 f"{error.strerror or error}{where}; nothing was exported. Give the output root room and write "
                 "access (RUNFABRIC_OUTPUT or output.root), then train again") from error
-        log.info("exported Hugging Face GPT-2 model to %s", self.out_dir)
+        log.info("exported Hugging Face %s model to %s", HF_NAMES[pl_module.model.config.family], self.out_dir)

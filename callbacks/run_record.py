@@ -111,6 +111,7 @@ class RunRecord:
             "precision": trainer.precision,
             "world_size": trainer.world_size,
             "optimizer_steps": trainer.global_step,
+            "model_family": pl_module.model.config.family,
             "parameters": count_parameters(pl_module.model),
             "final_metrics": metrics.last_record if metrics else None,
             "summary": metrics.summary(trainer, pl_module) if metrics else None,

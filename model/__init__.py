@@ -1,11 +1,13 @@
 """The decoder and what it computes with.
 
-``gpt`` is the GPT-2-shaped decoder; ``kernels`` holds the ``compute`` section and chooses, once per
-device and dtype, what runs each part; ``attention`` computes causal attention within documents
-(``flash4``: FlashAttention 4 as custom ops); ``fused_mlp`` runs the MLP with its GELU in quack's GEMM
-epilogues (``quack_gelu``: the exact GELU's formula there); ``loss`` is the LM head and the chunked
-cross-entropy (``triton_cross_entropy``: its chunk softmax as Triton kernels; ``quack_lse``: the
-logits with each row's log-sum-exp from quack's GEMM epilogue); ``flops`` counts parameters and
-training FLOPs. Imports torch and, optionally, kernel packages; never the pipeline, the runtime,
-the config or Lightning.
+``decoder`` holds the ``model`` section (``ModelConfig``: the family and its shape) and what every family
+shares (kernels chosen once, the compiled trunk, the loss); ``families.build_model`` builds the family the
+config names: ``gpt`` (GPT-2) or ``llama`` (Llama: RMSNorm, rotary positions from ``rope``, SwiGLU,
+grouped-query attention). ``kernels`` holds the ``compute`` section and chooses, once per device and dtype,
+what runs each part; ``attention`` computes causal attention within documents (``flash4``: FlashAttention 4
+as custom ops); ``fused_mlp`` runs GPT-2's MLP with its GELU in quack's GEMM epilogues (``quack_gelu``: the
+exact GELU's formula there); ``loss`` is the LM head and the chunked cross-entropy (``triton_cross_entropy``:
+its chunk softmax as Triton kernels; ``quack_lse``: the logits with each row's log-sum-exp from quack's GEMM
+epilogue); ``flops`` counts parameters and training FLOPs. Imports torch and, optionally, kernel packages;
+never the pipeline, the runtime, the config or Lightning.
 """

@@ -12,15 +12,20 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
-from model import flash4
+from model import flash4, rope
 
 try:  # the flash-attention varlen kernel; absent from older PyTorch and CPU-only builds it can't use
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:
     varlen_attn = None
+# PyTorch versions whose varlen_attn has no enable_gqa need the key/value heads repeated to the query heads' count,
+# there alone.
+VARLEN_TAKES_GROUPS = varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
@@ -47,7 +52,8 @@ class DocumentLayout:
     """Where the documents of a batch of rows start, in the forms the kernels want.
 
     Built once per forward and shared by every layer. ``cu_seqlens`` usually comes precomputed
-    with the batch (host side, no device sync); the mask is only built if a layer needs it.
+    with the batch (host side, no device sync); the mask and the rotary angles are only built if a
+    layer needs them.
     ``positions`` None means one document per row.
     """
 
@@ -55,6 +61,7 @@ class DocumentLayout:
         self.positions = positions
         self.cu_seqlens = cu_seqlens
         self._mask: torch.Tensor | None = None
+        self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def mask(self) -> torch.Tensor | None:
         if self.positions is not None and self._mask is None:
@@ -66,32 +73,51 @@ class DocumentLayout:
             self.cu_seqlens = document_offsets(self.positions)
         return self.cu_seqlens
 
+    def rotary(self, rows: int, length: int, head_dim: int, theta: float,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the rotary angles of every token (``model.rope``), from its position in its document:
+        built by the first layer that asks, for the batch's ``rows`` x ``length`` tokens."""
+        if self._rotary is None:
+            positions = self.positions
+            if positions is None:
+                positions = torch.arange(length, device=device).expand(rows, length)
+            self._rotary = rope.rotary_cos_sin(positions, head_dim, theta)
+        return self._rotary
 
-def attend(qkv: torch.Tensor, layout: DocumentLayout, kernel: str = "sdpa") -> torch.Tensor:
-    """Causal attention over ``qkv`` [B, T, 3, H, hd] (the projection's output, q, k, v packed) that
-    never crosses a document boundary, by the ``kernel`` family; returns [B, T, H, hd].
+
+def attend(qkv: torch.Tensor, kv_heads: int, layout: DocumentLayout, kernel: str = "sdpa") -> torch.Tensor:
+    """Causal attention that never crosses a document boundary, by the ``kernel`` family, over ``qkv``
+    [B, T, H + 2 * kv_heads, hd]: the H query heads, then the key heads, then the value heads, as one
+    projection writes them. With fewer key/value heads than query heads (grouped-query attention) each
+    serves H / kv_heads consecutive query heads. Returns [B, T, H, hd].
 
     FlashAttention 4 or PyTorch's varlen kernel see the documents as separate sequences of the
     flattened rows; SDPA sees one row per sequence, with the document mask. FA4 takes the packing as
-    it is and returns its gradient packed the same way.
+    it is and returns its gradient packed the same way. Every kernel takes the fewer key/value heads
+    as they are.
     """
-    b, t, _, h, hd = qkv.shape
+    b, t, heads, hd = qkv.shape
+    h = heads - 2 * kv_heads
     if kernel == "fa4":
         if layout.positions is None:
-            return flash4.fa4_attention(qkv)
-        return flash4.fa4_attention(qkv.reshape(b * t, 3, h, hd), layout.offsets(), t).view(b, t, h, hd)
-    q, k, v = qkv.unbind(2)
+            return flash4.fa4_attention(qkv, kv_heads)
+        return flash4.fa4_attention(qkv.reshape(b * t, heads, hd), kv_heads, layout.offsets(), t).view(b, t, h, hd)
+    q, k, v = qkv.split((h, kv_heads, kv_heads), dim=2)
+    grouped = {"enable_gqa": True} if kv_heads != h else {}
     if (kernel == "flash" and layout.positions is not None and q.is_cuda and varlen_attn is not None
             and q.dtype in (torch.float16, torch.bfloat16)):
         cu = layout.offsets()
-        flat = [z.reshape(b * t, h, hd) for z in (q, k, v)]
-        return varlen_attn(*flat, cu, cu, t, t, window_size=(-1, 0)).view(b, t, h, hd)
+        if grouped and not VARLEN_TAKES_GROUPS:
+            k, v = (z.repeat_interleave(h // kv_heads, dim=2) for z in (k, v))
+            grouped = {}
+        flat = [z.reshape(b * t, z.shape[2], hd) for z in (q, k, v)]
+        return varlen_attn(*flat, cu, cu, t, t, window_size=(-1, 0), **grouped).view(b, t, h, hd)
     q, k, v = (z.transpose(1, 2) for z in (q, k, v))
     mask = layout.mask()
     if mask is None:
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **grouped)
     else:
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **grouped)
     return y.transpose(1, 2)
 
 

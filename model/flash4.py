@@ -148,66 +148,77 @@ def _fa4_backward_impl(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dq, dk, 
             buffer.copy_(result)
 
 
-def _lse_shape(qkv: torch.Tensor, varlen: bool) -> tuple[int, ...]:
-    if varlen:  # qkv [total, 3, H, hd] -> [H, total]
-        return (qkv.shape[2], qkv.shape[0])
-    return (qkv.shape[0], qkv.shape[3], qkv.shape[1])  # qkv [B, T, 3, H, hd] -> [B, H, T]
+def _split(qkv: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as views of ``qkv`` [..., H + 2 * kv_heads, hd]: FA4 reads them strided, and takes fewer key/value
+    heads than query heads (grouped-query attention) as they are."""
+    heads = qkv.shape[-2]
+    return qkv.split((heads - 2 * kv_heads, kv_heads, kv_heads), dim=-2)
 
 
-def _out_shape(qkv: torch.Tensor) -> tuple[int, ...]:
-    return (*qkv.shape[:-3], *qkv.shape[-2:])
+def _lse_shape(qkv: torch.Tensor, kv_heads: int, varlen: bool) -> tuple[int, ...]:
+    h = qkv.shape[-2] - 2 * kv_heads
+    if varlen:  # qkv [total, H + 2 KV, hd] -> [H, total]
+        return (h, qkv.shape[0])
+    return (qkv.shape[0], h, qkv.shape[1])  # qkv [B, T, H + 2 KV, hd] -> [B, H, T]
 
 
-# The ops take q, k and v packed as the qkv projection leaves them ([..., 3, H, hd]) and return the
+def _out_shape(qkv: torch.Tensor, kv_heads: int) -> tuple[int, ...]:
+    return (*qkv.shape[:-2], qkv.shape[-2] - 2 * kv_heads, qkv.shape[-1])
+
+
+# The ops take q, k and v packed as the qkv projection leaves them ([..., H + 2 KV, hd]) and return the
 # gradient in that same packing: FA4 reads q, k, v as strided views and writes dq, dk, dv into views
 # of one buffer, so no copy joins three separate gradients into the projection's gradient.
 
 
 @torch.library.custom_op("runfab::fa4_forward", mutates_args=())
-def fa4_forward(qkv: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention and its log-sum-exp (fp32). Dense: qkv [B, T, 3, H, hd], cu_seqlens None.
-    Varlen: [total, 3, H, hd] with int32 document offsets ``cu_seqlens`` and the longest length bound."""
-    out, lse = _fa4_forward_impl(*qkv.unbind(-3), cu_seqlens, max_seqlen)
+def fa4_forward(qkv: torch.Tensor, kv_heads: int, cu_seqlens: torch.Tensor | None,
+                max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention and its log-sum-exp (fp32). Dense: qkv [B, T, H + 2 KV, hd], cu_seqlens None.
+    Varlen: [total, H + 2 KV, hd] with int32 document offsets ``cu_seqlens`` and the longest length bound."""
+    out, lse = _fa4_forward_impl(*_split(qkv, kv_heads), cu_seqlens, max_seqlen)
     return out.contiguous(), lse.contiguous()  # the layouts the fake implementation promises
 
 
 @fa4_forward.register_fake
-def _(qkv, cu_seqlens, max_seqlen):
-    return qkv.new_empty(_out_shape(qkv)), qkv.new_empty(_lse_shape(qkv, cu_seqlens is not None), dtype=torch.float32)
+def _(qkv, kv_heads, cu_seqlens, max_seqlen):
+    return (qkv.new_empty(_out_shape(qkv, kv_heads)),
+            qkv.new_empty(_lse_shape(qkv, kv_heads, cu_seqlens is not None), dtype=torch.float32))
 
 
 @torch.library.custom_op("runfab::fa4_backward", mutates_args=())
 def fa4_backward(
-    dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor | None,
-    max_seqlen: int,
+    dout: torch.Tensor, qkv: torch.Tensor, kv_heads: int, out: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens: torch.Tensor | None, max_seqlen: int,
 ) -> torch.Tensor:
     """The gradient of ``fa4_forward``'s output with respect to ``qkv``, packed as ``qkv``."""
     dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
-    _fa4_backward_impl(dout, *qkv.unbind(-3), out, lse, cu_seqlens, max_seqlen, *dqkv.unbind(-3))
+    _fa4_backward_impl(dout, *_split(qkv, kv_heads), out, lse, cu_seqlens, max_seqlen, *_split(dqkv, kv_heads))
     return dqkv
 
 
 @fa4_backward.register_fake
-def _(dout, qkv, out, lse, cu_seqlens, max_seqlen):
+def _(dout, qkv, kv_heads, out, lse, cu_seqlens, max_seqlen):
     return torch.empty_like(qkv, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    qkv, cu_seqlens, max_seqlen = inputs
+    qkv, kv_heads, cu_seqlens, max_seqlen = inputs
     out, lse = output
     ctx.save_for_backward(qkv, out, lse, cu_seqlens)
-    ctx.max_seqlen = max_seqlen
+    ctx.kv_heads, ctx.max_seqlen = kv_heads, max_seqlen
 
 
 def _backward(ctx, grad_out, grad_lse):  # the log-sum-exp is not differentiated: attention returns only out
     qkv, out, lse, cu_seqlens = ctx.saved_tensors
-    return fa4_backward(grad_out, qkv, out, lse, cu_seqlens, ctx.max_seqlen), None, None
+    return fa4_backward(grad_out, qkv, ctx.kv_heads, out, lse, cu_seqlens, ctx.max_seqlen), None, None, None
 
 
 fa4_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def fa4_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0) -> torch.Tensor:
-    """Causal FA4 attention of packed ``qkv``: dense [B, T, 3, H, hd] when ``cu_seqlens`` is None, else
-    varlen [total, 3, H, hd]; returns [B, T, H, hd] or [total, H, hd]."""
-    return fa4_forward(qkv, cu_seqlens, max_seqlen)[0]
+def fa4_attention(qkv: torch.Tensor, kv_heads: int, cu_seqlens: torch.Tensor | None = None,
+                  max_seqlen: int = 0) -> torch.Tensor:
+    """Causal FA4 attention of packed ``qkv`` with ``kv_heads`` key/value heads: dense [B, T, H + 2 KV, hd] when
+    ``cu_seqlens`` is None, else varlen [total, H + 2 KV, hd]; returns [B, T, H, hd] or [total, H, hd]."""
+    return fa4_forward(qkv, kv_heads, cu_seqlens, max_seqlen)[0]

@@ -1,7 +1,7 @@
 """How the model computes (the config's ``compute`` section), and which kernel runs each part.
 
 ``choose_kernels`` is the one place a kernel is chosen: once for the device and dtype a model runs in
-(``GPT`` asks again only when those change), before the compiled trunk is traced, so the graph sees each
+(``model.decoder.Decoder`` asks again only when those change), before the compiled trunk is traced, so the graph sees each
 choice as a constant. Each part then runs its own: ``CausalSelfAttention`` its attention family,
 ``MLP`` its GEMMs, ``LMHeadLoss`` its chunk function. ``pick`` is the one rule every optional kernel
 follows: "auto" takes it where it runs and falls back with one log line saying why not; asking for it
@@ -10,9 +10,10 @@ by name where it cannot run is an error that says what to do.
 The optional kernels and what they need:
 
 - FlashAttention 4 (``model.flash4``; the ``flash-attn-4`` package): Hopper or Blackwell, half dtypes.
-- quack's GEMMs with the GELU in their epilogues (``model.fused_mlp``; ``quack-kernels``): compiled
-  training in half dtypes on Hopper or Blackwell; the last ``mlp_kept_derivatives`` blocks keep the
-  GELU's derivative on Hopper.
+- quack's GEMMs with the GELU in their epilogues (``model.fused_mlp``; ``quack-kernels``): GPT-2's MLP in
+  compiled training in half dtypes on Hopper or Blackwell; the last ``mlp_kept_derivatives`` blocks keep the
+  GELU's derivative on Hopper. Llama's SwiGLU MLP takes PyTorch's products, its elementwise work fused by
+  inductor.
 - quack's head logits with each row's log-sum-exp (``model.quack_lse``) and the one-pass Triton
   gradient (``model.triton_cross_entropy``): compiled training in bf16 on Hopper; elsewhere on CUDA the
   two-pass Triton kernel over cuBLAS's logits.
@@ -47,9 +48,10 @@ class ComputeConfig:
     varlen flash for packed rows, fused causal SDPA for one-document rows), sdpa (SDPA with a document mask); auto: fa4
     where it is installed and the GPU supports it, else varlen"""
     mlp: MLPKernel = "auto"
-    """MLP kernel of compiled training in half dtypes: quack (the GELU inside the MLP's GEMM epilogues, quack-kernels;
-    an error where it cannot run), torch (cuBLAS products and a separate GELU); auto: quack where it imports and the
-    GPU supports it, else torch. Eager runs (the probe, evaluation) take torch"""
+    """MLP kernel of compiled training in half dtypes: quack (gpt2's GELU inside the MLP's GEMM epilogues,
+    quack-kernels; an error where it cannot run, and with llama, whose SwiGLU MLP it does not compute), torch (cuBLAS
+    products and a separate activation); auto: quack for gpt2 where it imports and the GPU supports it, else torch.
+    Eager runs (the probe, evaluation) take torch"""
     mlp_kept_derivatives: int = 6
     """With quack's MLP on Hopper: in this many blocks, the last ones, fc's product also writes the GELU's derivative,
     which the backward keeps in place of the pre-activation, so that proj's input-gradient product only scales by it.
@@ -130,12 +132,20 @@ def attention_kernel(compute: ComputeConfig, device: torch.device, dtype: torch.
 
 
 def mlp_kernels(compute: ComputeConfig, device: torch.device, dtype: torch.dtype, compiled: bool, n_layer: int,
-                width: int) -> tuple[str, ...]:
+                width: int, family: str = "gpt2") -> tuple[str, ...]:
     """Each block's MLP kernel in compiled training (eager runs always take PyTorch's, ``model.gpt.MLP``)."""
     if not compiled or compute.mlp == "torch":
         return ("torch",) * n_layer
+    if family != "gpt2":  # where a field library's SwiGLU kernel would be chosen, once one measures faster
+        return (pick("compute.mlp", compute.mlp, "quack", SWIGLU_WITHOUT_QUACK, "torch"),) * n_layer
     kernel = pick("compute.mlp", compute.mlp, "quack", fused_mlp.quack_unavailable_reason(device, dtype, width), "torch")
     return fused_mlp.block_kernels(kernel, n_layer, compute.mlp_kept_derivatives, device)
+
+
+# Why llama's MLP runs PyTorch's products: quack's epilogue holds GPT-2's GELU, and inductor fuses SwiGLU's SiLU and
+# product (and RMSNorm) into the compiled trunk's own kernels.
+SWIGLU_WITHOUT_QUACK = ("quack's MLP has GPT-2's GELU in its epilogues, not SwiGLU; llama's SwiGLU and RMSNorm run "
+                        "as PyTorch's products with the elementwise work fused by inductor in the compiled trunk")
 
 
 def loss_kernel(compute: ComputeConfig, device: torch.device, dtype: torch.dtype, compiled: bool, width: int) -> str:
@@ -153,23 +163,25 @@ def loss_kernel(compute: ComputeConfig, device: torch.device, dtype: torch.dtype
     return pick("compute.loss", compute.loss, "quack", problem, "triton")
 
 
-def choose_kernels(compute: ComputeConfig, device: torch.device, dtype: torch.dtype, compiled: bool, n_layer: int,
-                   n_embd: int, n_head: int) -> Kernels:
-    """Every part's kernel for a model of that shape computing in ``dtype`` on ``device``, compiled or eager."""
-    return Kernels(attention=attention_kernel(compute, device, dtype, n_embd // n_head),
-                   mlp=mlp_kernels(compute, device, dtype, compiled, n_layer, n_embd),
-                   loss=loss_kernel(compute, device, dtype, compiled, n_embd))
+def choose_kernels(compute: ComputeConfig, device: torch.device, dtype: torch.dtype, compiled: bool, shape) -> Kernels:
+    """Every part's kernel for a model of ``shape`` (model.decoder.ModelConfig) computing in ``dtype`` on ``device``,
+    compiled or eager."""
+    return Kernels(attention=attention_kernel(compute, device, dtype, shape.head_dim),
+                   mlp=mlp_kernels(compute, device, dtype, compiled, shape.n_layer, shape.n_embd, shape.family),
+                   loss=loss_kernel(compute, device, dtype, compiled, shape.n_embd))
 
 
-def describe(kernels: Kernels) -> str:
+def describe(kernels: Kernels, family: str = "gpt2") -> str:
     """One log line of what runs."""
     kept = kernels.mlp.count(fused_mlp.KEPT_DERIVATIVE)
-    mlp = fused_mlp.describe(kernels.mlp_family())
+    mlp = fused_mlp.describe(kernels.mlp_family()) if family == "gpt2" else SWIGLU_DESCRIPTION
     return (f"attention: {attention.describe(kernels.attention, True)} for packed rows, "
             f"{attention.describe(kernels.attention, False)} for one-document rows; mlp: {mlp}"
             f"{f', the last {kept} blocks keeping the GELU derivative' if kept else ''}; loss chunks: "
             f"{LOSS_DESCRIPTIONS[kernels.loss]}")
 
+
+SWIGLU_DESCRIPTION = "PyTorch (cuBLAS products, SwiGLU and RMSNorm by inductor or eager)"
 
 LOSS_DESCRIPTIONS = {
     "eager": "PyTorch",

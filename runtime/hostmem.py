@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from model.flops import count_parameters
-from model.gpt import GPT
+from model.families import build_model
+from model.flops import count_parameters, matrix_parameters
 from model.kernels import ComputeConfig
 from model.loss import padded_vocab_size
 from runfab.limits import GIB
@@ -71,7 +71,7 @@ def output_bytes(cfg) -> int:
     when checkpoints are on, two Lightning checkpoints (weights and AdamW's two moments, 12 bytes a
     parameter each, while the newest replaces the last)."""
     with torch.device("meta"):  # the real parameter count, without allocating anything
-        parameters = count_parameters(GPT(cfg.model))
+        parameters = count_parameters(build_model(cfg.model))
     return 4 * parameters + (2 * 12 * parameters if cfg.trainer.checkpoint_every_steps > 0 else 0)
 
 
@@ -102,27 +102,42 @@ def host_budget_problem(budget_gib: float, gpus: int, output_bytes: float) -> st
 #   0.40 GiB imported (a one-layer probe's whole peak) + 0.03 GiB of headroom, so that the estimate stays
 #     above the measured peaks (tests/unit/test_runtime_hostmem.py)
 #   + 16 B per parameter (weights, gradients, AdamW's two moments)
-#   + tokens x layers x width x 20 fp32 values (the blocks' saved activations)
+#   + tokens x layers x (12 x width + k x MLP width) fp32 values (the blocks' saved activations: attention and norms,
+#     and k per MLP unit: GPT-2's GELU MLP keeps 2 (its product and GELU), Llama's SwiGLU 4 (gate and up, SiLU,
+#     their product); for GPT-2's 4 x width that is 20 x width)
 #   + min(tokens, loss chunk) x padded vocabulary x 2.5 fp32 values (a chunk's logits, and the copy its softmax
 #     and gradient are computed in: the logits are let go before the gradient's products)
 #   + rows x row length^2 x heads x layers x 0.5 fp32 values (SDPA with a document mask).
 CPU_PROCESS_GIB = 0.40 + 0.03
-CPU_FP32_PER_TOKEN_LAYER_WIDTH = 20
+CPU_FP32_PER_TOKEN_LAYER_WIDTH = 12
+CPU_FP32_PER_TOKEN_LAYER_MLP_UNIT = {"gpt2": 2, "llama": 4}
 CPU_FP32_PER_LOGIT = 2.5
 CPU_FP32_PER_ATTENTION_PAIR = 0.5
 
 
+def cpu_parameters(model) -> int:
+    """The parameters the estimate counts for ``model`` (a ModelConfig), the embedding at the padded vocabulary (the
+    loss's weight copy and gradient are padded too)."""
+    L, C, T = model.n_layer, model.n_embd, model.max_seq_len
+    vocab = padded_vocab_size(model.vocab_size)
+    if model.family == "gpt2":
+        return vocab * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
+    heads = vocab * C * (1 if model.tie_embeddings else 2)
+    return heads + matrix_parameters(model) - model.vocab_size * C + L * 2 * C + C
+
+
 def cpu_process_bytes(model, microbatch: int, chunk_tokens: int = ComputeConfig.loss_chunk_tokens) -> float:
-    """A CPU training process's peak host memory at ``microbatch`` rows (``model`` a GPTConfig; ``chunk_tokens``
+    """A CPU training process's peak host memory at ``microbatch`` rows (``model`` a ModelConfig; ``chunk_tokens``
     compute.loss_chunk_tokens)."""
     L, C, T = model.n_layer, model.n_embd, model.max_seq_len
     vocab = padded_vocab_size(model.vocab_size)  # the loss's weight copy and gradient are padded; so are its logits
     tokens = microbatch * T
-    parameters = vocab * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
+    mlp_units = CPU_FP32_PER_TOKEN_LAYER_MLP_UNIT[model.family] * model.mlp_width
+    per_token_layer = CPU_FP32_PER_TOKEN_LAYER_WIDTH * C + mlp_units
     logits = min(tokens, chunk_tokens or tokens) * vocab
-    values = (CPU_FP32_PER_TOKEN_LAYER_WIDTH * tokens * L * C + CPU_FP32_PER_LOGIT * logits
+    values = (per_token_layer * tokens * L + CPU_FP32_PER_LOGIT * logits
               + CPU_FP32_PER_ATTENTION_PAIR * microbatch * T * T * model.n_head * L)
-    return CPU_PROCESS_GIB * GIB + 16 * parameters + 4 * values
+    return CPU_PROCESS_GIB * GIB + 16 * cpu_parameters(model) + 4 * values
 
 
 def available_host_bytes() -> float | None:

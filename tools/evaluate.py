@@ -4,7 +4,7 @@ records, computed as training validates.
 The records go through the trainer's own rules (pipeline/records.py: what is accepted, what is
 rejected and why), the model's own tokenizer (MODEL/tokenizer.json, EOS after every document), are
 packed into rows of the model's length as validation packs them, and are scored by the trainer's
-decoder and loss (the export's weights loaded back into model/gpt.py's GPT): the exact
+decoder and loss (the export's weights loaded back into the trainer's model of its family, GPT-2 or Llama): the exact
 token-weighted mean, summed target-token loss over the target-token count, and its perplexity.
 On the run's own validation set (``run/validation.jsonl``, or ``validation.jsonl`` beside prepared
 shards) it gives the run's final validation cross-entropy (the run record's
@@ -32,27 +32,37 @@ class NotThisModel(ValueError):
     """A folder this trainer's decoder cannot load; the message says why."""
 
 
-def load_gpt(folder: Path):
-    """The exported GPT-2 folder as this trainer's GPT: the inverse of callbacks.export.gpt2_state_dict."""
-    import torch
+def load_model(folder: Path):
+    """The exported folder as this trainer's decoder of its family (config.json's model_type: gpt2 or llama)."""
     from safetensors.torch import load_file
 
-    from callbacks.export import WEIGHTS_NAME, gpt2_state_dict
-    from model.gpt import GPT, GPTConfig
+    from callbacks.export import WEIGHTS_NAME
 
     try:
         config = json.loads((folder / "config.json").read_text())
         weights = load_file(str(folder / WEIGHTS_NAME))
     except (OSError, ValueError) as error:
         raise NotThisModel(f"{folder} is not an exported model ({error})") from None
+    if config.get("model_type") == "llama":
+        return load_llama(folder, config, weights)
+    return load_gpt(folder, config, weights)
+
+
+def load_gpt(folder: Path, config: dict, weights: dict):
+    """The exported GPT-2 folder as this trainer's GPT: the inverse of callbacks.export.gpt2_state_dict."""
+    import torch
+
+    from callbacks.export import gpt2_state_dict
+    from model.decoder import ModelConfig
+    from model.families import build_model
+
     if config.get("model_type") != "gpt2" or config.get("activation_function") != "gelu":
         raise NotThisModel(f"{folder} holds a {config.get('model_type')} model with activation "
                            f"{config.get('activation_function')}; this scores models this trainer exported "
-                           "(GPT-2, gelu)")
-    gpt_config = GPTConfig(vocab_size=config["vocab_size"], n_layer=config["n_layer"], n_head=config["n_head"],
-                           n_embd=config["n_embd"], max_seq_len=config["n_positions"],
-                           layer_norm_eps=config["layer_norm_epsilon"])
-    model = GPT(gpt_config)
+                           "(GPT-2 with gelu, or Llama)")
+    model = build_model(ModelConfig(vocab_size=config["vocab_size"], n_layer=config["n_layer"], n_head=config["n_head"],
+                                    n_embd=config["n_embd"], max_seq_len=config["n_positions"],
+                                    layer_norm_eps=config["layer_norm_epsilon"]))
     own = {"transformer.wte.weight": model.wte.weight, "transformer.wpe.weight": model.wpe.weight,
            "transformer.ln_f.weight": model.ln_f.weight, "transformer.ln_f.bias": model.ln_f.bias}
     for i, block in enumerate(model.blocks):
@@ -65,8 +75,60 @@ def load_gpt(folder: Path):
         for key, parameter in own.items():
             value = weights[key]
             parameter.copy_(value.t() if key.rsplit(".", 2)[-2] in {"c_attn", "c_proj", "c_fc"} else value)
-    expected = gpt2_state_dict(model)
-    if expected.keys() != {k for k in weights if k != "lm_head.weight"} or any(
+    return model_holding_exactly(folder, model, gpt2_state_dict(model), weights, ignored={"lm_head.weight"})
+
+
+def load_llama(folder: Path, config: dict, weights: dict):
+    """The exported Llama folder as this trainer's Llama: the inverse of callbacks.export.llama_state_dict."""
+    import torch
+
+    from callbacks.export import llama_state_dict
+    from model.decoder import ModelConfig
+    from model.families import build_model
+
+    rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000.0)}
+    heads, width = config["num_attention_heads"], config["hidden_size"]
+    unlike = [what for what, differs in (
+        (f"activation {config.get('hidden_act')}", config.get("hidden_act") != "silu"),
+        ("biases", config.get("attention_bias") or config.get("mlp_bias")),
+        (f"rotary scaling {rope.get('rope_type')}", rope.get("rope_type", "default") != "default"),
+        (f"head dimension {config.get('head_dim')}", config.get("head_dim", width // heads) * heads != width))
+        if differs]
+    if unlike:
+        raise NotThisModel(f"{folder} holds a Llama with {', '.join(unlike)}; this scores models this trainer "
+                           "exported (silu, no biases, default rotary positions, hidden_size = heads x head_dim)")
+    model = build_model(ModelConfig(
+        family="llama", vocab_size=config["vocab_size"], n_layer=config["num_hidden_layers"], n_head=heads,
+        n_kv_head=config.get("num_key_value_heads") or heads, n_embd=width,
+        max_seq_len=config["max_position_embeddings"], intermediate_size=config["intermediate_size"],
+        layer_norm_eps=config["rms_norm_eps"], rope_theta=rope["rope_theta"],
+        tie_embeddings=config.get("tie_word_embeddings", False)))
+    try:
+        with torch.no_grad():
+            model.wte.weight.copy_(weights["model.embed_tokens.weight"])
+            model.norm.weight.copy_(weights["model.norm.weight"])
+            if model.lm_head is not None:
+                model.lm_head.weight.copy_(weights["lm_head.weight"])
+            for i, block in enumerate(model.blocks):
+                layer = {name: weights[f"model.layers.{i}.{name}.weight"] for name in (
+                    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                    "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")}
+                block.attn.qkv.weight.copy_(torch.cat([layer[f"self_attn.{p}_proj"] for p in "qkv"]))
+                block.attn.proj.weight.copy_(layer["self_attn.o_proj"])
+                block.mlp.gate_up.weight.copy_(torch.cat([layer["mlp.gate_proj"], layer["mlp.up_proj"]]))
+                block.mlp.proj.weight.copy_(layer["mlp.down_proj"])
+                block.attn_norm.weight.copy_(layer["input_layernorm"])
+                block.mlp_norm.weight.copy_(layer["post_attention_layernorm"])
+    except (KeyError, RuntimeError) as error:  # a missing tensor, or one of another shape
+        raise NotThisModel(f"{folder} has weights this trainer's Llama does not hold as they are ({error})") from None
+    return model_holding_exactly(folder, model, llama_state_dict(model), weights, ignored=set())
+
+
+def model_holding_exactly(folder: Path, model, expected: dict, weights: dict, ignored: set):
+    """``model`` when exporting it again gives exactly the folder's tensors (less ``ignored``), else NotThisModel."""
+    import torch
+
+    if expected.keys() != {k for k in weights if k not in ignored} or any(
             not torch.equal(expected[k], weights[k].float()) for k in expected):
         raise NotThisModel(f"{folder} has weights this trainer's decoder does not hold (biases in its linear layers, "
                            "or other tensors); it scores models this trainer exported")
@@ -83,7 +145,7 @@ def evaluate(folder: Path, data: Path, microbatch: int = 8, max_record_bytes: in
     from pipeline.tokenizer import TextEncoder
     from runfab.limits import RECORD_BYTES
 
-    model = load_gpt(folder)
+    model = load_model(folder)
     chosen = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                           "cpu" if device == "auto" else device)
     model.to(chosen)

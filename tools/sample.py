@@ -1,7 +1,7 @@
 """``python -m tools sample MODEL --prompt TEXT``: text from an exported model, through transformers.
 
 The model and its tokenizer load with transformers' Auto classes, offline, as anyone would load
-them; ``generate`` continues the prompt greedily (``--temperature 0``, the default) or by sampling
+them (the config's model_type chooses the class: GPT-2 or Llama, the trainer's two families); ``generate`` continues the prompt greedily (``--temperature 0``, the default) or by sampling
 with a temperature and top-k, from ``--seed``. stdout carries the text alone (the prompt and its
 continuation, ``--continuation-only`` for the continuation); no progress, no warnings. On a GPU when
 there is one.

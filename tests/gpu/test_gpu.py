@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 from model import flash4, fused_mlp, kernels
 from model.attention import DocumentLayout, attend, document_offsets, varlen_attn
-from model.gpt import GPT, GPTConfig
+from model.decoder import ModelConfig
+from model.families import build_model
+from model.gpt import GPT
 from model.kernels import ComputeConfig
 from model.loss import IGNORE_INDEX, token_loss_sum
 
@@ -46,7 +48,7 @@ def twin_models(n_layer: int = 2, fast: dict | None = None, plain: dict | None =
     """A fast model (PyTorch's varlen attention, chunked loss, unless ``fast`` says otherwise) and a plain one (SDPA
     with the document mask, the whole loss at once, unless ``plain`` says otherwise) with the same weights."""
     torch.manual_seed(0)
-    shape = GPTConfig(vocab_size=512, n_layer=n_layer, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05)
+    shape = ModelConfig(vocab_size=512, n_layer=n_layer, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05)
     fast = GPT(shape, ComputeConfig(**(dict(attention="varlen", loss_chunk_tokens=128) | (fast or {})))).cuda()
     plain = GPT(shape, ComputeConfig(**(dict(attention="sdpa", loss_chunk_tokens=0) | (plain or {})))).cuda()
     plain.load_state_dict(fast.state_dict())
@@ -184,7 +186,7 @@ def test_the_triton_chunk_kernel_matches_pytorchs_at_the_trainers_vocabulary():
 
 def test_the_compiled_model_with_the_two_pass_triton_loss_takes_the_plain_step():
     torch.manual_seed(0)  # vocabulary 500: the head is padded to 512 columns inside the loss
-    shape = GPTConfig(vocab_size=500, n_layer=3, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05)
+    shape = ModelConfig(vocab_size=500, n_layer=3, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05)
     triton_model = GPT(shape, ComputeConfig(attention="sdpa", loss_chunk_tokens=384, loss="triton")).cuda()
     plain = GPT(shape, ComputeConfig(attention="sdpa", loss_chunk_tokens=0)).cuda()
     plain.load_state_dict(triton_model.state_dict())
@@ -237,7 +239,7 @@ def test_fa4_matches_the_plain_path_forward_and_gradients_at_the_trainers_shapes
         if kernel == "plain":
             out = plain_attention(*(z.view(b, t, h, hd) for z in qkv.split(h * hd, dim=-1)), cu)
         else:
-            out = attend(qkv.view(b, t, 3, h, hd), DocumentLayout(positions, cu if positions is not None else None),
+            out = attend(qkv.view(b, t, 3 * h, hd), h, DocumentLayout(positions, cu if positions is not None else None),
                          kernel)
         out.backward(grad.to(out.dtype))
         return [out.detach()] + list(qkv.grad.float().split(h * hd, dim=-1))
@@ -254,7 +256,7 @@ def test_fa4_matches_the_plain_path_forward_and_gradients_at_the_trainers_shapes
 def test_fa4_varlen_never_crosses_documents_and_agrees_with_fa4_dense():
     torch.manual_seed(0)
     base = dict(vocab_size=512, n_layer=2, n_head=2, n_embd=128, max_seq_len=256, init_std=0.05)  # head dim 64
-    fast = GPT(GPTConfig(**base), ComputeConfig(attention="fa4")).cuda()
+    fast = GPT(ModelConfig(**base), ComputeConfig(attention="fa4")).cuda()
     assert_each_document_as_if_alone(fast, packed_batch(rows=2, seq_len=256, vocab=512, seed=2))
     ran = fast.kernels_used()["attention"]["ran"]
     assert ran["packed rows"].startswith("FlashAttention 4 varlen")
@@ -268,7 +270,7 @@ def test_the_compiled_trunk_runs_fa4_without_a_graph_break_and_matches_eager():
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    shape = GPTConfig(vocab_size=512, n_layer=3, n_head=2, n_embd=128, max_seq_len=256, init_std=0.05)
+    shape = ModelConfig(vocab_size=512, n_layer=3, n_head=2, n_embd=128, max_seq_len=256, init_std=0.05)
     fast, eager = (GPT(shape, ComputeConfig(attention="fa4")).cuda() for _ in range(2))
     eager.load_state_dict(fast.state_dict())
     fast.compile_trunk()
@@ -276,6 +278,99 @@ def test_the_compiled_trunk_runs_fa4_without_a_graph_break_and_matches_eager():
         assert_same_loss_and_gradients(fast, eager, packed_batch(rows=4, seq_len=256, vocab=512, seed=seed))
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] <= 2  # the trunk, and at most a kernel's own
+
+
+# ----------------------------------------------------------------------------- grouped-query attention, Llama
+
+
+def grouped_plain_attention(q, k, v, cu):
+    """``plain_attention`` with each key/value head repeated to its group of query heads: GQA's definition."""
+    group = q.shape[2] // k.shape[2]
+    return plain_attention(q, k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2), cu)
+
+
+needs_varlen = pytest.mark.skipif(varlen_attn is None, reason="torch.nn.attention.varlen is not in this PyTorch")
+GQA_KERNELS = [pytest.param("fa4", marks=needs_fa4), pytest.param("flash", marks=needs_varlen)]  # attend's names
+
+
+@pytest.mark.parametrize("kernel", GQA_KERNELS)
+@pytest.mark.parametrize("kv_heads", [1, 2, 12])
+@pytest.mark.parametrize("layout", ["realistic", "one-doc"])
+def test_each_kernel_takes_fewer_key_value_heads_natively_and_matches_the_plain_path(kernel, kv_heads, layout):
+    """12 query heads of 64 over rows of 2048, with 1 (multi-query), 2 or 12 key/value heads: each kernel's output
+    and the gradients of q, k and v against fp32 SDPA with the key/value heads repeated, as close as SDPA's own
+    bf16 grouped-query path is (within 2x of its error)."""
+    b, t, h, hd = 2, 2048, 12, 64
+    cu = lognormal_offsets(b, t, 500, seed=11) if layout == "realistic" else torch.arange(0, b * t + 1, t,
+                                                                                          dtype=torch.int32)
+    cu = cu.cuda()
+    positions = None if layout == "one-doc" else torch.ones(b, t, device="cuda")  # only "several documents" matters
+    gen = torch.Generator(device="cuda").manual_seed(kv_heads)
+    qkv = torch.randn(b, t, (h + 2 * kv_heads) * hd, device="cuda", generator=gen).bfloat16().requires_grad_()
+    grad = torch.randn(b, t, h, hd, device="cuda", generator=gen).bfloat16()
+    sizes = (h * hd, kv_heads * hd, kv_heads * hd)
+
+    def run(kernel):
+        qkv.grad = None
+        if kernel == "plain":
+            q, k, v = (z.reshape(b, t, -1, hd) for z in qkv.split(sizes, dim=-1))
+            out = grouped_plain_attention(q, k, v, cu)
+        else:
+            layout_ = DocumentLayout(positions, cu if positions is not None else None)
+            if kernel == "sdpa" and positions is not None:
+                layout_ = DocumentLayout(document_positions(cu, b, t), None)  # SDPA builds its mask from positions
+            out = attend(qkv.view(b, t, h + 2 * kv_heads, hd), kv_heads, layout_, kernel)
+        out.backward(grad.to(out.dtype))
+        return [out.detach()] + list(qkv.grad.float().split(sizes, dim=-1))
+
+    expected, got, sdpa = run("plain"), run(kernel), run("sdpa")
+    for name, mine, theirs, want in zip(("out", "dq", "dk", "dv"), got, sdpa, expected):
+        error, baseline = relative_error(mine, want), relative_error(theirs, want)
+        assert error < 1e-2 and error < 2 * baseline + 1e-3, (name, error, baseline)
+
+
+def document_positions(cu: torch.Tensor, rows: int, t: int) -> torch.Tensor:
+    """Each token's position in its document, from the flattened rows' document offsets."""
+    flat = torch.arange(rows * t, device=cu.device)
+    starts = cu[:-1].long()
+    return (flat - starts[torch.searchsorted(starts, flat, right=True) - 1]).view(rows, t)
+
+
+def llama_twins(n_kv_head: int, fast: dict, plain: dict | None = None, n_layer: int = 2):
+    """Two Llamas of the same weights: ``fast`` and ``plain`` (SDPA with the mask, the whole loss at once)."""
+    torch.manual_seed(0)
+    shape = ModelConfig(family="llama", vocab_size=512, n_layer=n_layer, n_head=4, n_kv_head=n_kv_head, n_embd=256,
+                        max_seq_len=256, init_std=0.05)
+    fast_model = build_model(shape, ComputeConfig(**(dict(loss_chunk_tokens=128) | fast))).cuda()
+    plain_model = build_model(shape, ComputeConfig(**(dict(attention="sdpa", loss_chunk_tokens=0) | (plain or {}))))
+    plain_model.cuda().load_state_dict(fast_model.state_dict())
+    return fast_model, plain_model
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("fa4", marks=needs_fa4), pytest.param("varlen", marks=needs_varlen)])
+@pytest.mark.parametrize("n_kv_head", [1, 2, 4])
+def test_a_llama_takes_the_plain_paths_step_and_keeps_documents_apart(kernel, n_kv_head):
+    fast, plain = llama_twins(n_kv_head, dict(attention=kernel))
+    assert_same_loss_and_gradients(fast, plain, packed_batch(rows=4, seq_len=256, vocab=512, seed=12))
+    assert_each_document_as_if_alone(fast, packed_batch(rows=2, seq_len=256, vocab=512, seed=13))
+
+
+@pytest.mark.parametrize("n_kv_head", [1, 4])
+def test_a_compiled_llama_matches_eager_without_a_graph_break(n_kv_head):
+    """The compiled trunk (RMSNorm, rotary positions and SwiGLU fused by inductor, the attention chosen by auto)
+    against the eager model, bf16 residual against fp32."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    fast, eager = llama_twins(n_kv_head, dict(attention="auto"), dict(attention="auto", residual_in_fp32=True,
+                                                                      loss_chunk_tokens=128), n_layer=3)
+    fast.compile_trunk()
+    for seed in (14, 15):  # two document counts: one graph
+        assert_same_loss_and_gradients(fast, eager, packed_batch(rows=4, seq_len=256, vocab=512, seed=seed))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] <= 2
+    assert fast.kernels_used()["mlp"]["ran"] == "torch"
 
 
 # ----------------------------------------------------------------------------- quack's fused GELU GEMMs
@@ -403,7 +498,7 @@ def test_the_compiled_model_takes_the_same_step_with_the_log_sum_exp_from_quacks
     """compute.loss quack (the logits with their log-sum-exp, then one Triton pass) against triton (cuBLAS's logits,
     then two), at a padded vocabulary."""
     torch.manual_seed(0)  # vocabulary 500: the head is padded to 512 columns inside the loss
-    shape = GPTConfig(vocab_size=500, n_layer=3, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05)
+    shape = ModelConfig(vocab_size=500, n_layer=3, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05)
     lse_model, triton_model = (GPT(shape, ComputeConfig(attention="sdpa", loss_chunk_tokens=384, loss=kernel)).cuda()
                                for kernel in ("auto", "triton"))
     triton_model.load_state_dict(lse_model.state_dict())

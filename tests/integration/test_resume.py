@@ -96,6 +96,7 @@ def resume(first_run: dict, tmp_path: Path, capsys, *extra: str, rows: Path | No
     (["--model.n_layer", "3"], "model.n_layer", "1", "3"),
     (["--model.n_embd", "64"], "model.n_embd", "32", "64"),
     (["--seed", "7"], "seed", "5", "7"),
+    (["--model.family", "llama"], "model.family", "'gpt2'", "'llama'"),
     (["--trainer.global_batch_size", "16"], "trainer.global_batch_size (rows per update)", "8", "16"),
 ])
 def test_a_resume_with_another_model_seed_or_batch_is_refused_in_one_line(first_run, tmp_path, capsys, change, key,

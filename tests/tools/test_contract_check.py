@@ -89,9 +89,10 @@ def good(tmp_path) -> Path:
 # ----------------------------------------------------------------------------- passing bundles
 
 
-def test_real_project_passes_with_the_smoke_config():
-    """The command users run, through the tools' entry point, on this very project."""
-    env = {**os.environ, "RUNFAB_CONFIG": "conf/smoke.yaml"}
+@pytest.mark.parametrize("config", ["conf/smoke.yaml", "conf/llama-smoke.yaml"])
+def test_real_project_passes_with_the_smoke_config(config):
+    """The command users run, through the tools' entry point, on this very project (each model family)."""
+    env = {**os.environ, "RUNFAB_CONFIG": config}
     proc = subprocess.run([sys.executable, "-m", "tools", "check"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

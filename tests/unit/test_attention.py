@@ -16,7 +16,9 @@ import torch
 
 from model import attention, flash4, kernels
 from model.attention import document_offsets
-from model.gpt import GPT, GPTConfig
+from model.decoder import ModelConfig
+from model.families import build_model
+from model.gpt import GPT
 from model.kernels import ComputeConfig
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
@@ -72,7 +74,7 @@ def test_cpu_fp32_and_explicit_choices_never_import_fa4(fake_gpu):
 
 
 def test_the_model_records_and_describes_the_kernel_of_each_batch_kind():
-    model = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, max_seq_len=32))
+    model = GPT(ModelConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, max_seq_len=32))
     with torch.no_grad():
         model.hidden_states(torch.randint(0, 64, (2, 32)))
     assert model.kernels_used()["attention"] == {
@@ -139,10 +141,16 @@ def _probabilities(q, k, a, b):
     return scores.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf")), scale
 
 
+def _as_many_heads(z, heads):
+    """Key or value heads repeated to the query heads' count: grouped-query attention's definition."""
+    return z.repeat_interleave(heads // z.shape[-2], dim=-2)
+
+
 def reference_forward(q, k, v, cu_seqlens, max_seqlen):
-    """FA4's contract in float32: causal attention per document, and the log-sum-exp FA4 returns
-    ([B, H, T] dense, [H, total] varlen)."""
+    """FA4's contract in float32: causal attention per document, each key/value head serving a group of
+    consecutive query heads, and the log-sum-exp FA4 returns ([B, H, T] dense, [H, total] varlen)."""
     dense = cu_seqlens is None
+    k, v = (_as_many_heads(z, q.shape[-2]) for z in (k, v))
     qs, ks, vs = (z.float() if dense else z.float()[None] for z in (q, k, v))
     out = torch.empty_like(qs)
     lse = torch.empty(qs.shape[0], qs.shape[2], qs.shape[1])
@@ -155,8 +163,10 @@ def reference_forward(q, k, v, cu_seqlens, max_seqlen):
 
 def reference_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dq_out, dk_out, dv_out):
     """The textbook gradients (custom ops run below autograd, so no autograd here), written into
-    the ``*_out`` views of one buffer, as FA4 writes them."""
+    the ``*_out`` views of one buffer, as FA4 writes them; a key/value head's gradient sums its group's."""
     dense = cu_seqlens is None
+    group = q.shape[-2] // k.shape[-2]
+    k, v = (_as_many_heads(z, q.shape[-2]) for z in (k, v))
     qs, ks, vs, dos = (z.float() if dense else z.float()[None] for z in (q, k, v, dout))
     dq, dk, dv = (torch.zeros_like(z) for z in (qs, ks, vs))
     for row, a, b in _segments(q, cu_seqlens):
@@ -168,6 +178,7 @@ def reference_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dq_out, 
         ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale
         dq[row, a:b] = torch.einsum("hts,shd->thd", ds, ks[row, a:b])
         dk[row, a:b] = torch.einsum("hts,thd->shd", ds, qs[row, a:b])
+    dk, dv = (z.unflatten(-2, (-1, group)).sum(-2) for z in (dk, dv))
     grads = (dq, dk, dv) if dense else (dq[0], dk[0], dv[0])
     for buffer, grad in zip((dq_out, dk_out, dv_out), grads):
         buffer.copy_(grad)
@@ -194,34 +205,39 @@ def reference_fa4(monkeypatch):
     monkeypatch.setattr(flash4, "fa4_interface", lambda: ReferenceFA4)
 
 
-def packed_qkv(seed: int):
+def packed_qkv(seed: int, kv_heads: int = 2):
+    """Projection outputs [B, T, (H + 2 KV) hd] of 4 query heads, and positions of two documents a row."""
     generator = torch.Generator().manual_seed(seed)
-    b, t, h, hd = 2, 24, 2, 8
-    qkv = torch.randn(b, t, 3 * h * hd, generator=generator, requires_grad=True)
+    b, t, h, hd = 2, 24, 4, 8
+    qkv = torch.randn(b, t, (h + 2 * kv_heads) * hd, generator=generator, requires_grad=True)
     positions = torch.cat([torch.arange(7), torch.arange(17)]).expand(b, t)
     return qkv, positions, (b, t, h, hd)
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
 @pytest.mark.parametrize("packed", [False, True])
-def test_the_custom_op_passes_pytorchs_op_checks(reference_fa4, packed):
+def test_the_custom_op_passes_pytorchs_op_checks(reference_fa4, packed, kv_heads):
     generator = torch.Generator().manual_seed(0)
-    shape = (40, 3, 2, 8) if packed else (2, 20, 3, 2, 8)
+    shape = (40, 2 + 2 * kv_heads, 8) if packed else (2, 20, 2 + 2 * kv_heads, 8)
     qkv = torch.randn(shape, generator=generator, requires_grad=True)
     cu = torch.tensor([0, 13, 40], dtype=torch.int32) if packed else None
-    torch.library.opcheck(flash4.fa4_forward, (qkv, cu, 20 if packed else 0))
+    torch.library.opcheck(flash4.fa4_forward, (qkv, kv_heads, cu, 20 if packed else 0))
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
 @pytest.mark.parametrize("packed", [False, True])
-def test_attend_through_fa4_matches_the_plain_path_and_compiles_without_a_graph_break(reference_fa4, packed):
+def test_attend_through_fa4_matches_the_plain_path_and_compiles_without_a_graph_break(reference_fa4, packed,
+                                                                                     kv_heads):
     from torch._dynamo.utils import counters
 
-    qkv, positions, (b, t, h, hd) = packed_qkv(seed=1)
+    qkv, positions, (b, t, h, hd) = packed_qkv(seed=1, kv_heads=kv_heads)
     positions = positions if packed else None
     cu = document_offsets(positions) if packed else None
     grad = torch.randn(b, t, h, hd, generator=torch.Generator().manual_seed(2))
 
     def attend(qkv, cu, kernel):
-        return attention.attend(qkv.view(b, t, 3, h, hd), attention.DocumentLayout(positions, cu), kernel)
+        return attention.attend(qkv.view(b, t, h + 2 * kv_heads, hd), kv_heads, attention.DocumentLayout(positions, cu),
+                                kernel)
 
     torch._dynamo.reset()
     counters.clear()
@@ -238,17 +254,19 @@ def test_attend_through_fa4_matches_the_plain_path_and_compiles_without_a_graph_
     assert not counters["graph_break"]
 
 
-def test_the_compiled_trunk_with_fa4_is_one_graph_for_every_document_count(reference_fa4):
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_compiled_trunk_with_fa4_is_one_graph_for_every_document_count(reference_fa4, family):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=64, n_layer=3, n_head=2, n_embd=32, max_seq_len=32)
-    model, plain = GPT(config), GPT(config)
+    llama = dict(n_kv_head=1) if family == "llama" else {}
+    config = ModelConfig(family=family, vocab_size=64, n_layer=3, n_head=2, n_embd=32, max_seq_len=32, **llama)
+    model, plain = build_model(config), build_model(config)
     plain.load_state_dict(model.state_dict())
     for block in model.blocks:
-        block.attn.kernel = "fa4"  # what GPT.use_kernels hands each block on a GPU where FA4 runs
+        block.attn.kernel = "fa4"  # what Decoder.use_kernels hands each block on a GPU where FA4 runs
     trunk = torch.compile(model.trunk, backend="aot_eager")
     for split in (5, 11):
         positions = torch.cat([torch.arange(split), torch.arange(32 - split)]).expand(2, 32)
@@ -265,7 +283,8 @@ def test_the_fa4_import_is_lazy():
     import subprocess
     import sys
 
-    code = "import sys, model.gpt, model.flash4; print('flash_attn' in sys.modules, 'cutlass' in sys.modules)"
+    code = ("import sys, model.families, model.flash4; "
+            "print('flash_attn' in sys.modules, 'cutlass' in sys.modules)")
     from tests.helpers import ROOT as root
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]

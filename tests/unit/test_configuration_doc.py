@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from model.gpt import MOVED_KEYS, REMOVED_KEYS
+from model.decoder import MOVED_KEYS, REMOVED_KEYS
 
 from tests.helpers import ROOT
 

@@ -21,7 +21,7 @@ def test_each_update_is_trained_before_the_stream_is_asked_for_the_next_and_the_
     """Lightning fetches one microbatch ahead: without a stand-in for a microbatch that has not
     arrived, the last microbatch of every update would wait, untrained, for the next update."""
     from lit_module import GPTTrainingModule, OptimConfig
-    from model.gpt import GPTConfig
+    from model.decoder import ModelConfig
 
     rng = np.random.default_rng(0)
     rows = [Row(rng.integers(0, 50, 16).astype(np.int32), np.arange(16, dtype=np.int32)) for _ in range(16)]
@@ -41,7 +41,7 @@ def test_each_update_is_trained_before_the_stream_is_asked_for_the_next_and_the_
         yield INPUT_PENDING  # then the input ends
 
     torch.manual_seed(0)
-    module = GPTTrainingModule(GPTConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=16, max_seq_len=16), OptimConfig())
+    module = GPTTrainingModule(ModelConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=16, max_seq_len=16), OptimConfig())
     datamodule = StreamingDataModule(stream, ValidationPool(0), stream_settings())
     trainer.fit(module, datamodule=datamodule)
     assert trainer.global_step == 4 and steps_when_asked == [1, 2, 3]

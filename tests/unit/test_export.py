@@ -1,4 +1,5 @@
-"""The Hugging Face export computes exactly what our GPT computes, and loads without this package."""
+"""The Hugging Face export computes exactly what the trainer's model computes, GPT-2 or Llama, and loads without
+this package."""
 
 import copy
 import os
@@ -13,11 +14,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
 from callbacks.export import ExportModel, export_model
-from model.gpt import GPT, GPTConfig
+from model.decoder import ModelConfig
+from model.families import build_model
+from model.gpt import GPT
 
 EOS = "<|endoftext|>"
 # init_std well above the default so attention is far from uniform and a q/k mix-up shows.
-CONFIG = GPTConfig(vocab_size=300, n_layer=2, n_head=4, n_embd=64, max_seq_len=64, init_std=0.1)
+CONFIG = ModelConfig(vocab_size=300, n_layer=2, n_head=4, n_embd=64, max_seq_len=64, init_std=0.1)
 TEXT = "the quick brown fox jumps over the lazy dog. hello world, hello tokenizer!"
 
 
@@ -217,7 +220,7 @@ def test_a_full_disk_at_any_write_of_the_export_is_one_line_and_nothing_is_left(
     from callbacks.export import ExportFailed
 
     mount_point, leave = small_filesystem
-    model = GPT(GPTConfig(vocab_size=8192, n_layer=1, n_head=2, n_embd=32, max_seq_len=32))
+    model = GPT(ModelConfig(vocab_size=8192, n_layer=1, n_head=2, n_embd=32, max_seq_len=32))
     tokenizer = "conf/tokenizer.json"
 
     def record(trainer, module, staging):
@@ -238,3 +241,79 @@ def test_a_full_disk_at_any_write_of_the_export_is_one_line_and_nothing_is_left(
     assert "failed after 3 optimizer steps: No space left on device" in message and "nothing was exported" in message
     assert "\n" not in message
     assert sorted(p.name for p in mount_point.iterdir()) == ["filler"]
+
+
+# ----------------------------------------------------------------------------- the llama family
+
+
+def llama(tie_embeddings: bool) -> torch.nn.Module:
+    """A Llama with fewer key/value heads than query heads and a rotary base off the default, its norms moved off 1,
+    so that a misplaced tensor, a wrong head grouping or a wrong rotary convention changes the logits."""
+    torch.manual_seed(1)
+    config = ModelConfig(family="llama", vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=64,
+                         init_std=0.1, rope_theta=500.0, tie_embeddings=tie_embeddings)
+    model = build_model(config)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.RMSNorm):
+                module.weight.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_llama_loads_as_llama_for_causal_lm_with_the_trainers_logits(tied, tokenizer_path, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    model = llama(tie_embeddings=tied)
+    export_model(model, tokenizer_path, tmp_path / "hf")
+    hf_model, info = load(tmp_path / "hf")
+    assert type(hf_model) is LlamaForCausalLM
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert hf_model.config.num_key_value_heads == 2 < hf_model.config.num_attention_heads
+    tied_in_hf = hf_model.lm_head.weight.data_ptr() == hf_model.model.embed_tokens.weight.data_ptr()
+    assert tied_in_hf == tied
+    with safe_open(tmp_path / "hf" / "model.safetensors", framework="pt") as f:
+        assert ("lm_head.weight" in f.keys()) != tied
+    input_ids = torch.randint(0, 300, (3, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (hf_model(input_ids).logits - model(input_ids)).abs().max().item() < 1e-5
+        # A packed row's second document: the trainer's, its positions restarting, is Hugging Face's alone.
+        positions = torch.cat([torch.arange(20), torch.arange(44)]).expand(3, 64)
+        packed = model(input_ids, positions)[:, 20:]
+        assert (hf_model(input_ids[:, 20:]).logits - packed).abs().max().item() < 1e-5
+
+
+def test_a_llama_export_names_its_rotary_base_for_transformers_4_and_5(tokenizer_path, tmp_path):
+    import json
+
+    export_model(llama(tie_embeddings=True), tokenizer_path, tmp_path / "hf")
+    settings = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert settings["model_type"] == "llama" and settings["architectures"] == ["LlamaForCausalLM"]
+    assert settings["rope_theta"] == 500.0
+    assert settings.get("rope_parameters", {"rope_theta": 500.0})["rope_theta"] == 500.0
+    eos_id = Tokenizer.from_file(str(tokenizer_path)).token_to_id(EOS)
+    assert settings["pad_token_id"] == settings["eos_token_id"] == eos_id
+
+
+def swap_k_v(model):
+    qkv = model.blocks[0].attn.qkv.weight
+    q_rows, kv_rows = 4 * 16, 2 * 16
+    qkv[q_rows:] = torch.cat([qkv[q_rows + kv_rows:], qkv[q_rows:q_rows + kv_rows]])
+
+
+def swap_gate_up(model):
+    weight = model.blocks[0].mlp.gate_up.weight
+    weight.copy_(torch.cat(weight.chunk(2)[::-1]))
+
+
+@pytest.mark.parametrize("corrupt", [swap_k_v, swap_gate_up])
+def test_the_llama_comparison_catches_a_wrong_mapping(corrupt, tokenizer_path, tmp_path):
+    model = llama(tie_embeddings=True)
+    wrong = copy.deepcopy(model)
+    with torch.no_grad():
+        corrupt(wrong)
+    export_model(wrong, tokenizer_path, tmp_path / "hf")
+    hf_model, _ = load(tmp_path / "hf")
+    input_ids = torch.randint(0, 300, (3, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (hf_model(input_ids).logits - model(input_ids)).abs().max().item() > 1e-2

@@ -14,7 +14,8 @@ import torch
 
 from config import ConfigError, load_config
 from model import flash4, fused_mlp, kernels
-from model.gpt import GPT, GPTConfig
+from model.decoder import ModelConfig
+from model.gpt import GPT
 from model.kernels import ComputeConfig
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
@@ -88,7 +89,7 @@ def compiled_pair(kept: int) -> tuple[GPT, GPT]:
     """A model compiled for training and a plain one with the same weights; fp32 stream: the compute dtype is
     patched without autocast, so a bf16 stream would meet fp32 weights."""
     torch.manual_seed(0)
-    shape = GPTConfig(vocab_size=64, n_layer=3, n_head=2, n_embd=16, max_seq_len=8)
+    shape = ModelConfig(vocab_size=64, n_layer=3, n_head=2, n_embd=16, max_seq_len=8)
     model = GPT(shape, ComputeConfig(residual_in_fp32=True, mlp_kept_derivatives=kept))
     plain = GPT(shape, ComputeConfig(residual_in_fp32=True, mlp="torch"))
     plain.load_state_dict(model.state_dict())

@@ -15,7 +15,7 @@ from pipeline.packing import Row
 from pipeline.records import StreamStats
 from pipeline.stream import split_update
 from lit_module import GPTTrainingModule, OptimConfig, lr_factor
-from model.gpt import GPTConfig
+from model.decoder import ModelConfig
 from model.loss import IGNORE_INDEX, token_loss_sum
 
 SEQ_LEN = 16
@@ -36,7 +36,7 @@ def uneven_rows(seed: int = 0) -> list[Row]:
 
 def module(seed: int = 0, **optim) -> GPTTrainingModule:
     torch.manual_seed(seed)
-    config = GPTConfig(vocab_size=61, n_layer=2, n_head=2, n_embd=16, max_seq_len=SEQ_LEN, init_std=0.1)
+    config = ModelConfig(vocab_size=61, n_layer=2, n_head=2, n_embd=16, max_seq_len=SEQ_LEN, init_std=0.1)
     return GPTTrainingModule(config, OptimConfig(warmup_steps=1, schedule="constant", **optim))
 
 

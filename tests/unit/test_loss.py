@@ -76,10 +76,11 @@ def test_the_config_names_the_loss_choices_and_defaults_to_auto():
 
 
 def test_the_models_loss_takes_its_chunks_and_its_kernel_from_the_compute_section():
-    from model.gpt import GPT, GPTConfig
+    from model.decoder import ModelConfig
+    from model.gpt import GPT
 
     torch.manual_seed(2)
-    shape = GPTConfig(vocab_size=53, n_layer=1, n_head=2, n_embd=16, max_seq_len=16)
+    shape = ModelConfig(vocab_size=53, n_layer=1, n_head=2, n_embd=16, max_seq_len=16)
     chunked, plain = GPT(shape, ComputeConfig(loss_chunk_tokens=5)), GPT(shape, ComputeConfig(loss_chunk_tokens=0))
     plain.load_state_dict(chunked.state_dict())
     batch = {"input_ids": torch.randint(0, 53, (2, 16)), "targets": torch.randint(0, 53, (2, 16))}

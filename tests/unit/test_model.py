@@ -8,13 +8,14 @@ import torch
 from config import ConfigError, load_config
 from model.attention import document_causal_mask, document_offsets
 from model.flops import count_parameters, training_flops
-from model.gpt import GPT, GPTConfig
+from model.decoder import ModelConfig
+from model.gpt import GPT
 from model.kernels import ComputeConfig
 
 
 def tiny_model(seed: int = 0, **compute) -> GPT:
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=97, n_layer=2, n_head=4, n_embd=32, max_seq_len=32, init_std=0.1),
+    model = GPT(ModelConfig(vocab_size=97, n_layer=2, n_head=4, n_embd=32, max_seq_len=32, init_std=0.1),
                 ComputeConfig(**compute))
     return model.eval()
 
@@ -114,7 +115,7 @@ def test_the_compiled_trunk_is_one_graph_and_matches_eager():
 
     torch._dynamo.reset()
     counters.clear()
-    config = GPTConfig(vocab_size=128, n_layer=4, n_head=2, n_embd=32, max_seq_len=64)
+    config = ModelConfig(vocab_size=128, n_layer=4, n_head=2, n_embd=32, max_seq_len=64)
     torch.manual_seed(0)
     fast, eager = GPT(config, ComputeConfig(loss_chunk_tokens=0)), GPT(config, ComputeConfig(loss_chunk_tokens=0))
     eager.load_state_dict(fast.state_dict())

@@ -11,7 +11,8 @@ import torch
 
 from pipeline import fingerprints
 from callbacks.history import COLUMNS, History, merge_pairs, model_weights_digest
-from model.gpt import GPT, GPTConfig
+from model.decoder import ModelConfig
+from model.gpt import GPT
 from pipeline.packing import Row, collate_rows, pack_rows
 from pipeline.records import StreamStats
 from pipeline.stream import split_update
@@ -59,7 +60,7 @@ def test_the_tokens_chain_depends_on_the_order_of_updates():
 def test_the_initial_weights_digest_follows_the_seed_and_the_shape_not_the_dtype():
     def built(seed: int, layers: int = 1) -> GPT:
         torch.manual_seed(seed)
-        return GPT(GPTConfig(vocab_size=64, n_layer=layers, n_head=2, n_embd=16, max_seq_len=SEQ_LEN))
+        return GPT(ModelConfig(vocab_size=64, n_layer=layers, n_head=2, n_embd=16, max_seq_len=SEQ_LEN))
 
     digest = model_weights_digest(built(1))
     assert digest == model_weights_digest(built(1))
@@ -130,7 +131,7 @@ def test_an_exported_tokenizer_pads_and_config_and_generation_config_agree(tmp_p
 
     from callbacks.export import export_model
 
-    model = GPT(GPTConfig(vocab_size=8192, n_layer=1, n_head=2, n_embd=16, max_seq_len=SEQ_LEN))
+    model = GPT(ModelConfig(vocab_size=8192, n_layer=1, n_head=2, n_embd=16, max_seq_len=SEQ_LEN))
     export_model(model, ROOT / "conf" / "tokenizer.json", tmp_path / "hf")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
     batch = tokenizer(["a", "a longer text than that"], padding=True)

@@ -186,10 +186,11 @@ def test_exported_folder_is_gpt2s_tokenizer(tmp_path, reference):
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from callbacks.export import export_model
-    from model.gpt import GPT, GPTConfig
+    from model.decoder import ModelConfig
+    from model.gpt import GPT
 
     torch.manual_seed(0)
-    export_model(GPT(GPTConfig(vocab_size=50257, n_layer=1, n_head=2, n_embd=16, max_seq_len=32)), GPT2_TOKENIZER, tmp_path)
+    export_model(GPT(ModelConfig(vocab_size=50257, n_layer=1, n_head=2, n_embd=16, max_seq_len=32)), GPT2_TOKENIZER, tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
     assert len(tokenizer) == 50257
     assert tokenizer.bos_token == tokenizer.eos_token == tokenizer.unk_token == EOS_TOKEN

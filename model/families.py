@@ -1,0 +1,15 @@
+"""The decoder families and the one factory every user builds a model with."""
+
+from __future__ import annotations
+
+from model.decoder import Decoder, ModelConfig
+from model.gpt import GPT
+from model.kernels import ComputeConfig
+from model.llama import Llama
+
+FAMILY_CLASSES = {"gpt2": GPT, "llama": Llama}
+
+
+def build_model(config: ModelConfig, compute: ComputeConfig | None = None) -> Decoder:
+    """The decoder ``config.family`` names, of ``config``'s shape, computing as ``compute`` says."""
+    return FAMILY_CLASSES[config.family](config, compute)

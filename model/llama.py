@@ -1,0 +1,99 @@
+"""The Llama decoder (``model.family: llama``): RMSNorm, rotary positions, a SwiGLU MLP, grouped-query attention.
+
+Pre-norm blocks as GPT-2's, with RMSNorm (PyTorch's) in place of LayerNorm, no biases anywhere, no learned
+positions: q and k turn by their token's position in its document (``model.rope``), which restarts at 0 with
+every document of a packed row, and attention never crosses documents (``model.attention``). ``n_kv_head``
+key/value heads each serve n_head / n_kv_head query heads, which every attention kernel takes as they are.
+The head is the token embedding (``tie_embeddings``) or a matrix of its own. Kernels, the compiled trunk and
+the loss are ``model.decoder``'s, as GPT-2's.
+
+The modules map one to one onto Hugging Face's ``LlamaForCausalLM`` (``callbacks.export``): ``qkv`` holds
+q_proj, k_proj and v_proj's rows in that order, ``gate_up`` gate_proj's then up_proj's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model import rope
+from model.attention import DocumentLayout, attend
+from model.decoder import Decoder, ModelConfig
+from model.kernels import ComputeConfig
+
+
+class RMSNorm(nn.RMSNorm):
+    """PyTorch's RMSNorm, its weight in the input's dtype: its fused kernel takes one dtype (and computes in fp32
+    inside), as autocast gives a product its weight in the compute dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+
+
+class GroupedQueryAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_head, self.kv_heads, self.head_dim = config.n_head, config.kv_heads, config.head_dim
+        self.rope_theta = config.rope_theta
+        self.qkv = nn.Linear(config.n_embd, (self.n_head + 2 * self.kv_heads) * self.head_dim, bias=False)
+        self.proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=False)
+        self.kernel = "sdpa"  # the attention family (compute.attention), which Decoder.use_kernels sets
+
+    def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        b, t, _ = x.shape
+        qkv = self.qkv(x).view(b, t, self.n_head + 2 * self.kv_heads, self.head_dim)
+        cos, sin = layout.rotary(b, t, self.head_dim, self.rope_theta, x.device)
+        turned = self.n_head + self.kv_heads  # q's and k's heads; v's are not turned
+        qkv = torch.cat((rope.rotate(qkv[:, :, :turned], cos, sin), qkv[:, :, turned:]), dim=2)
+        return self.proj(attend(qkv, self.kv_heads, layout, self.kernel).reshape(b, t, self.n_head * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(config.n_embd, 2 * config.mlp_width, bias=False)
+        self.proj = nn.Linear(config.mlp_width, config.n_embd, bias=False)
+        # What model.kernels chose: "torch", the only kernel here (SiLU and product fused by inductor when compiled)
+        self.kernel = "torch"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.n_embd, eps=config.layer_norm_eps)
+        self.attn = GroupedQueryAttention(config)
+        self.mlp_norm = RMSNorm(config.n_embd, eps=config.layer_norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), layout)
+        x = x + self.mlp(self.mlp_norm(x))
+        return x
+
+
+class Llama(Decoder):
+    def __init__(self, config: ModelConfig, compute: ComputeConfig | None = None) -> None:
+        if config.family != "llama":
+            raise ValueError(f"Llama is built from model.family llama, not {config.family!r}")
+        super().__init__(config, compute)
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.n_embd, eps=config.layer_norm_eps)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def embed(self, input_ids: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        return self.wte(input_ids)
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.norm
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.wte.weight if self.lm_head is None else self.lm_head.weight
