@@ -384,7 +384,7 @@ def check_config(cfg: RunConfig) -> None:
         *cfg.model.problems(), *cfg.compute.problems(), *cfg.data.problems(), *cfg.optim.problems(cfg.trainer.max_steps),
         *cfg.trainer.problems(), *cfg.metrics.problems(), *cfg.observe.problems(), *cfg.output.problems(),
     ]
-    problems = list(dict.fromkeys(problems))  # a section may check a choice too (compute, in model/kernels.py)
+    problems = list(dict.fromkeys(problems))  # model/decoder.py checks model.family too, for a ModelConfig built directly
     if len(problems) == 1:
         raise ConfigError(f"invalid configuration: {problems[0]}")
     if problems:

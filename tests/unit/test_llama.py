@@ -91,28 +91,6 @@ def test_grouped_query_attention_equals_attention_with_the_key_value_heads_repea
     torch.testing.assert_close(got, reference_grouped_attention(q, k, v, positions), rtol=1e-5, atol=1e-5)
 
 
-def test_the_compiled_trunk_is_one_graph_and_matches_eager():
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    fast, eager = tiny_llama(loss_chunk_tokens=0), tiny_llama(loss_chunk_tokens=0)
-    fast.compile_trunk()
-    fast.train(), eager.train()
-    positions = torch.cat([torch.arange(12), torch.arange(20)]).repeat(2, 1)
-    batch = {"input_ids": torch.randint(0, 97, (2, 32)), "positions": positions,
-             "targets": torch.randint(0, 97, (2, 32)), "cu_seqlens": document_offsets(positions)}
-    losses = []
-    for model in (fast, eager):
-        loss = model.loss_sum(batch)
-        loss.backward()
-        losses.append(loss.detach())
-    torch.testing.assert_close(losses[0], losses[1])
-    for (name, p), q in zip(fast.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
-    assert counters["stats"]["unique_graphs"] == 1
-
-
 def test_activation_checkpointing_gives_the_same_gradients():
     plain, checkpointed = tiny_llama(), tiny_llama(activation_checkpointing=True)
     row = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))

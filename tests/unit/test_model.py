@@ -9,6 +9,7 @@ from config import ConfigError, load_config
 from model.attention import document_causal_mask, document_offsets
 from model.flops import count_parameters, training_flops
 from model.decoder import ModelConfig
+from model.families import build_model
 from model.gpt import GPT
 from model.kernels import ComputeConfig
 
@@ -110,14 +111,15 @@ def test_rows_of_one_document_each_take_plain_causal_attention_with_the_same_res
         model.hidden_states(ids, two_docs, document_offsets(two_docs))  # several documents: the masked path
 
 
-def test_the_compiled_trunk_is_one_graph_and_matches_eager():
+@pytest.mark.parametrize("family, keys", [("gpt2", {}), ("llama", {"n_kv_head": 1})])
+def test_the_compiled_trunk_is_one_graph_and_matches_eager(family, keys):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    config = ModelConfig(vocab_size=128, n_layer=4, n_head=2, n_embd=32, max_seq_len=64)
+    config = ModelConfig(family=family, vocab_size=128, n_layer=4, n_head=2, n_embd=32, max_seq_len=64, **keys)
     torch.manual_seed(0)
-    fast, eager = GPT(config, ComputeConfig(loss_chunk_tokens=0)), GPT(config, ComputeConfig(loss_chunk_tokens=0))
+    fast, eager = (build_model(config, ComputeConfig(loss_chunk_tokens=0)) for _ in range(2))
     eager.load_state_dict(fast.state_dict())
     fast.compile_trunk()
     fast.train(), eager.train()
