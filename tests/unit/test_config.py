@@ -27,7 +27,7 @@ def test_a_bad_choice_in_a_yaml_file_is_refused_naming_the_key_and_the_choices(t
 
 
 def test_every_bad_choice_is_reported_once_beside_the_other_problems(tmp_path):
-    """compute checks its own choices as well (model/kernels.py): the line appears once."""
+    """Every bad choice is a line of the one refusal, with the problems the types do not say."""
     config = tmp_path / "config.yaml"
     config.write_text(as_yaml({"compute.attention": "bogus", "data.source": "web", "data.microbatch": 0}))
     with pytest.raises(ConfigError) as refused:
