@@ -14,7 +14,7 @@ The tail is computed directly rather than as 1 - Phi(|x|), so negative inputs ke
 to x = -6 (erf-based kernels, PyTorch's included, lose it to cancellation: F.gelu(-6.0) is 0 in fp32); beyond,
 where the GELU is under 6e-9 in magnitude, the formula's relative error grows to 1 %. Against fp64 the GELU stays
 within fp32's reach, and in bf16 its outputs are the exact GELU's rounding at least as often as PyTorch's fp32
-kernel's are (tests/unit/test_quack_gelu.py holds it to both).
+kernel's are (tests/unit/test_model_quack_gelu.py holds it to both).
 
 Beside the activation tables, two epilogues for quack's ``@gemm_epilogue`` frontend use the formula: fc's product
 writing the activation and the GELU's derivative (for the blocks that keep the derivative, model.fused_mlp), and
