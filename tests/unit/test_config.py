@@ -48,3 +48,16 @@ def test_a_null_is_a_choice_only_where_the_key_may_be_null(tmp_path):
     with pytest.raises(ConfigError, match="data.source") as refused:
         load_config(config)
     assert "trainer.precision" not in str(refused.value)
+
+
+@pytest.mark.parametrize("llama, gpt2", [("conf/llama-150m.yaml", "conf/config.yaml"),
+                                         ("conf/llama-smoke.yaml", "conf/smoke.yaml")])
+def test_a_llama_preset_is_its_gpt2_preset_but_for_the_model(llama, gpt2):
+    """A comparison of the two families changes the model alone: data, optimizer and trainer stay the GPT-2 preset's."""
+    from dataclasses import asdict
+
+    ours, theirs = asdict(load_config(llama)), asdict(load_config(gpt2))
+    assert ours["model"]["family"] == "llama" and theirs["model"]["family"] == "gpt2"
+    assert {k: v for k, v in ours.items() if k != "model"} == {k: v for k, v in theirs.items() if k != "model"}
+    shape = ("vocab_size", "n_layer", "n_head", "n_embd", "max_seq_len")
+    assert [ours["model"][k] for k in shape] == [theirs["model"][k] for k in shape]
