@@ -136,8 +136,8 @@ def fit(cfg: RunConfig, split: BatchSplit, source: TrainingInput, encoder: TextE
     host_memory.stage("model built")
     if compiles(cfg, accelerator):
         compile_module(cfg, module, split.ranks)
-    log.info("model: %d parameters; %s on %s; microbatch %d x accumulation %d x %d device(s)",
-             count_parameters(module.model), trainer.precision, accelerator,
+    log.info("model: %s, %d parameters; %s on %s; microbatch %d x accumulation %d x %d device(s)",
+             cfg.model.family, count_parameters(module.model), trainer.precision, accelerator,
              split.microbatch, split.accumulation, split.ranks)
     train(trainer, module, source.datamodule, description, split, ckpt_path)
     model_dir = model_folder(cfg)
