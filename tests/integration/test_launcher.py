@@ -37,9 +37,10 @@ def run_train(tmp_path: Path, name: str, args: list[str], stdin: bytes, timeout:
     return result, out
 
 
-def test_two_workers_reach_the_weights_of_one_process(tmp_path):
+@pytest.mark.parametrize("family", [[], ["--model.family", "llama", "--model.n_kv_head", "1"]], ids=["gpt2", "llama"])
+def test_two_workers_reach_the_weights_of_one_process(tmp_path, family):
     records = sample_records(600)
-    every_step = ["--trainer.max_steps", "3", "--metrics.interval_seconds", "0"]
+    every_step = ["--trainer.max_steps", "3", "--metrics.interval_seconds", "0", *family]
     single, single_out = run_train(tmp_path, "single", [*every_step, "--microbatch", "8"], records)
     assert single.returncode == 0, single.stderr.decode()[-3000:]
     parallel, parallel_out = run_train(

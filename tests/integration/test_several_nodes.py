@@ -32,7 +32,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from callbacks.export import gpt2_state_dict
+from callbacks.export import hf_state_dict
 from config import load_config
 from lit_module import GPTTrainingModule
 from pipeline import shards
@@ -136,18 +136,22 @@ def accumulate_same_rows(config: Path, shares: list[list], updates: int) -> tupl
 
 def assert_same_weights(model_dir: Path, module: GPTTrainingModule) -> None:
     trained = load_file(model_dir / "model.safetensors")
-    expected = gpt2_state_dict(module.model)
+    expected = hf_state_dict(module.model)
     assert trained.keys() == expected.keys()
+    # Adam divides each gradient by its own running size, so the last bits of a near-zero gradient summed over
+    # ranks in another order move its weight by a sliver of a step (up to 6e-6 in the Llama's gated product);
+    # a rank on other rows or another normalisation moves weights by whole steps (lr 3e-3).
     for name, tensor in expected.items():
-        torch.testing.assert_close(trained[name], tensor, rtol=1e-4, atol=2e-6, msg=name)
+        torch.testing.assert_close(trained[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 
 
 # ----------------------------------------------------------------------------- tests
 
 
-def test_two_nodes_of_two_processes_train_like_one_process_accumulating_the_same_rows(prepared, tmp_path):
+@pytest.mark.parametrize("family", [{}, {"model.family": "llama", "model.n_kv_head": 1}], ids=["gpt2", "llama"])
+def test_two_nodes_of_two_processes_train_like_one_process_accumulating_the_same_rows(prepared, tmp_path, family):
     steps = 4
-    config = write_config(tmp_path, steps)
+    config = write_config(tmp_path, steps, family)
     port = str(free_port())
     logs = [tmp_path / f"node{node}.log" for node in (0, 1)]
     nodes = [torchrun(["--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node), "--master-addr",
