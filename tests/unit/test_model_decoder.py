@@ -38,10 +38,17 @@ def test_document_causal_mask_matches_brute_force():
     assert torch.equal(mask, expected)
 
 
-def test_packed_documents_give_the_logits_of_each_document_alone():
-    model = tiny_model()
+@pytest.mark.parametrize("family, keys", [("gpt2", {}), ("llama", {"n_kv_head": 1}), ("llama", {"n_kv_head": 2}),
+                                         ("llama", {"n_kv_head": 4})])
+def test_packed_documents_give_the_logits_of_each_document_alone(family, keys):
+    """Positions (learned, or the Llama's rotary angles) restart with each document, and attention stays inside it:
+    without that the documents after the first would get other logits (checked for the Llama's rotations)."""
+    torch.manual_seed(0)
+    config = ModelConfig(family=family, vocab_size=97, n_layer=2, n_head=4, n_embd=32, max_seq_len=32, init_std=0.1,
+                         **keys)
+    model = build_model(config).eval()
     generator = torch.Generator().manual_seed(1)
-    lengths = [5, 11, 1, 7]
+    lengths = [5, 11, 1, 15]
     docs = [torch.randint(0, 97, (n,), generator=generator) for n in lengths]
     row = torch.cat(docs)[None]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
@@ -49,9 +56,10 @@ def test_packed_documents_give_the_logits_of_each_document_alone():
         packed = model(row, positions)[0]
         start = 0
         for doc in docs:
-            alone = model(doc[None])[0]
-            torch.testing.assert_close(packed[start : start + len(doc)], alone, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(packed[start : start + len(doc)], model(doc[None])[0], rtol=1e-5, atol=1e-5)
             start += len(doc)
+        shifted = model(row)[0, 5:16]  # one document: the second one's tokens at positions 5..15
+    assert (shifted - packed[5:16]).abs().max() > 1e-4
 
 
 def test_changing_one_document_leaves_the_others_untouched():

@@ -41,26 +41,6 @@ def test_the_factory_builds_the_family_the_config_names():
     assert type(build_model(ModelConfig(vocab_size=16, n_layer=1, n_head=2, n_embd=8, max_seq_len=8))).__name__ == "GPT"
 
 
-@pytest.mark.parametrize("n_kv_head", [1, 2, 4])
-def test_packed_documents_give_the_logits_of_each_document_alone(n_kv_head):
-    """Rotary angles come from each token's position in its document, and attention stays inside it."""
-    model = tiny_llama(n_kv_head=n_kv_head)
-    generator = torch.Generator().manual_seed(1)
-    lengths = [5, 11, 1, 15]
-    docs = [torch.randint(0, 97, (n,), generator=generator) for n in lengths]
-    row = torch.cat(docs)[None]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    with torch.no_grad():
-        packed = model(row, positions)[0]
-        start = 0
-        for doc in docs:
-            torch.testing.assert_close(packed[start:start + len(doc)], model(doc[None])[0], rtol=1e-5, atol=1e-5)
-            start += len(doc)
-        # Without document positions the second document's rotations (and attention) would differ.
-        shifted = model(row)[0, 5:16]
-    assert (shifted - packed[5:16]).abs().max() > 1e-4
-
-
 def reference_grouped_attention(q, k, v, positions):
     """Causal attention within documents with every key/value head repeated to its group of query heads, one
     (row, head) at a time: grouped-query attention's definition, with none of attend's kernels."""
