@@ -91,7 +91,12 @@ def test_max_time_stops_training_and_the_model_is_still_exported(tmp_path):
     record = json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())
     assert record["status"] == "completed" and record["optimizer_steps"] >= 1
     lines = [json.loads(line) for line in result.stdout.decode().splitlines()]
-    assert lines[-1]["elapsed_seconds"] <= 8.5  # 12 s less the 4 s reserve; the clock starts before the first step
+    # 12 s less the 4 s reserve. Lightning looks at the clock after each update, so the last one may end past 8 s
+    # by about an update's time, which on two busy cores (the tests' workers) can pass half a second; without the
+    # reserve training would run to 12 s.
+    update_seconds = max((b["elapsed_seconds"] - a["elapsed_seconds"]) / (b["step"] - a["step"])
+                         for a, b in zip(lines, lines[1:]) if b["step"] > a["step"])
+    assert lines[-1]["elapsed_seconds"] <= 8 + max(0.5, 2 * update_seconds), (lines[-1], update_seconds)
 
 
 def test_max_time_ends_a_run_whose_input_went_silent_and_the_model_is_exported(tmp_path):
