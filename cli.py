@@ -231,7 +231,7 @@ def build_parser(config_path: str | None = None) -> ArgumentParser:
 
 
 def describe(summary: str = "") -> str:
-    lines = [f"{summary}." if summary else "Pretrain the GPT decoder the way RunFab runs train.py."]
+    lines = [f"{summary}." if summary else "Pretrain the decoder (GPT-2 or Llama) the way RunFab runs train.py."]
     lines.append(
         f"Subcommands: {DEFAULT_SUBCOMMAND} (the default), "
         f"{', '.join(name for name in SUBCOMMANDS if name != DEFAULT_SUBCOMMAND)}; `python {PROG} SUBCOMMAND --help` "

@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 def cross_entropy(model, documents: Iterable[np.ndarray], seq_len: int, microbatch: int, device: torch.device,
                   context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> dict:
-    """Token-weighted cross-entropy of ``model`` (a GPT) on ``documents`` packed in rows of ``seq_len``."""
+    """Token-weighted cross-entropy of ``model`` (a model.decoder.Decoder, either family) on ``documents``
+    packed in rows of ``seq_len``."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)

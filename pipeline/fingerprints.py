@@ -4,8 +4,8 @@ tokens update by update, the same validation set.
 Each digest is defined on what the run computes with, in one canonical form, so that it comes out
 the same whatever the precision, the device or the number of ranks:
 
-- initial weights: SHA-256 over the GPT-2 state dict the export writes (its key names in sorted
-  order, fp32, little-endian), taken before the first update;
+- initial weights: SHA-256 over the state dict the export writes (its family's Hugging Face key names
+  in sorted order, fp32, little-endian), taken before the first update;
 - the tokens of an update: the sum of a 40-bit BLAKE2b digest of each of its rows (its tokens and
   the offsets where its documents start, int32). A sum does not depend on the order of the rows or
   on which rank trained which row, and it can be added up over ranks in the all-reduce a run

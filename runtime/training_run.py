@@ -301,7 +301,7 @@ def compile_module(cfg: RunConfig, module: L.LightningModule, world: int) -> Non
 
 
 def initial_model(cfg: RunConfig, device: torch.device):
-    """The GPT as training built it before update 1: the same seed, the same construction (build_module)."""
+    """The decoder as training built it before update 1: the same seed, the same construction (build_module)."""
     torch.manual_seed(cfg.seed)
     return build_module(cfg, device if device.type == "cuda" else None).model
 
