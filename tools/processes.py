@@ -31,12 +31,20 @@ def start(command: list[str], **popen_options) -> subprocess.Popen:
     return subprocess.Popen(command, preexec_fn=functools.partial(exit_with_parent, os.getpid()), **popen_options)
 
 
+KILL_WAIT_SECONDS = 5.0
+
+
 def kill_group(pgid: int) -> None:
-    """SIGKILL a process group (a child started with ``start_new_session`` and all it started)."""
+    """SIGKILL a process group (a child started with ``start_new_session`` and all it started), and wait up to
+    KILL_WAIT_SECONDS until none of it runs: a killed process ends a moment later (on a busy machine, later
+    still), and what the caller does next must not find it running."""
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass
+        return
+    deadline = time.monotonic() + KILL_WAIT_SECONDS
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def running(processes) -> list[str]:
