@@ -16,15 +16,19 @@ from model.families import build_model
 from model.kernels import ComputeConfig
 
 
-Schedule = Literal["cosine", "constant"]
+Schedule = Literal["cosine", "constant", "wsd"]
+OptimizerName = Literal["adamw", "muon"]
 
 
 @dataclass
 class OptimConfig:
-    """The ``optim`` section of the config: AdamW and the learning-rate schedule."""
+    """The ``optim`` section of the config: the optimizer and the learning-rate schedule."""
 
+    name: OptimizerName = "adamw"
+    """adamw: AdamW for every parameter. muon: torch.optim.Muon for the blocks' weight matrices (muon_lr), AdamW
+    (lr) for the embeddings, the LM head, norms and biases; the schedule scales both"""
     lr: float = 6e-4
-    """Peak learning rate, reached at the end of warmup"""
+    """Peak learning rate of AdamW, reached at the end of warmup"""
     min_lr_ratio: float = 0.1
     """Where the cosine schedule ends, as a fraction of lr"""
     weight_decay: float = 0.1
@@ -41,11 +45,21 @@ class OptimConfig:
     warmup_steps: int = 100
     """Optimizer updates of linear warmup from 0 to lr"""
     schedule: Schedule = "cosine"
-    """Learning rate after warmup: cosine (down to lr x min_lr_ratio at decay_steps) or constant"""
+    """Learning rate after warmup: cosine (down to lr x min_lr_ratio at decay_steps), constant, or wsd (warmup, a
+    stable plateau at lr, then a linear decay to lr x min_lr_ratio over the last decay_fraction of decay_steps)"""
     decay_steps: int | None = None
-    """Update at which the cosine schedule reaches its floor, counted from the first update; null: trainer.max_steps"""
+    """Update at which the cosine or wsd schedule reaches its floor, counted from the first update; null:
+    trainer.max_steps"""
+    decay_fraction: float = 0.2
+    """wsd: the fraction of decay_steps, at its end, over which the learning rate decays"""
     fused: bool | None = None
     """AdamW's fused kernel; null: on CUDA"""
+    muon_lr: float = 0.02
+    """muon: peak learning rate of Muon (scaled per matrix by sqrt(max(1, rows / columns)), as Muon's default does)"""
+    muon_momentum: float = 0.95
+    """muon: Muon's momentum (Nesterov)"""
+    muon_weight_decay: float = 0.0
+    """muon: Muon's decoupled weight decay of the blocks' matrices (weight_decay applies to AdamW's matrices)"""
 
     def problems(self, max_steps: int) -> list[str]:
         """What makes the schedule impossible; ``max_steps`` (trainer.max_steps) is where decay_steps comes from by default."""
@@ -55,27 +69,46 @@ class OptimConfig:
             ("optim.beta2", 0 <= self.beta2 < 1, "in [0, 1)"), ("optim.eps", self.eps > 0, "> 0"),
             ("optim.warmup_steps", self.warmup_steps >= 0, ">= 0"),
             ("optim.decay_steps", self.decay_steps is None or self.decay_steps >= 1, ">= 1, or null (trainer.max_steps)"),
+            ("optim.decay_fraction", 0 < self.decay_fraction <= 1, "in (0, 1]"),
+            ("optim.muon_lr", self.muon_lr > 0, "> 0"), ("optim.muon_momentum", 0 <= self.muon_momentum < 1, "in [0, 1)"),
+            ("optim.muon_weight_decay", self.muon_weight_decay >= 0, ">= 0"),
         ]
         found = [f"{name} must be {rule}, not {getattr(self, name.split('.')[1])}" for name, ok, rule in ranges if not ok]
         if found:
             return found
-        if self.schedule == "cosine" and self.decay_steps is None:
-            return ["trainer.max_steps is -1 (until the input ends), so the cosine schedule has no horizon: "
+        if self.schedule == "constant":
+            return []
+        if self.decay_steps is None:
+            return [f"trainer.max_steps is -1 (until the input ends), so the {self.schedule} schedule has no horizon: "
                     "set optim.decay_steps, or use optim.schedule constant"]
+        source = " (it follows trainer.max_steps)" if self.decay_steps == max_steps else ""
         if self.schedule == "cosine" and not self.decay_steps > self.warmup_steps:
-            source = " (it follows trainer.max_steps)" if self.decay_steps == max_steps else ""
             return [f"the cosine schedule warms up for optim.warmup_steps ({self.warmup_steps}) steps and decays until "
                     f"optim.decay_steps ({self.decay_steps}){source}, which must be later: for a run this short set "
                     f"optim.warmup_steps below {self.decay_steps}, or use optim.schedule constant"]
+        if self.schedule == "wsd" and not wsd_decay_start(self) >= self.warmup_steps:
+            return [f"the wsd schedule warms up for optim.warmup_steps ({self.warmup_steps}) steps but starts its decay "
+                    f"at update {wsd_decay_start(self)}: the last optim.decay_fraction ({self.decay_fraction}) of "
+                    f"optim.decay_steps ({self.decay_steps}){source}; lower optim.warmup_steps or optim.decay_fraction"]
         return []
 
 
+def wsd_decay_start(cfg: OptimConfig) -> int:
+    """The update at which the wsd schedule leaves its plateau."""
+    return round((cfg.decay_steps or 0) * (1 - cfg.decay_fraction))
+
+
 def lr_factor(step: int, cfg: OptimConfig) -> float:
-    """Linear warmup to 1, then constant or cosine down to ``min_lr_ratio`` at ``decay_steps``."""
+    """Linear warmup to 1, then constant, cosine down to ``min_lr_ratio`` at ``decay_steps``, or wsd: 1 until
+    ``wsd_decay_start``, then linear down to ``min_lr_ratio`` at ``decay_steps``."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
         return 1.0
+    if cfg.schedule == "wsd":
+        start = wsd_decay_start(cfg)
+        progress = min(1.0, max(0, step - start) / max(1, (cfg.decay_steps or 1) - start))
+        return 1 - (1 - cfg.min_lr_ratio) * progress
     horizon = max(1, (cfg.decay_steps or 1) - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / horizon)
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
@@ -135,11 +168,12 @@ class GPTTrainingModule(L.LightningModule):
         max_norm = gradient_clip_val if gradient_clip_val else float("inf")
         self.last_grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, foreach=True)
 
-    def parameter_groups(self) -> list[dict]:
-        """Weight decay on matrices only; norms, biases and (by default) embeddings are left alone."""
+    def parameter_groups(self, params: list[torch.nn.Parameter] | None = None) -> list[dict]:
+        """AdamW's groups: weight decay on matrices only; norms, biases and (by default) embeddings are left alone.
+        ``params``: the parameters AdamW holds (default: all)."""
         embeddings = {id(p) for p in self.model.embeddings()}
         decay, no_decay = [], []
-        for p in self.model.parameters():
+        for p in self.model.parameters() if params is None else params:
             is_embedding = id(p) in embeddings
             if p.dim() >= 2 and (not is_embedding or self.optim_config.decay_embeddings):
                 decay.append(p)
@@ -150,11 +184,59 @@ class GPTTrainingModule(L.LightningModule):
             {"params": no_decay, "weight_decay": 0.0},
         ]
 
+    def muon_parameters(self) -> list[torch.nn.Parameter]:
+        """What Muon holds under optim.name muon: the blocks' weight matrices (not the embeddings nor the head)."""
+        return [p for p in self.model.blocks.parameters() if p.dim() == 2]
+
     def configure_optimizers(self):
         cfg = self.optim_config
         fused = cfg.fused if cfg.fused is not None else self.device.type == "cuda"
-        optimizer = torch.optim.AdamW(
-            self.parameter_groups(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused
-        )
+        if cfg.name == "adamw":
+            optimizer = torch.optim.AdamW(
+                self.parameter_groups(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused
+            )
+        else:
+            matrices = self.muon_parameters()
+            held = {id(p) for p in matrices}
+            rest = [p for p in self.model.parameters() if id(p) not in held]
+            optimizer = OptimizerPair(
+                torch.optim.Muon(matrices, lr=cfg.muon_lr, momentum=cfg.muon_momentum,
+                                 weight_decay=cfg.muon_weight_decay),
+                torch.optim.AdamW(self.parameter_groups(rest), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                  fused=fused),
+            )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class OptimizerPair(torch.optim.Optimizer):
+    """Two optimizers over disjoint parameters presented as one, since Lightning's automatic optimization (gradient
+    accumulation, clipping, precision) steps one optimizer. Its ``param_groups`` are the two optimizers' own group
+    dicts, so a scheduler setting a group's lr sets it in the optimizer that holds the group; its state dict holds
+    both optimizers' state dicts."""
+
+    def __init__(self, first: torch.optim.Optimizer, second: torch.optim.Optimizer) -> None:
+        self.optimizers = (first, second)
+        super().__init__([p for group in first.param_groups + second.param_groups for p in group["params"]], {})
+        self.param_groups = first.param_groups + second.param_groups
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for optimizer in self.optimizers:
+            optimizer.step()
+        return loss
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [optimizer.state_dict() for optimizer in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        states = state_dict.get("optimizers")
+        if not isinstance(states, list) or len(states) != len(self.optimizers):
+            raise ValueError(f"expected the state of {len(self.optimizers)} optimizers (optim.name muon), found "
+                             f"{type(states).__name__}: was the checkpoint written with another optim.name?")
+        for optimizer, state in zip(self.optimizers, states, strict=True):
+            optimizer.load_state_dict(state)

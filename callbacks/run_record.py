@@ -76,6 +76,18 @@ def dataset_descriptor(root: Path) -> dict | None:
 RECORD_NAME = "run_record.json"
 
 
+def optimizers_held(trainer: L.Trainer) -> list[dict]:
+    """Each optimizer that steps the model (AdamW alone, or Muon and AdamW under optim.name muon), with its peak
+    learning rate and how many parameters it holds."""
+    held = []
+    for optimizer in trainer.optimizers:
+        for part in getattr(optimizer, "optimizers", (optimizer,)):
+            groups = part.param_groups
+            held.append({"name": type(part).__name__, "lr": groups[0].get("initial_lr", groups[0]["lr"]),
+                         "parameters": sum(p.numel() for group in groups for p in group["params"])})
+    return held
+
+
 class RunRecord:
     """Builds ``run_record.json`` when training ends; the export writes it with the model (``write``)."""
 
@@ -113,6 +125,7 @@ class RunRecord:
             "optimizer_steps": trainer.global_step,
             "model_family": pl_module.model.config.family,
             "parameters": count_parameters(pl_module.model),
+            "optimizers": optimizers_held(trainer),
             "final_metrics": metrics.last_record if metrics else None,
             "summary": metrics.summary(trainer, pl_module) if metrics else None,
             "observations": observer.files if observer else [],

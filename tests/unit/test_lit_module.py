@@ -142,3 +142,57 @@ def test_gradient_clipping_clips_to_the_trainers_value_and_reports_the_norm_befo
     assert norm > 1e-3
     clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in lit.parameters()]))
     torch.testing.assert_close(clipped, torch.tensor(1e-3), rtol=1e-4, atol=0)  # the gradients the step used
+
+
+def test_wsd_warms_up_holds_its_plateau_then_decays_linearly_over_the_last_fraction():
+    cfg = OptimConfig(warmup_steps=10, decay_steps=100, decay_fraction=0.2, min_lr_ratio=0.1, schedule="wsd")
+    assert lr_factor(0, cfg) == pytest.approx(0.1)
+    assert [lr_factor(step, cfg) for step in (9, 10, 50, 80)] == pytest.approx([1.0] * 4)
+    assert lr_factor(90, cfg) == pytest.approx(0.55)
+    assert lr_factor(100, cfg) == pytest.approx(0.1) and lr_factor(400, cfg) == pytest.approx(0.1)
+    assert OptimConfig(warmup_steps=10, decay_steps=100, schedule="wsd").problems(100) == []
+    refused = OptimConfig(warmup_steps=90, decay_steps=100, decay_fraction=0.2, schedule="wsd").problems(100)
+    assert len(refused) == 1 and "optim.decay_fraction" in refused[0]
+
+
+def test_muon_holds_the_blocks_matrices_and_adamw_everything_else_once():
+    lit = module(name="muon", muon_lr=0.05)
+    optimizer = lit.configure_optimizers()["optimizer"]
+    muon, adamw = optimizer.optimizers
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    names = {id(p): n for n, p in lit.model.named_parameters()}
+    held_by_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    held_by_adamw = {names[id(p)] for g in adamw.param_groups for p in g["params"]}
+    assert held_by_muon == {n for n, p in lit.model.named_parameters() if n.startswith("blocks.") and p.dim() == 2}
+    assert {"wte.weight", "wpe.weight", "ln_f.weight", "blocks.0.ln_1.weight"} <= held_by_adamw
+    assert not held_by_muon & held_by_adamw and len(held_by_muon | held_by_adamw) == len(names)
+    assert [g["lr"] for g in optimizer.param_groups] == [0.05, 6e-4, 6e-4]
+
+
+def test_muon_trains_through_lightning_and_its_state_round_trips():
+    rows = uneven_rows()
+    lit = module(name="muon")
+    before = {n: p.detach().clone() for n, p in lit.named_parameters()}
+    fit(lit, [rows, uneven_rows(1)], microbatch=4, steps=2)
+    moved = {n for n, p in lit.named_parameters() if not torch.equal(p, before[n])}
+    assert moved == set(before)  # Muon's matrices and AdamW's rest all stepped
+    optimizer = lit.trainer.optimizers[0]
+    state = optimizer.state_dict()
+    muon_state = state["optimizers"][0]["state"]
+    assert muon_state and all("momentum_buffer" in s for s in muon_state.values())
+    again = module(name="muon").configure_optimizers()["optimizer"]
+    again.load_state_dict(state)
+    assert torch.equal(again.optimizers[0].state_dict()["state"][0]["momentum_buffer"], muon_state[0]["momentum_buffer"])
+    with pytest.raises(ValueError, match="optim.name muon"):
+        again.load_state_dict(torch.optim.AdamW(lit.parameters()).state_dict())
+
+
+def test_the_schedule_scales_muon_and_adamw_alike():
+    lit = module(name="muon")
+    lit.optim_config.schedule, lit.optim_config.warmup_steps = "constant", 4
+    configured = lit.configure_optimizers()
+    optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    scheduler.step()
+    muon, adamw = optimizer.optimizers
+    assert muon.param_groups[0]["lr"] == pytest.approx(0.02 * 2 / 4)
+    assert adamw.param_groups[0]["lr"] == pytest.approx(6e-4 * 2 / 4)
