@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from callbacks.history import read_history
 
@@ -270,3 +272,18 @@ def test_a_resumed_shard_run_has_the_history_of_an_uninterrupted_one(prepared, t
     assert a["initial_weights_sha256"] == b["initial_weights_sha256"]
     assert a["training_tokens"] == b["training_tokens"]
     assert b["validation"]["ce_before"] == pytest.approx(a["validation"]["ce_before"], rel=1e-6)
+
+
+def test_a_resumed_muon_run_ends_on_the_uninterrupted_runs_weights_bit_for_bit(prepared, tmp_path):
+    """Both optimizers' state (Muon's momentum, AdamW's moments) and the wsd schedule survive a checkpoint."""
+    muon = ("--optim.name", "muon", "--optim.schedule", "wsd", "--optim.decay_steps", "6")
+    train_shards(prepared, tmp_path / "whole", 6, *muon)
+    train_shards(prepared, tmp_path / "parts", 3, "--trainer.checkpoint_every_steps", "3", *muon)
+    train_shards(prepared, tmp_path / "parts", 6, "--ckpt_path", "last", *muon)
+    whole, parts = (read_history(tmp_path / name / "model" / "history.npz") for name in ("whole", "parts"))
+    assert whole["loss"].tolist() == parts["loss"].tolist() and whole["lr"].tolist() == parts["lr"].tolist()
+    weights = [load_file(tmp_path / name / "model" / "model.safetensors") for name in ("whole", "parts")]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
+    optimizers = record_of(tmp_path / "parts")["optimizers"]
+    assert [(o["name"], o["lr"]) for o in optimizers] == [("Muon", 0.02), ("AdamW", 3e-3)]

@@ -7,6 +7,7 @@ the probe as RunFab runs it, in a fresh process, is in tests/integration.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from config import load_config
 from model import attention
@@ -50,3 +51,19 @@ def test_without_pytorchs_varlen_kernel_the_probe_keeps_the_automatic_choice(mon
     monkeypatch.setattr(attention, "varlen_attn", None)  # packed rows would take SDPA's mask: more memory
     cfg = load_config("conf/smoke.yaml")
     assert probe.probe_model_config(cfg).compute.attention == "auto"
+
+
+def test_the_probe_takes_its_steps_with_muons_state_allocated(monkeypatch):
+    """Under optim.name muon the probe steps Muon as training does, the second step with its momentum held."""
+    states = []
+    step = torch.optim.Muon.step
+
+    def counted(self, *args, **kwargs):
+        result = step(self, *args, **kwargs)
+        states.append(sum(len(s) for s in self.state.values()))
+        return result
+
+    monkeypatch.setattr(torch.optim.Muon, "step", counted)
+    cfg = load_config("conf/smoke.yaml", ["optim.name=muon", "trainer.accelerator=cpu"])
+    result = probe.run_probe_local(cfg, microbatch=4, world=1, effective=8)
+    assert result["steps"] == 2 and len(states) == 2 and states[-1] > 0
