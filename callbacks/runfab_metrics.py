@@ -116,6 +116,7 @@ class RunFabMetrics(L.Callback):
         self.input_wait = input_wait
         self._held: dict | None = None  # the interval closed when validation started, written with its val_loss
         self._pending_val_loss: float | None = None  # a validation loss waiting for the next training line
+        self.validated_at: int | None = None  # the update of the last periodic validation
         self._log_file: TextIO | None = None
         self.last_record: dict = {}
         self.normal = {"seconds": 0.0, "input_wait_seconds": 0.0, "target_tokens": 0, "flops": 0.0, "updates": 0,
@@ -336,6 +337,9 @@ class RunFabMetrics(L.Callback):
             val_loss = round(float(pl_module.val_loss.compute()), 6)
             pl_module.val_loss.reset()
             log.info("validation loss %.4f after optimizer step %d", val_loss, trainer.global_step)
+            self.validated_at = trainer.global_step
+            for logger in trainer.loggers:
+                logger.log_metrics({"val_loss": val_loss}, step=trainer.global_step)
             if held is not None:
                 held["val_loss"] = val_loss
             else:

@@ -47,8 +47,9 @@ def build_trainer(cfg: RunConfig, accelerator: str, world: int, **overrides) -> 
 
 
 def validates(cfg: RunConfig) -> bool:
-    """Whether training validates periodically: an interval and a held-out share of the input."""
-    return cfg.trainer.val_every_steps > 0 and cfg.data.val_fraction > 0
+    """Whether training validates periodically: an interval, and a validation file or a held-out share of
+    the input."""
+    return cfg.trainer.val_every_steps > 0 and (cfg.data.val_path is not None or cfg.data.val_fraction > 0)
 
 
 def training_arguments(cfg: RunConfig, split: BatchSplit) -> dict:
