@@ -76,6 +76,22 @@ def dataset_descriptor(root: Path) -> dict | None:
 RECORD_NAME = "run_record.json"
 
 
+def logger_locations(trainer: L.Trainer) -> dict[str, dict]:
+    """Where each of the Trainer's loggers keeps the run: its folder, and for W&B the run's page (its URL;
+    none when W&B runs offline, whose folder ``wandb sync`` uploads later)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    found: dict[str, dict] = {}
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            run = logger.experiment
+            found["wandb"] = {"url": getattr(run, "url", None) or None,
+                              "folder": str(Path(run.dir).parent) if getattr(run, "dir", None) else None}
+        else:
+            found[type(logger).__name__] = {"folder": getattr(logger, "log_dir", None)}
+    return found
+
+
 class RunRecord:
     """Builds ``run_record.json`` when training ends; the export writes it with the model (``write``)."""
 
@@ -116,6 +132,7 @@ class RunRecord:
             "final_metrics": metrics.last_record if metrics else None,
             "summary": metrics.summary(trainer, pl_module) if metrics else None,
             "observations": observer.files if observer else [],
+            "loggers": logger_locations(trainer),
             "compile_cache": self.compile_cache_usage(),
             "kernels": pl_module.model.kernels_used(),
             "input": self.input_summary() if self.input_summary else None,

@@ -248,6 +248,8 @@ def build_callbacks(cfg: RunConfig, accelerator: str, split: BatchSplit, descrip
     run_dir, checkpoint_dir, every = run_folder(cfg), checkpoint_folder(cfg), cfg.trainer.checkpoint_every_steps
     observer = ObservationWindows(cfg.observe, run_dir)
     history = History(token_digests=cfg.data.token_digests)
+    if cfg.observe.loggers:  # the loggers' per-update points, up to each metric line, ahead of it
+        metrics.before_line = history.flush
     fixed_validation = build_fixed_validation(cfg, split, source, history, metrics)
     record = RunRecord(BUNDLE_ROOT, description, source.record, compiles(cfg, accelerator), source.early_end,
                        metrics, observer, sections=functools.partial(
