@@ -38,6 +38,7 @@ from callbacks.fixed_validation import FixedValidation, ValidationBeforeTraining
 from callbacks.history import History
 from callbacks.graceful_stop import GracefulStop
 from callbacks.observe import ObservationWindows
+from callbacks.progress import UpdateProgressBar
 from callbacks.run_record import RunRecord, sha256_file
 from callbacks.runfab_metrics import RunFabMetrics, ensure_stdout
 from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, load_config_dict, training_time_limit
@@ -53,7 +54,7 @@ from runtime.device_policy import (
     preload_worker_modules, prepare_compile, resolve_accelerator, setup_process, use_allocator_settings,
 )
 from runtime.output_folder import check_output_budget, check_output_space, claimed_output, remove_unfinished_exports
-from runtime.trainer import build_trainer, training_arguments, validates
+from runtime.trainer import build_trainer, shows_progress, training_arguments, validates
 from model.flops import count_parameters, training_flops
 from runtime.probe import run_probe_local
 from pipeline.tokenizer import TextEncoder
@@ -266,6 +267,8 @@ def build_callbacks(cfg: RunConfig, accelerator: str, split: BatchSplit, descrip
         GracefulStop(source.end, before_exit=functools.partial(remove_unfinished_exports, Path(cfg.output.root))),
         host_memory,
     ]
+    if shows_progress(cfg):
+        callbacks.append(UpdateProgressBar())
     if every > 0:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=every,
                                                              save_top_k=1))

@@ -6,6 +6,7 @@ import csv
 import importlib.util
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,11 @@ def test_unknown_or_missing_loggers_are_refused_before_training():
                 training_run.experiment_loggers(load_config("conf/smoke.yaml", [f"observe.loggers=[{name}]"]), Path("logs"))
     assert ObserveConfig(profile_update=5, profile_updates=3, memory_update=9).observed_updates() == {5, 6, 7, 9}
     assert ObserveConfig().observed_updates() == set()
+
+
+def test_the_progress_bar_counts_updates_out_of_max_steps_with_the_time_left_on_stderr(tmp_path, monkeypatch, capsys):
+    lines, _ = tiny_run(tmp_path, monkeypatch, "trainer.max_steps=5", "trainer.enable_progress_bar=true")
+    bar = capsys.readouterr().err
+    assert "5/5 [" in bar and "update/s" in bar  # accumulation 4: microbatches would count to 20
+    assert re.search(r"[1-4]/5 \[\d\d:\d\d<\d\d:\d\d", bar)  # the time left, before the end
+    assert lines and "Training" not in json.dumps(lines)
