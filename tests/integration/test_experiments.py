@@ -266,7 +266,7 @@ training_run.run_training(cfg, BatchSplit(6 // ranks, 1, ranks, 6), stdin=sys.st
 
 def test_a_3_rank_run_has_the_history_of_a_1_rank_run_and_is_comparable(tmp_path):
     """The stdin path trains the same updates on any number of ranks (6 rows per update here)."""
-    values = tiny({"trainer.max_steps": 5, "trainer.val_every_steps": 0, "optim.warmup_steps": 1,
+    values = tiny({"trainer.max_steps": 5, "trainer.val_every_steps": 2, "optim.warmup_steps": 1,
                    "metrics.interval_seconds": 0, "data.val_fraction": 0.05, "trainer.accelerator": "cpu"})
     for ranks in (1, 3):
         result = run(["-c", RANKS_SCRIPT, str(ranks), *as_dotlist(values), f"output.root={tmp_path / str(ranks)}"],
@@ -279,6 +279,13 @@ def test_a_3_rank_run_has_the_history_of_a_1_rank_run_and_is_comparable(tmp_path
     assert three["loss"] == pytest.approx(one["loss"], rel=1e-5)
     assert three["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
     assert record_of(tmp_path / "3")["world_size"] == 3
+    sets = [record_of(tmp_path / name)["comparability"]["validation"] for name in ("1", "3")]
+    same = ("formed", "closed_by", "closed_after_updates", "documents_read", "sha256", "documents", "tokens")
+    assert [sets[1][k] for k in same] == [sets[0][k] for k in same]  # one set, closed alike, on every rank
+    assert sets[1]["ce_after"] == pytest.approx(sets[0]["ce_after"], rel=1e-5)
+    losses = [[line["val_loss"] for line in map(json.loads, (tmp_path / name / "run/metrics.jsonl").open())
+               if "val_loss" in line] for name in ("1", "3")]
+    assert len(losses[0]) == 2 and losses[1] == pytest.approx(losses[0], rel=1e-4)
     compared = tool("compare", tmp_path / "1", tmp_path / "3", "--out", tmp_path / "page")
     assert compared.returncode == 0, compared.stdout + compared.stderr
 
