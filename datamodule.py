@@ -84,7 +84,7 @@ class _ValidationDataset(IterableDataset):
 
 
 class StreamingDataModule(L.LightningDataModule):
-    """Training batches from a stream of complete updates (this rank's share); validation from the held-out pool.
+    """Training batches from a stream of complete updates (this rank's share); validation from the validation set.
 
     The stream is the feeder's queue in a single process, or the feeder's socket in a data-parallel
     worker; either may give INPUT_PENDING where the input keeps training waiting.
