@@ -83,12 +83,17 @@ def logger_locations(trainer: L.Trainer) -> dict[str, dict]:
 
     found: dict[str, dict] = {}
     for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger):
-            run = logger.experiment
-            found["wandb"] = {"url": getattr(run, "url", None) or None,
-                              "folder": str(Path(run.dir).parent) if getattr(run, "dir", None) else None}
-        else:
+        if not isinstance(logger, WandbLogger):
             found[type(logger).__name__] = {"folder": getattr(logger, "log_dir", None)}
+            continue
+        run = getattr(sys.modules.get("wandb"), "run", None)  # the logger's run, started with its first point
+        if run is None:
+            continue
+        try:
+            url = run.url
+        except Exception:  # noqa: BLE001 - an offline run has no page, and some W&B versions raise for it
+            url = None
+        found["wandb"] = {"url": url or None, "folder": str(Path(run.dir).parent) if run.dir else None}
     return found
 
 
