@@ -1,11 +1,12 @@
 """The LightningDataModules: ``StreamingDataModule`` gives training batches from a stream of complete
-updates and validation from the held-out pool (the stream is the feeder's queue, pipeline/feeder.py,
+updates and validation from the validation set (the stream is the feeder's queue, pipeline/feeder.py,
 in a single process, or the feeder's socket, pipeline/feeder_wire.py, in a data-parallel worker);
 ``ShardDataModule`` gives training batches from prepared rows (pipeline/shards.py).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 
@@ -18,6 +19,8 @@ from pipeline.packing import collate_rows, pack_rows
 from pipeline.records import StreamStats
 from pipeline.stream import StreamSettings
 from pipeline.validation_split import ValidationPool
+
+log = logging.getLogger(__name__)
 
 
 class PendingMicrobatch:
@@ -61,20 +64,27 @@ class _BatchStream(IterableDataset):
 
 
 class _ValidationDataset(IterableDataset):
-    """Packs the pool's documents as they are at the start of each validation run; rows are split over ranks."""
+    """Packs the validation set's documents into rows split over ranks; nothing while the set is still
+    being gathered after ``update()`` (an input slower than training), the same on every rank."""
 
-    def __init__(self, pool: ValidationPool, seq_len: int, microbatch: int, rank: int, world_size: int) -> None:
+    def __init__(self, pool: ValidationPool, seq_len: int, microbatch: int, rank: int, world_size: int,
+                 update: Callable[[], int]) -> None:
         self.pool, self.seq_len, self.microbatch = pool, seq_len, microbatch
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.update = rank, world_size, update
 
     def __iter__(self) -> Iterator[dict]:
+        if not self.pool.ready_after(self.update()):
+            if self.rank == 0:
+                log.warning("validation after update %d skipped: the validation set is still being gathered (the "
+                            "input has been slower than training since the start)", self.update())
+            return
         rows = list(pack_rows(self.pool.snapshot(), self.seq_len, StreamStats(), pad_last=True))[self.rank :: self.world_size]
         for i in range(0, len(rows), self.microbatch):
             yield collate_rows(rows[i : i + self.microbatch])
 
 
 class StreamingDataModule(L.LightningDataModule):
-    """Training batches from a stream of complete updates (this rank's share); validation from the held-out pool.
+    """Training batches from a stream of complete updates (this rank's share); validation from the validation set.
 
     The stream is the feeder's queue in a single process, or the feeder's socket in a data-parallel
     worker; either may give INPUT_PENDING where the input keeps training waiting.
@@ -101,7 +111,8 @@ class StreamingDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         s = self.settings
-        dataset = _ValidationDataset(self.pool, s.seq_len, s.microbatch, self.rank, s.world_size)
+        dataset = _ValidationDataset(self.pool, s.seq_len, s.microbatch, self.rank, s.world_size,
+                                     lambda: self.trainer.global_step)
         return DataLoader(dataset, batch_size=None, pin_memory=self.pin_memory)
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):

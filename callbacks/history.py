@@ -10,7 +10,10 @@ every FLUSH_UPDATES updates, in one all-reduce on every rank at the same update.
 The history survives resumption: it is part of the checkpoint (Lightning keeps a callback's
 state_dict), so a resumed run's history is the whole run's, as an uninterrupted run's would be.
 It is written as ``history.npz`` (numpy, no pickle) beside the exported model, where RunFab keeps
-it. Bounded: a row per update up to MAX_ROWS rows (about 5 MB); beyond, adjacent rows are merged
+it. Rank 0 also hands every update to the Trainer's loggers, as it is read: its loss, learning rate,
+gradient norm and tokens per second (its target tokens over the host's seconds since the previous
+update ended, validation left out); ``flush`` is then also called before each metric line, so the
+loggers are never more than a line behind and receive their points in update order. Bounded: a row per update up to MAX_ROWS rows (about 5 MB); beyond, adjacent rows are merged
 in pairs and every row then covers ``stride`` updates (stated in the file): the loss is their
 token-weighted mean, the gradient norm their mean, target tokens their sum, the learning rate,
 update and seconds those of the last, the digest the sum of theirs (modulo 2**63).
@@ -84,16 +87,22 @@ class History(L.Callback):
         self._lr = 0.0
         self._steps_seen = 0
         self._start = time.perf_counter()
+        self._update_start = self._start  # where the next update's seconds count from (for the loggers)
+        self._first_batch = True
 
     # -- the updates ------------------------------------------------------------------------
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._steps_seen = trainer.global_step
         self._start = time.perf_counter()
+        self._first_batch = True
         if trainer.global_step == 0 and self.initial_weights is None and trainer.is_global_zero:
             self.initial_weights = model_weights_digest(pl_module.model)  # before update 1: the same on every rank
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._first_batch:  # the first update's seconds start with its first microbatch
+            self._first_batch = False
+            self._update_start = time.perf_counter()
         if self._loss is None:  # an update's first microbatch: the learning rate it trains with
             self._lr = trainer.optimizers[0].param_groups[0]["lr"]
 
@@ -104,9 +113,11 @@ class History(L.Callback):
             return  # mid-accumulation
         self._steps_seen = trainer.global_step
         norm = pl_module.last_grad_norm
+        now = time.perf_counter()
         self._pending.append((trainer.global_step, self._loss, norm.detach().double() if norm is not None else None,
                               self._lr, int(batch["update_target_tokens"]), int(batch.get("update_digest", 0)),
-                              self.seconds_before + time.perf_counter() - self._start))
+                              self.seconds_before + now - self._start, now - self._update_start))
+        self._update_start = now
         self._loss = None
         if trainer.global_step % FLUSH_UPDATES == 0:
             self.flush(trainer)
@@ -124,8 +135,10 @@ class History(L.Callback):
         rows = {"update": [p[0] for p in pending], "loss": (losses.cpu().numpy() / [max(p[4], 1) for p in pending]),
                 "grad_norm": norms, "lr": [p[3] for p in pending], "target_tokens": [p[4] for p in pending],
                 "tokens_digest": [p[5] for p in pending], "seconds": [p[6] for p in pending]}
-        for _, _, _, _, _, digest, _ in pending:
+        for _, _, _, _, _, digest, _, _ in pending:
             self.tokens_chain = fingerprints.chain(self.tokens_chain, digest)
+        if trainer.is_global_zero and trainer.loggers:
+            self._log_points(trainer, rows, [p[7] for p in pending])
         self.updates += len(pending)
         if self.stride > 1:  # the new rows join at the history's resolution
             rows = self._at_stride(rows)
@@ -134,6 +147,19 @@ class History(L.Callback):
         while len(self.columns["update"]) > self.max_rows:
             self.columns = merge_pairs(self.columns)
             self.stride *= 2
+
+    @staticmethod
+    def _log_points(trainer: L.Trainer, rows: dict, seconds: list[float]) -> None:
+        for i, update in enumerate(rows["update"]):
+            point = {"loss": float(rows["loss"][i]), "lr": float(rows["lr"][i]),
+                     "tokens_per_second": rows["target_tokens"][i] / max(seconds[i], 1e-9)}
+            if not np.isnan(rows["grad_norm"][i]):
+                point["grad_norm"] = float(rows["grad_norm"][i])
+            for logger in trainer.loggers:
+                logger.log_metrics(point, step=int(update))
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._update_start = time.perf_counter()  # the next update's seconds leave validation out
 
     def _at_stride(self, rows: dict) -> dict:
         """Rows of single updates merged up to the history's stride (the last may be partial)."""

@@ -88,6 +88,27 @@ def optimizers_held(trainer: L.Trainer) -> list[dict]:
     return held
 
 
+def logger_locations(trainer: L.Trainer) -> dict[str, dict]:
+    """Where each of the Trainer's loggers keeps the run: its folder, and for W&B the run's page (its URL;
+    none when W&B runs offline, whose folder ``wandb sync`` uploads later)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    found: dict[str, dict] = {}
+    for logger in trainer.loggers:
+        if not isinstance(logger, WandbLogger):
+            found[type(logger).__name__] = {"folder": getattr(logger, "log_dir", None)}
+            continue
+        run = getattr(sys.modules.get("wandb"), "run", None)  # the logger's run, started with its first point
+        if run is None:
+            continue
+        try:
+            url = run.url
+        except Exception:  # noqa: BLE001 - an offline run has no page, and some W&B versions raise for it
+            url = None
+        found["wandb"] = {"url": url or None, "folder": str(Path(run.dir).parent) if run.dir else None}
+    return found
+
+
 class RunRecord:
     """Builds ``run_record.json`` when training ends; the export writes it with the model (``write``)."""
 
@@ -129,6 +150,7 @@ class RunRecord:
             "final_metrics": metrics.last_record if metrics else None,
             "summary": metrics.summary(trainer, pl_module) if metrics else None,
             "observations": observer.files if observer else [],
+            "loggers": logger_locations(trainer),
             "compile_cache": self.compile_cache_usage(),
             "kernels": pl_module.model.kernels_used(),
             "input": self.input_summary() if self.input_summary else None,

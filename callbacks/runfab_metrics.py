@@ -27,6 +27,8 @@ from runfab.limits import METRIC_LINE_CHARS
 log = logging.getLogger(__name__)
 
 MAX_LINE_CHARS = METRIC_LINE_CHARS - 1  # RunFab wants each line below METRIC_LINE_CHARS
+PER_UPDATE = frozenset({"step", "loss", "lr", "grad_norm", "tokens_per_second", "val_loss"})
+"""A line's values that the loggers receive otherwise: for every update (history.py) and at each validation."""
 
 
 def peak_memory(device: torch.device) -> dict[str, float]:
@@ -89,11 +91,14 @@ class RunFabMetrics(L.Callback):
         flops: Callable[[int, int], float] | None = None, peak_flops: float | None = None,
         warmup_updates: int = 0, observed_updates: Collection[int] = (), log_path: Path | None = None,
         validate_every: int = 0, report_due: Callable[[int], bool] | None = None,
-        input_wait: Callable[[], float] | None = None,
+        input_wait: Callable[[], float] | None = None, before_line: Callable[[L.Trainer], None] | None = None,
     ) -> None:
         """``flops(tokens, attention_pairs)`` and ``peak_flops`` (per device) add ``mfu`` to the lines.
 
-        Each line also goes to ``log_path`` (the run's metrics.jsonl) and to the trainer's loggers.
+        Each line also goes to ``log_path`` (the run's metrics.jsonl), and what it has beyond the
+        per-update values (loss, lr, grad_norm, tokens_per_second: the loggers get those for every
+        update from ``before_line(trainer)``, called on every rank as an interval closes) to the
+        trainer's loggers, at its update; so does each periodic validation's ``val_loss``.
         Every line carries loss and throughput: an interval with no update writes nothing, and
         ``val_loss`` rides on the line of the interval that validation (every ``validate_every``
         updates) closes. With several ranks ``report_due(update)`` (the feeder's marks) says when to
@@ -114,8 +119,10 @@ class RunFabMetrics(L.Callback):
         self.validate_every = validate_every
         self.report_due = report_due
         self.input_wait = input_wait
+        self.before_line = before_line
         self._held: dict | None = None  # the interval closed when validation started, written with its val_loss
         self._pending_val_loss: float | None = None  # a validation loss waiting for the next training line
+        self.validated_at: int | None = None  # the update of the last periodic validation
         self._log_file: TextIO | None = None
         self.last_record: dict = {}
         self.normal = {"seconds": 0.0, "input_wait_seconds": 0.0, "target_tokens": 0, "flops": 0.0, "updates": 0,
@@ -203,6 +210,8 @@ class RunFabMetrics(L.Callback):
     def _close(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict | None:
         """Check finiteness, end the interval and start the next; its line, or None if it had no update."""
         now = self._now(pl_module.device)
+        if self.before_line is not None:
+            self.before_line(trainer)
         bad_step = int(self._first_bad_step)
         if bad_step >= 0:
             raise NonFiniteLossError(
@@ -316,7 +325,7 @@ class RunFabMetrics(L.Callback):
             self._log_file.write(line + "\n")
             self._log_file.flush()
         for logger in getattr(trainer, "loggers", ()):
-            logger.log_metrics({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+            logger.log_metrics({k: v for k, v in record.items() if k not in PER_UPDATE}, step=record["step"])
         self.last_record = record
         shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items())
         log.info("metrics: %s", shown)
@@ -336,6 +345,9 @@ class RunFabMetrics(L.Callback):
             val_loss = round(float(pl_module.val_loss.compute()), 6)
             pl_module.val_loss.reset()
             log.info("validation loss %.4f after optimizer step %d", val_loss, trainer.global_step)
+            self.validated_at = trainer.global_step
+            for logger in trainer.loggers:
+                logger.log_metrics({"val_loss": val_loss}, step=trainer.global_step)
             if held is not None:
                 held["val_loss"] = val_loss
             else:

@@ -46,9 +46,14 @@ class DataConfig:
     """Seconds stdin may keep the reader waiting before what the tokenizer and the shuffle hold back goes on to
     training, so a slow stream trains as it arrives"""
     val_fraction: float = 0.005
-    """Share of documents held out for validation, chosen by a hash of their content"""
+    """Share of documents held out for validation, chosen by a hash of their content, among those read before
+    the first update (the shuffle buffer's bounds); the set is then fixed and later documents are all trained on"""
     val_max_tokens: int = 1 << 18
-    """Tokens the held-out pool holds at most; held-out documents past it are trained on"""
+    """Tokens the validation set holds at most: held-out documents past it are trained on; a data.val_path file
+    holding more is refused"""
+    val_path: str | None = None
+    """A file of NDJSON records (as training reads them) that is the validation set, read whole; nothing is then
+    held out of the input. null: hold out data.val_fraction of the input's first documents"""
     shuffle_buffer_docs: int = 10_000
     """Documents the seeded shuffle buffer holds at most"""
     shuffle_buffer_tokens: int = 1 << 23

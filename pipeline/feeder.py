@@ -168,7 +168,7 @@ class UpdateFeeder:
                 self._started[rank] = updates + 1
             return False
 
-    def iterate(self, rank: int = 0, mark_waits: bool = False) -> Iterator[dict | ValidationDocument | _InputPending]:
+    def iterate(self, rank: int = 0, mark_waits: bool = False) -> Iterator[dict | ValidationDocument | ValidationClosed | _InputPending]:
         """The rank's items, complete updates only; the stream is consumed once, so a second pass yields nothing.
 
         With ``mark_waits``, INPUT_PENDING comes first whenever an update after the first is not
@@ -220,15 +220,37 @@ class ValidationDocument:
     tokens: np.ndarray
 
 
-class _ForwardingPool(ValidationPool):
-    """The feeder's pool, which also sends every document it keeps to each rank, in stream order."""
+@dataclass
+class ValidationClosed:
+    """The held-out set is complete (ValidationPool.close's arguments), on its way to a worker's own pool."""
+
+    closed_by: str
+    after_updates: int
+    documents_read: int | None
+
+
+class _ForwardingPool:
+    """The feeder's pool, which also sends every document it keeps, and its closing, to each rank in
+    stream order: a worker's pool is complete before the first update assembled after the closing."""
 
     def __init__(self, pool: ValidationPool, feeder: UpdateFeeder) -> None:
         self.pool, self.feeder = pool, feeder
+        self.max_tokens = pool.max_tokens
+
+    @property
+    def closed(self) -> bool:
+        return self.pool.closed
 
     def offer(self, tokens: np.ndarray) -> bool:
         if not self.pool.offer(tokens):
             return False
-        for rank in range(len(self.feeder.queues)):
-            self.feeder._put(rank, ValidationDocument(tokens))
+        self._send(ValidationDocument(tokens))
         return True
+
+    def close(self, closed_by: str, after_updates: int = 0, documents_read: int | None = None) -> None:
+        self.pool.close(closed_by, after_updates, documents_read)
+        self._send(ValidationClosed(closed_by, after_updates, documents_read))
+
+    def _send(self, item: object) -> None:
+        for rank in range(len(self.feeder.queues)):
+            self.feeder._put(rank, item)

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pipeline.feeder import INPUT_PENDING, ValidationDocument
+from pipeline.feeder import INPUT_PENDING, ValidationClosed, ValidationDocument
 from pipeline.report_marks import ReportMarks
 
 
@@ -31,7 +31,8 @@ from pipeline.report_marks import ReportMarks
 
 
 def send_item(conn: Connection, item: object) -> None:
-    """A microbatch (dict of tensors and ints), a held-out document, the end, or an error."""
+    """A microbatch (dict of tensors and ints), a held-out document, the held-out set's closing, the end,
+    or an error."""
     if isinstance(item, dict):
         tensors = {k: v for k, v in item.items() if torch.is_tensor(v)}
         header = {
@@ -44,6 +45,8 @@ def send_item(conn: Connection, item: object) -> None:
     elif isinstance(item, ValidationDocument):
         conn.send_bytes(json.dumps({"kind": "validation", "length": len(item.tokens)}).encode())
         conn.send_bytes(item.tokens.astype(np.int32).tobytes())
+    elif isinstance(item, ValidationClosed):
+        conn.send_bytes(json.dumps({"kind": "validation_closed", **vars(item)}).encode())
     elif isinstance(item, BaseException):
         conn.send_bytes(json.dumps({"kind": "error", "message": f"{type(item).__name__}: {item}"}).encode())
     else:  # the end: an End, or None
@@ -59,9 +62,9 @@ class End(NamedTuple):
     input_summary: dict | None = None
 
 
-def receive_items(conn: Connection, on_end=lambda end: None) -> Iterator[dict | np.ndarray]:
-    """Microbatches (dicts) and held-out documents (int32 arrays) until the feeder says it ended;
-    ``on_end`` receives the End."""
+def receive_items(conn: Connection, on_end=lambda end: None) -> Iterator[dict | np.ndarray | ValidationClosed]:
+    """Microbatches (dicts), held-out documents (int32 arrays) and the held-out set's closing until the
+    feeder says it ended; ``on_end`` receives the End."""
     while True:
         header = json.loads(conn.recv_bytes())
         if header["kind"] == "end":
@@ -69,6 +72,9 @@ def receive_items(conn: Connection, on_end=lambda end: None) -> Iterator[dict | 
             return
         if header["kind"] == "error":
             raise RuntimeError(f"the feeder stopped: {header['message']}")
+        if header["kind"] == "validation_closed":
+            yield ValidationClosed(header["closed_by"], header["after_updates"], header["documents_read"])
+            continue
         payload = conn.recv_bytes()
         if header["kind"] == "validation":
             yield np.frombuffer(payload, dtype=np.int32).copy()
@@ -197,6 +203,9 @@ class FeederConnection:
                 break
             if isinstance(item, np.ndarray):
                 self.pool.offer(item)
+                continue
+            if isinstance(item, ValidationClosed):
+                self.pool.close(item.closed_by, item.after_updates, item.documents_read)
                 continue
             if item.pop("report", 0):  # the feeder's mark travels on the wire, not into training_step
                 self.report_marks.mark(self._taken // self._per_update + 1)

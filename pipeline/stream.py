@@ -108,7 +108,7 @@ def stream_updates(
     s, d = settings, settings.data
     docs = read_records(stream, stats, s.vocab_size, d.max_record_bytes, d.give_up_after, d.input_idle_seconds)
     tokens = encode_documents(docs, encode_batch, s.eos_id, stats, d.tokenize_batch_docs, d.tokenize_batch_bytes)
-    train_docs = split_validation(tokens, pool, d.val_fraction, stats)
+    train_docs = split_validation(tokens, pool, d.val_fraction, stats, d.shuffle_buffer_docs, d.shuffle_buffer_tokens)
     shuffled = shuffle_documents(train_docs, d.shuffle_buffer_docs, d.shuffle_buffer_tokens, s.seed,
                                  idle_release_tokens=s.rows_per_update * s.seq_len)
     rows = pack_rows(shuffled, s.seq_len, stats)

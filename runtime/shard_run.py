@@ -32,11 +32,12 @@ from callbacks.agreed_stop import StopAtAgreedUpdate
 from config import ConfigError, RunConfig, bundle_path
 from datamodule import ShardDataModule
 from pipeline import shards
+from pipeline.validation_split import PREPARED, ValidationPool
 from runtime import checkpoints, launcher
 from runtime.batch_split import BatchSplit
 from runtime.device_policy import resolve_accelerator, setup_process, use_allocator_settings, world_size
 from runtime.output_folder import claimed_output
-from runtime.training_run import TrainingInput, fit, load_encoder
+from runtime.training_run import TrainingInput, fit, load_encoder, validation_pool
 
 log = logging.getLogger("train")
 
@@ -95,6 +96,19 @@ def resolve_checkpoint(ckpt_path: str | None, folder: Path) -> tuple[str, dict] 
     return str(found[0]), found[1]
 
 
+def prepared_validation(cfg: RunConfig, meta: dict, encoder) -> ValidationPool:
+    """data.val_path, else the validation split beside the prepared rows, as the run's closed validation set."""
+    if cfg.data.val_path is not None:
+        return validation_pool(cfg, encoder)
+    documents = shards.read_validation(cfg.data.path, meta, encoder.encode_batch_arrays, encoder.eos_id,
+                                       cfg.model.vocab_size)
+    pool = ValidationPool(sum(len(doc) for doc in documents), PREPARED, f"{cfg.data.path}/{shards.VALIDATION_FILE}")
+    for doc in documents:
+        pool.offer(doc)
+    pool.close("prepared", 0, len(documents))
+    return pool
+
+
 def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = None,
                       accumulation: int | None = None, ckpt_path: str | None = None) -> dict:
     """Train on the prepared rows at ``data.path``; ``effective`` is train.EFFECTIVE_BATCH_SIZE, used
@@ -131,8 +145,7 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
             cfg.data.path, cfg.model.max_seq_len, split.microbatch, split.accumulation, cfg.seed,
             cfg.data.loader_workers, agreement, pin_memory=resolve_accelerator(cfg) == "gpu",
             token_digests=cfg.data.token_digests)
-        held_out = shards.read_validation(cfg.data.path, meta, encoder.encode_batch_arrays, encoder.eos_id,
-                                          cfg.model.vocab_size)
+        held_out = prepared_validation(cfg, meta, encoder)
         stop = StopAtAgreedUpdate(agreement, root / "checkpoints" / STOP_CHECKPOINT)
         overrides: dict = {"devices": per_node, "num_nodes": nodes, "plugins": [checkpoints.DurableCheckpointIO()]}
         if SLURMEnvironment.detect():  # its requeue handler checkpoints between microbatches: not exact
@@ -144,7 +157,7 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
         source = TrainingInput(datamodule, summary=lambda: summary, end=agreement.request_stop,
                                early_end=lambda: agreement.stopped_by,
                                report_due=agreement.report_marks.due if world > 1 else None,
-                               validation=(lambda: held_out, f"{cfg.data.path}/{shards.VALIDATION_FILE}"))
+                               validation=held_out)
         result = fit(cfg, split, source, encoder, ckpt_path=resume,
                      extra_callbacks=(stop, checkpoints.ResumeFingerprint(unchanged)), trainer_overrides=overrides)
     if agreement.stopped_by is not None:

@@ -47,8 +47,14 @@ def build_trainer(cfg: RunConfig, accelerator: str, world: int, **overrides) -> 
 
 
 def validates(cfg: RunConfig) -> bool:
-    """Whether training validates periodically: an interval and a held-out share of the input."""
-    return cfg.trainer.val_every_steps > 0 and cfg.data.val_fraction > 0
+    """Whether training validates periodically: an interval, and a validation file or a held-out share of
+    the input."""
+    return cfg.trainer.val_every_steps > 0 and (cfg.data.val_path is not None or cfg.data.val_fraction > 0)
+
+
+def shows_progress(cfg: RunConfig) -> bool:
+    """Whether training draws its progress bar (callbacks/progress.py): asked for, or stderr is a terminal."""
+    return cfg.trainer.enable_progress_bar if cfg.trainer.enable_progress_bar is not None else sys.stderr.isatty()
 
 
 def training_arguments(cfg: RunConfig, split: BatchSplit) -> dict:
@@ -56,13 +62,12 @@ def training_arguments(cfg: RunConfig, split: BatchSplit) -> dict:
     update, when it validates and checkpoints, and whether it draws a progress bar."""
     validate = validates(cfg)
     every = cfg.trainer.checkpoint_every_steps
-    progress = cfg.trainer.enable_progress_bar if cfg.trainer.enable_progress_bar is not None else sys.stderr.isatty()
     return dict(
         max_steps=cfg.trainer.max_steps, max_time=training_time_limit(cfg),
         accumulate_grad_batches=split.accumulation,
         val_check_interval=cfg.trainer.val_every_steps * split.accumulation if validate else None,
         limit_val_batches=(cfg.trainer.limit_val_batches or 1.0) if validate else 0,
         enable_checkpointing=every > 0,
-        enable_progress_bar=progress,
+        enable_progress_bar=shows_progress(cfg),
         default_root_dir=cfg.output.root,
     )

@@ -34,10 +34,11 @@ from runtime.batch_split import BatchSplit
 from runfab.lifetime import exit_with_parent
 from callbacks import owned_folders
 from callbacks.export import ExportFailed, ExportModel
-from callbacks.fixed_validation import FixedValidation
+from callbacks.fixed_validation import FixedValidation, ValidationBeforeTraining
 from callbacks.history import History
 from callbacks.graceful_stop import GracefulStop
 from callbacks.observe import ObservationWindows
+from callbacks.progress import UpdateProgressBar
 from callbacks.run_record import RunRecord, sha256_file
 from callbacks.runfab_metrics import RunFabMetrics, ensure_stdout
 from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, load_config_dict, training_time_limit
@@ -47,13 +48,13 @@ from pipeline.feeder import UpdateFeeder
 from pipeline.sources import open_input
 from pipeline.records import UnusableInputError
 from pipeline.stream import StreamSettings, summary_line
-from pipeline.validation_split import ValidationPool
+from pipeline.validation_split import HELD_OUT, ValidationPool, load_validation_file
 from runtime.device_policy import (
     build_module, check_host_memory, compiles, limit_gpu_memory, local_device, platform_memory_fraction,
     preload_worker_modules, prepare_compile, resolve_accelerator, setup_process, use_allocator_settings,
 )
 from runtime.output_folder import check_output_budget, check_output_space, claimed_output, remove_unfinished_exports
-from runtime.trainer import build_trainer, training_arguments, validates
+from runtime.trainer import build_trainer, shows_progress, training_arguments, validates
 from model.flops import count_parameters, training_flops
 from runtime.probe import run_probe_local
 from pipeline.tokenizer import TextEncoder
@@ -95,14 +96,14 @@ class TrainingInput:
     (for the run record), ``end(reason)`` ends the input at the next update boundary (a signal),
     ``early_end()`` says why it ended early if it did (the record's ``partial``), ``report_due(update)``
     says when several ranks report together (None: on its own clock), and ``validation``, when given,
-    is a fixed held-out set as (documents(), where they are from)."""
+    is the run's validation set (else the stream datamodule's ``pool``)."""
 
     datamodule: L.LightningDataModule
     summary: Callable[[], dict | None] = lambda: None
     end: Callable[[str], None] = lambda reason: None
     early_end: Callable[[], str | None] = lambda: None
     report_due: Callable[[int], bool] | None = None
-    validation: tuple | None = None
+    validation: ValidationPool | None = None
 
     def record(self) -> dict | None:
         """The run record's ``input``: the summary and how long training waited for the input."""
@@ -192,10 +193,23 @@ def build_feeder(cfg: RunConfig, encoder: TextEncoder, split: BatchSplit, stdin=
     With several ranks it marks the updates that end with a metric line, so the ranks report together."""
     return UpdateFeeder(
         lambda: open_input(bundle_path(cfg.data.sample_path), stdin, cfg.data.source),
-        stream_settings(cfg, encoder, split), encoder.encode_batch_arrays, ValidationPool(cfg.data.val_max_tokens),
+        stream_settings(cfg, encoder, split), encoder.encode_batch_arrays, validation_pool(cfg, encoder),
         report_every=cfg.metrics.interval_seconds if split.ranks > 1 else None,
         time_limit_seconds=limit.total_seconds() if (limit := training_time_limit(cfg)) is not None else None,
     )
+
+
+def validation_pool(cfg: RunConfig, encoder: TextEncoder) -> ValidationPool:
+    """The run's validation set: the file ``data.val_path`` read whole, or an empty set that the feeder
+    gathers from the start of the input (pipeline/validation_split.py)."""
+    if cfg.data.val_path is None:
+        return ValidationPool(cfg.data.val_max_tokens)
+    path = bundle_path(cfg.data.val_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data.val_path {path} is not a file; give NDJSON records (as training reads them), "
+                                "or leave data.val_path null to hold documents out of the input")
+    return load_validation_file(path, encoder.encode_batch_arrays, encoder.eos_id, cfg.model.vocab_size,
+                                cfg.data.max_record_bytes, cfg.data.val_max_tokens)
 
 
 def build_stream_datamodule(cfg: RunConfig, feeder: UpdateFeeder) -> StreamingDataModule:
@@ -235,11 +249,14 @@ def build_callbacks(cfg: RunConfig, accelerator: str, split: BatchSplit, descrip
     run_dir, checkpoint_dir, every = run_folder(cfg), checkpoint_folder(cfg), cfg.trainer.checkpoint_every_steps
     observer = ObservationWindows(cfg.observe, run_dir)
     history = History(token_digests=cfg.data.token_digests)
-    fixed_validation = build_fixed_validation(cfg, split, source, history)
+    if cfg.observe.loggers:  # the loggers' per-update points, up to each metric line, ahead of it
+        metrics.before_line = history.flush
+    fixed_validation = build_fixed_validation(cfg, split, source, history, metrics)
     record = RunRecord(BUNDLE_ROOT, description, source.record, compiles(cfg, accelerator), source.early_end,
                        metrics, observer, sections=functools.partial(
                            comparability, cfg, description, source, metrics, history, fixed_validation))
     callbacks: list[L.Callback] = [
+        ValidationBeforeTraining(fixed_validation),  # first: its time is outside every training measure
         owned_folders.MarkRunFolders([run_dir, *([checkpoint_dir] if every > 0 else [])]),
         observer,  # before the metrics: writing a trace counts as observed time
         metrics,  # before the export: the record carries the last line and the summary
@@ -250,22 +267,24 @@ def build_callbacks(cfg: RunConfig, accelerator: str, split: BatchSplit, descrip
         GracefulStop(source.end, before_exit=functools.partial(remove_unfinished_exports, Path(cfg.output.root))),
         host_memory,
     ]
+    if shows_progress(cfg):
+        callbacks.append(UpdateProgressBar())
     if every > 0:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=every,
                                                              save_top_k=1))
     return callbacks
 
 
-def build_fixed_validation(cfg: RunConfig, split: BatchSplit, source: TrainingInput,
-                           history: History) -> FixedValidation:
-    """The held-out loss at the start and the end: on the documents the input held out (saved in run/
-    for a later comparison), or on the fixed set the input came with."""
-    documents, where = source.validation or (source.datamodule.pool.snapshot,
-                                             "held out from the input (data.val_fraction)")
+def build_fixed_validation(cfg: RunConfig, split: BatchSplit, source: TrainingInput, history: History,
+                           metrics: RunFabMetrics) -> FixedValidation:
+    """The validation loss at the start and the end, on the run's validation set; one held out from the
+    input is saved in run/ for a later comparison (``python -m tools evaluate --data``)."""
+    pool = source.validation or source.datamodule.pool
     return FixedValidation(
-        documents, cfg.model.max_seq_len, split.microbatch, functools.partial(initial_model, cfg),
-        lambda: history.initial_weights, where,
-        save_to=None if source.validation else run_folder(cfg) / "validation.jsonl")
+        pool, cfg.model.max_seq_len, split.microbatch, functools.partial(initial_model, cfg),
+        lambda: history.initial_weights,
+        save_to=run_folder(cfg) / "validation.jsonl" if pool.formed == HELD_OUT else None,
+        validated_at=lambda: metrics.validated_at)
 
 
 def comparability(cfg: RunConfig, description: dict, source: TrainingInput, metrics: RunFabMetrics,
@@ -449,7 +468,7 @@ def _run_worker(cfg: RunConfig, spec: dict, world: int, rank: int, platform_frac
     encoder = load_encoder(cfg)
     split = BatchSplit(spec["microbatch"], spec["accumulation"], world, spec["effective"])
     settings = stream_settings(cfg, encoder, split)
-    pool = ValidationPool(cfg.data.val_max_tokens)
+    pool = validation_pool(cfg, encoder)
     connection = feeder_wire.FeederConnection(tuple(spec["address"]), bytes.fromhex(spec["authkey"]), rank, pool,
                                               split.accumulation)
     datamodule = StreamingDataModule(

@@ -158,6 +158,33 @@ def test_evaluate_on_the_runs_validation_set_gives_its_final_validation_ce(runs)
                                                    rel=1e-6)
 
 
+def test_runs_of_other_lengths_and_batch_splits_on_the_same_input_validate_on_the_same_set(tmp_path):
+    """The held-out set is gathered from the read-ahead before the first update (100 documents here), so a
+    run three times as long, with another microbatch and accumulation, validates on the very same set."""
+    short = train(tmp_path / "short", "--data.shuffle_buffer_docs", "100", "--trainer.max_steps", "3",
+                  "--microbatch", "8")
+    long = train(tmp_path / "long", "--data.shuffle_buffer_docs", "100", "--trainer.max_steps", "9",
+                 "--microbatch", "16", "--accumulation", "2")
+    a, b = (record_of(out)["comparability"]["validation"] for out in (short, long))
+    assert a["formed"] == "held out from the input" and a["closed_by"] == "read_ahead" and a["documents"] > 0
+    assert (a["sha256"], a["documents"], a["tokens"]) == (b["sha256"], b["documents"], b["tokens"])
+    assert record_of(short)["input"]["held_out_documents"] == record_of(long)["input"]["held_out_documents"]
+    assert b["ce_before"] == pytest.approx(a["ce_before"], rel=1e-6) and b["ce_after"] < a["ce_after"]
+
+
+def test_a_validation_file_is_the_set_and_evaluate_scores_it_alike(tmp_path):
+    val = tmp_path / "val.jsonl"
+    val.write_bytes(records(560)[len(records(500)):])  # records the training input does not hold
+    out = train(tmp_path / "run", "--data.val_path", str(val))
+    record = record_of(out)
+    validation = record["comparability"]["validation"]
+    assert validation["formed"] == "file" and validation["source"] == str(val) and validation["documents"] == 60
+    assert record["input"]["held_out_documents"] == 0 and "file" not in validation  # nothing saved: the file is it
+    scored = json.loads(tool("evaluate", out / "model", "--data", val).stdout)
+    assert scored["documents"]["sha256"] == validation["sha256"]
+    assert scored["cross_entropy"] == pytest.approx(validation["ce_after"], rel=1e-6)
+
+
 def test_evaluate_reads_text_records_by_the_trainers_rules(runs, tmp_path):
     data = tmp_path / "text.jsonl"
     data.write_bytes(records(20) + b"not json\n" + b'{"text": ""}\n')
@@ -241,7 +268,7 @@ training_run.run_training(cfg, BatchSplit(6 // ranks, 1, ranks, 6), stdin=sys.st
 
 def test_a_3_rank_run_has_the_history_of_a_1_rank_run_and_is_comparable(tmp_path):
     """The stdin path trains the same updates on any number of ranks (6 rows per update here)."""
-    values = tiny({"trainer.max_steps": 5, "trainer.val_every_steps": 0, "optim.warmup_steps": 1,
+    values = tiny({"trainer.max_steps": 5, "trainer.val_every_steps": 2, "optim.warmup_steps": 1,
                    "metrics.interval_seconds": 0, "data.val_fraction": 0.05, "trainer.accelerator": "cpu"})
     for ranks in (1, 3):
         result = run(["-c", RANKS_SCRIPT, str(ranks), *as_dotlist(values), f"output.root={tmp_path / str(ranks)}"],
@@ -254,6 +281,13 @@ def test_a_3_rank_run_has_the_history_of_a_1_rank_run_and_is_comparable(tmp_path
     assert three["loss"] == pytest.approx(one["loss"], rel=1e-5)
     assert three["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
     assert record_of(tmp_path / "3")["world_size"] == 3
+    sets = [record_of(tmp_path / name)["comparability"]["validation"] for name in ("1", "3")]
+    same = ("formed", "closed_by", "closed_after_updates", "documents_read", "sha256", "documents", "tokens")
+    assert [sets[1][k] for k in same] == [sets[0][k] for k in same]  # one set, closed alike, on every rank
+    assert sets[1]["ce_after"] == pytest.approx(sets[0]["ce_after"], rel=1e-5)
+    losses = [[line["val_loss"] for line in map(json.loads, (tmp_path / name / "run/metrics.jsonl").open())
+               if "val_loss" in line] for name in ("1", "3")]
+    assert len(losses[0]) == 2 and losses[1] == pytest.approx(losses[0], rel=1e-4)
     compared = tool("compare", tmp_path / "1", tmp_path / "3", "--out", tmp_path / "page")
     assert compared.returncode == 0, compared.stdout + compared.stderr
 

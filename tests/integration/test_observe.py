@@ -6,6 +6,7 @@ import csv
 import importlib.util
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 import train
 from runtime.batch_split import BatchSplit
 from runtime import training_run
+from callbacks.history import read_history
 from callbacks.observe import ObserveConfig
 from config import ConfigError, load_config
 from tests.helpers import IN_PROCESS_RUN, Stdin, as_dotlist, records
@@ -70,12 +72,29 @@ def test_without_observation_nothing_is_profiled_and_no_line_is_flagged(tmp_path
     assert record["summary"]["normal_region"]["updates"] == 3
 
 
-def test_a_csv_logger_receives_the_metric_lines_and_stdout_keeps_only_them(tmp_path, monkeypatch):
-    lines, _ = tiny_run(tmp_path, monkeypatch, "trainer.max_steps=3", "observe.loggers=[csv]")
-    assert all(isinstance(line, dict) for line in lines)
+def test_a_csv_logger_gets_a_point_per_update_and_the_validations_and_stdout_keeps_only_the_metric_lines(
+        tmp_path, monkeypatch):
+    """Metric lines every 10 updates at most (a long interval); the logger still gets every update's loss,
+    lr, gradient norm and tokens per second, the validation of the initial weights at update 0, each
+    periodic validation at its update and the final one at the last."""
+    lines, record = tiny_run(tmp_path, monkeypatch, "trainer.max_steps=7", "trainer.val_every_steps=3",
+                             "metrics.interval_seconds=3600", "observe.warmup_updates=0", "observe.loggers=[csv]")
+    assert all(isinstance(line, dict) for line in lines) and len([line for line in lines if "loss" in line]) < 7
     [metrics_csv] = (tmp_path / "out/run/logs/csv").rglob("metrics.csv")
     rows = list(csv.DictReader(metrics_csv.open()))
-    assert [float(r["loss"]) for r in rows if r.get("loss")] == [line["loss"] for line in lines if "loss" in line]
+    points = {int(r["step"]): r for r in rows if r["loss"]}
+    assert sorted(points) == list(range(1, 8))
+    history = read_history(tmp_path / "out/model/history.npz")
+    assert [float(points[u]["loss"]) for u in range(1, 8)] == pytest.approx(history["loss"].tolist(), rel=1e-6)
+    assert all(float(points[u]["tokens_per_second"]) > 0 and points[u]["lr"] and points[u]["grad_norm"]
+               for u in points)
+    validations = [(int(r["step"]), float(r["val_loss"])) for r in rows if r["val_loss"]]
+    validation = record["comparability"]["validation"]
+    assert [step for step, _ in validations] == [0, 3, 6, 7]
+    assert validations[0][1] == pytest.approx(validation["ce_before"], rel=1e-6)
+    assert validations[-1][1] == pytest.approx(validation["ce_after"], rel=1e-6)
+    assert [int(r["step"]) for r in rows] == sorted(int(r["step"]) for r in rows)  # in update order, as W&B needs
+    assert record["loggers"]["CSVLogger"]["folder"] == str(metrics_csv.parent)
 
 
 def test_unknown_or_missing_loggers_are_refused_before_training():
@@ -87,3 +106,11 @@ def test_unknown_or_missing_loggers_are_refused_before_training():
                 training_run.experiment_loggers(load_config("conf/smoke.yaml", [f"observe.loggers=[{name}]"]), Path("logs"))
     assert ObserveConfig(profile_update=5, profile_updates=3, memory_update=9).observed_updates() == {5, 6, 7, 9}
     assert ObserveConfig().observed_updates() == set()
+
+
+def test_the_progress_bar_counts_updates_out_of_max_steps_with_the_time_left_on_stderr(tmp_path, monkeypatch, capsys):
+    lines, _ = tiny_run(tmp_path, monkeypatch, "trainer.max_steps=5", "trainer.enable_progress_bar=true")
+    bar = capsys.readouterr().err
+    assert "5/5 [" in bar and "update/s" in bar  # accumulation 4: microbatches would count to 20
+    assert re.search(r"[1-4]/5 \[\d\d:\d\d<\d\d:\d\d", bar)  # the time left, before the end
+    assert lines and "Training" not in json.dumps(lines)

@@ -219,3 +219,22 @@ def test_compile_caches_go_under_the_output_even_after_imports_wrote_the_tmp_def
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "my-triton")
     assert codecache._HEADER_DIR == str(tmp_path / "mine" / "precompiled_headers")
+
+
+def test_the_run_record_names_each_loggers_folder_and_the_wandb_runs_page(tmp_path, monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+    from callbacks.run_record import logger_locations
+
+    csv = CSVLogger(tmp_path, name="csv")
+    wandb_logger = WandbLogger.__new__(WandbLogger)  # W&B itself need not be installed: its run is faked below
+    run = SimpleNamespace(url="https://wandb.ai/lab/runfab/runs/abc123", dir=str(tmp_path / "wandb/run-abc123/files"))
+    monkeypatch.setitem(sys.modules, "wandb", SimpleNamespace(run=run))
+    found = logger_locations(SimpleNamespace(loggers=[csv, wandb_logger]))
+    assert found == {"CSVLogger": {"folder": csv.log_dir},
+                     "wandb": {"url": run.url, "folder": str(tmp_path / "wandb/run-abc123")}}
+    run.url = None  # offline: no page, the folder that `wandb sync` uploads
+    assert logger_locations(SimpleNamespace(loggers=[wandb_logger]))["wandb"]["url"] is None

@@ -46,3 +46,30 @@ def test_each_update_is_trained_before_the_stream_is_asked_for_the_next_and_the_
     trainer.fit(module, datamodule=datamodule)
     assert trainer.global_step == 4 and steps_when_asked == [1, 2, 3]
     assert 0.6 <= datamodule.input_wait_seconds < 5
+
+
+def test_periodic_validation_waits_for_the_whole_set_and_every_rank_agrees_when(caplog):
+    """A set closed after update 2 was assembled (the input was slower than training) is whole on every
+    rank from update 3 on; validation after updates 1 and 2 is skipped on every rank, never run on part."""
+    from types import SimpleNamespace
+
+    pool = ValidationPool(10**6)
+    for n in (40, 50, 60):
+        pool.offer(np.arange(1, n + 1, dtype=np.int32))
+    loaders = []
+    for rank in (0, 1):
+        datamodule = StreamingDataModule(lambda: iter(()), pool, stream_settings(world_size=2), rank=rank)
+        datamodule.trainer = SimpleNamespace(global_step=0)
+        loaders.append((datamodule, datamodule.val_dataloader()))
+
+    def batches_after(update: int) -> list[int]:
+        counts = []
+        for datamodule, loader in loaders:
+            datamodule.trainer.global_step = update
+            counts.append(sum(len(batch["input_ids"]) for batch in loader))
+        return counts
+
+    assert batches_after(1) == [0, 0] and "validation after update 1 skipped" in caplog.text
+    pool.close("read_ahead", after_updates=2, documents_read=300)
+    assert batches_after(2) == [0, 0]
+    assert batches_after(3) == [3, 2]  # 150 tokens in rows of 32: 5 rows dealt to 2 ranks

@@ -1,11 +1,22 @@
-"""pipeline/validation_split.py: which documents are held out, and the bounded pool they go to."""
+"""pipeline/validation_split.py: which documents are held out, and the one validation set they form."""
 
 from __future__ import annotations
 
-import numpy as np
+import io
+import json
+import logging
 
-from pipeline.records import StreamStats
-from pipeline.validation_split import ValidationPool, is_held_out, split_validation
+import numpy as np
+import pytest
+
+from pipeline import fingerprints
+from pipeline.records import StreamStats, UnusableInputError
+from pipeline.stream import stream_updates
+from pipeline.validation_split import ValidationPool, is_held_out, load_validation_file, split_validation
+
+from tests.pipeline_helpers import VOCAB, fake_encode, ndjson, stream_settings
+
+EVERYTHING = dict(read_ahead_docs=10**9, read_ahead_tokens=10**9)
 
 
 def test_held_out_documents_are_chosen_by_content_not_by_order():
@@ -14,14 +25,73 @@ def test_held_out_documents_are_chosen_by_content_not_by_order():
     assert 100 < len(chosen) < 300
     stats = StreamStats()
     pool = ValidationPool(max_tokens=10**9)
-    trained = list(split_validation(reversed(docs), pool, 0.05, stats))
+    trained = list(split_validation(reversed(docs), pool, 0.05, stats, **EVERYTHING))
     assert stats.held_out_documents == len(chosen) and len(trained) == 4000 - len(chosen)
+    assert pool.closed_by == "end_of_input" and pool.documents_read == 4000
 
 
-def test_the_validation_pool_is_bounded_and_later_held_out_documents_are_trained():
+def test_the_set_is_closed_at_val_max_tokens_and_later_held_out_documents_are_trained():
     docs = [(f"doc {i}".encode(), np.arange(10, dtype=np.int32)) for i in range(2000)]
     stats = StreamStats()
     pool = ValidationPool(max_tokens=55)
-    trained = list(split_validation(docs, pool, 0.5, stats))
-    assert pool.tokens == 50 and stats.held_out_documents == 5
+    trained = list(split_validation(docs, pool, 0.5, stats, **EVERYTHING))
+    assert pool.tokens == 50 and stats.held_out_documents == 5 and pool.closed_by == "val_max_tokens"
     assert len(trained) == 2000 - 5
+    assert not pool.offer(np.arange(1, dtype=np.int32))  # closed: not even a document that would fit
+
+
+def test_the_set_comes_from_the_read_ahead_only_and_does_not_depend_on_how_far_the_input_is_read():
+    """Held-out documents are searched only among those read before the shuffle buffer would release its
+    first one: the set is the same whether the run reads 300 documents or 3000."""
+    docs = [(f"doc {i}".encode(), np.full(i % 5 + 1, i, dtype=np.int32)) for i in range(3000)]
+    sets = []
+    for read in (300, 3000):
+        pool = ValidationPool(max_tokens=10**9)
+        trained = list(split_validation(docs[:read], pool, 0.1, StreamStats(), read_ahead_docs=100,
+                                        read_ahead_tokens=10**9))
+        sets.append(fingerprints.validation_digest(pool.snapshot()))
+        assert pool.closed_by == "read_ahead" and len(trained) == read - sets[-1]["documents"]
+        searched = pool.documents_read
+        assert searched - sets[-1]["documents"] == 101  # the training document that passes the bound closes it
+    assert sets[0] == sets[1] and sets[0]["documents"] > 0
+    held = [key for key, _ in docs[:searched] if is_held_out(key, 0.1)]
+    assert len(held) == sets[0]["documents"]
+
+
+def test_an_input_that_ends_before_the_set_is_full_gives_what_was_gathered_and_says_so(caplog):
+    docs = [(f"doc {i}".encode(), np.arange(4, dtype=np.int32)) for i in range(100)]
+    pool = ValidationPool(max_tokens=10**6)
+    with caplog.at_level(logging.WARNING, logger="pipeline.validation_split"):
+        list(split_validation(docs, pool, 0.2, StreamStats(), **EVERYTHING))
+    assert pool.closed_by == "end_of_input" and len(pool.snapshot()) > 0
+    assert "the input ended before the set reached data.val_max_tokens" in caplog.text
+    assert pool.description()["closed_after_updates"] == 0
+
+
+def test_the_validation_set_does_not_depend_on_the_batch_split_or_the_run_length():
+    rng = np.random.default_rng(1)
+    data = ndjson(*({"input_ids": [int(x) for x in rng.integers(1, VOCAB, int(n))]} for n in rng.integers(5, 80, 600)))
+    digests = []
+    for microbatch, accumulation, budget in ((2, 2, None), (4, 1, 300), (1, 8, 2000)):
+        s = stream_settings(val_fraction=0.1, val_max_tokens=10**6, shuffle_buffer_docs=64)
+        s.microbatch, s.accumulation, s.data.max_train_tokens = microbatch, accumulation, budget
+        pool = ValidationPool(s.data.val_max_tokens)
+        first = next(stream_updates(io.BytesIO(data), s, fake_encode, StreamStats(), pool))
+        assert first and pool.closed_by == "read_ahead" and pool.closed_after_updates == 0  # before update 1
+        digests.append(fingerprints.validation_digest(pool.snapshot()))
+    assert digests[0] == digests[1] == digests[2] and digests[0]["documents"] > 0
+
+
+def test_a_validation_file_is_read_whole_and_one_above_the_bound_is_refused(tmp_path):
+    path = tmp_path / "val.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ({"text": "abc"}, {"input_ids": [5, 6]}, {"text": ""})))
+    pool = load_validation_file(path, fake_encode, 0, VOCAB, 1 << 20, max_tokens=100)
+    assert [d.tolist() for d in pool.snapshot()] == [[98, 99, 100, 0], [5, 6, 0]]
+    assert pool.closed and pool.ready_after(1) and pool.description()["formed"] == "file"
+    with pytest.raises(UnusableInputError, match="more than data.val_max_tokens"):
+        load_validation_file(path, fake_encode, 0, VOCAB, 1 << 20, max_tokens=5)
+    # The stream then holds nothing out: every document trains.
+    stats = StreamStats()
+    list(stream_updates(io.BytesIO(ndjson(*({"input_ids": [7] * 20} for _ in range(40)))), stream_settings(),
+                        fake_encode, stats, pool))
+    assert stats.held_out_documents == 0 and len(pool.snapshot()) == 2
