@@ -1,5 +1,5 @@
-"""A tiny Llama (conf/llama-smoke.yaml, smaller rows) trained by train.py in a fresh interpreter on the bundled
-sample, as a user runs it: its loss falls, it exports as a Llama, the run record names the family, and
+"""A tiny Llama (conf/llama-smoke.yaml, and conf/fast-smoke.yaml's Muon recipe; smaller rows) trained by train.py
+in a fresh interpreter on the bundled sample, as a user runs it: its loss falls, it exports as a Llama, the run record names the family, and
 ``tools evaluate`` scores the export with the run's own final validation cross-entropy."""
 
 from __future__ import annotations
@@ -9,15 +9,19 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT, as_args
 
 
-def test_a_tiny_llama_trains_on_the_cpu_its_loss_falls_and_it_exports_as_llama(tmp_path):
+@pytest.mark.parametrize("preset, optimizers", [("conf/llama-smoke.yaml", ["AdamW"]),
+                                                ("conf/fast-smoke.yaml", ["Muon", "AdamW"])])
+def test_a_tiny_llama_trains_on_the_cpu_its_loss_falls_and_it_exports_as_llama(tmp_path, preset, optimizers):
     overrides = {"model.max_seq_len": 64, "trainer.max_steps": 8, "trainer.val_every_steps": 4,
                  "optim.warmup_steps": 2, "metrics.interval_seconds": 0, "data.source": "sample"}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RUNFAB", "HF_"))}
     env.update(CUDA_VISIBLE_DEVICES="", RUNFABRIC_OUTPUT=str(tmp_path / "out"), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", "conf/llama-smoke.yaml",
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", preset,
                            *as_args(overrides)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [json.loads(line)["loss"] for line in proc.stdout.splitlines() if '"loss"' in line]
@@ -28,6 +32,7 @@ def test_a_tiny_llama_trains_on_the_cpu_its_loss_falls_and_it_exports_as_llama(t
     assert settings["architectures"] == ["LlamaForCausalLM"] and settings["num_key_value_heads"] == 2
     record = json.loads((model_dir / "run_record.json").read_text())
     assert record["model_family"] == "llama" and record["config"]["model"]["family"] == "llama"
+    assert [optimizer["name"] for optimizer in record["optimizers"]] == optimizers
     validation = record["comparability"]["validation"]
     assert validation["ce_after"] < validation["ce_before"] - 0.5
 

@@ -61,3 +61,14 @@ def test_a_llama_preset_is_its_gpt2_preset_but_for_the_model(llama, gpt2):
     assert {k: v for k, v in ours.items() if k != "model"} == {k: v for k, v in theirs.items() if k != "model"}
     shape = ("vocab_size", "n_layer", "n_head", "n_embd", "max_seq_len")
     assert [ours["model"][k] for k in shape] == [theirs["model"][k] for k in shape]
+
+
+@pytest.mark.parametrize("fast, llama", [("conf/fast-150m.yaml", "conf/llama-150m.yaml"),
+                                         ("conf/fast-smoke.yaml", "conf/llama-smoke.yaml")])
+def test_a_fast_preset_is_its_llama_preset_but_for_the_optimizer_and_schedule(fast, llama):
+    """What the fast recipe changes is the optim section alone, so its gain is the optimizer's and the schedule's."""
+    from dataclasses import asdict
+
+    ours, theirs = asdict(load_config(fast)), asdict(load_config(llama))
+    assert ours["optim"]["name"] == "muon" and ours["optim"]["schedule"] == "wsd"
+    assert {k: v for k, v in ours.items() if k != "optim"} == {k: v for k, v in theirs.items() if k != "optim"}
