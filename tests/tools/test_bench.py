@@ -290,3 +290,29 @@ def test_trainer_runs_read_records_written_once_beforehand_enough_for_their_upda
     given.write_text('{"input_ids": [1, 2, 3]}\n')
     mine = runs.parse(runs.parser("trainer", "records"), ["--records", str(given), "--out", str(tmp_path / "p")])
     assert runs.records_for("realistic", mine) == given and not (tmp_path / "p").exists()
+
+
+def test_time_to_loss_races_a_candidate_against_the_reference_on_one_validation_file(tmp_path):
+    """On the CPU with the smoke presets: both runs validate on the same held-out documents, the reference's own
+    target is reached at its last update, and the summary, the plot and a stdout line a run are written."""
+    out = tmp_path / "ttl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools", "bench", "time-to-loss", "--corpus", "data/sample.jsonl", "--out", str(out),
+         "--steps", "6", "--every", "2", "--microbatch", "8", "--config", "conf/smoke.yaml",
+         "--model.max_seq_len", "64", "--candidate", "--config conf/fast-smoke.yaml"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "time-to-loss.json").read_text())
+    reference, candidate = summary["runs"]["reference"], summary["runs"]["candidate-1"]
+    assert [update for update, _ in reference["curve"]] == [0, 2, 4, 6]
+    assert reference["curve"][-1][1] == summary["target_cross_entropy"] and reference["updates_to_target"] <= 6
+    assert [update for update, _ in candidate["curve"]] == [0, 2, 4, 6]
+    assert candidate["flags"] == ["--config", "conf/fast-smoke.yaml"]
+    muon = json.loads((out / "candidate-1" / "model" / "run_record.json").read_text())
+    assert [o["name"] for o in muon["optimizers"]] == ["Muon", "AdamW"] and muon["config"]["model"]["max_seq_len"] == 64
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [line["run"] for line in lines] == ["reference", "candidate-1"]
+    assert (out / "time-to-loss.png").read_bytes().startswith(b"\x89PNG")
+    validation = [json.loads((out / name / "model" / "run_record.json").read_text())["comparability"]["validation"]
+                  for name in ("reference", "candidate-1")]
+    assert validation[0]["sha256"] == validation[1]["sha256"] and validation[0]["documents"] > 0

@@ -7,6 +7,7 @@
     trace_summary.py      where the GPU time of a profiled window went
     rank_balance.py       how evenly data-parallel ranks share attention work
     shards.py             one rank reading prepared shards (data.source litdata) on one core
+    time_to_loss.py       candidate recipes against the reference: training seconds to its final validation loss
     synthetic_records.py  NDJSON records of random tokens with heavy-tailed lengths, the experiments' input
 
 May import the training modules and tools.processes. The trainer experiments and host-pipeline take
@@ -31,6 +32,8 @@ EXPERIMENTS = {
     "trace-summary": ("tools.bench.trace_summary", "where the GPU time of a profiled window went (a trace file)"),
     "rank-balance": ("tools.bench.rank_balance", "how evenly data-parallel ranks share attention work (CPU)"),
     "shards": ("tools.bench.shards", "one rank reading prepared shards on one core, against a GPU's consumption (CPU)"),
+    "time-to-loss": ("tools.bench.time_to_loss", "GPU-seconds of candidate recipes to the reference's final validation "
+                     "loss, on real text (GPU)"),
     "synthetic-records": ("tools.bench.synthetic_records", "NDJSON records of random tokens, heavy-tailed lengths"),
 }
 
