@@ -49,8 +49,9 @@ VALIDATION_SHARE = 200  # one document in this many (by a hash of its path) is h
 
 def parser() -> argparse.ArgumentParser:
     parser = runs.parser("time-to-loss", "GPU-seconds each candidate recipe needs to reach the reference's final "
-                         "validation cross-entropy, on the same rows of real text", layouts=False)
-    parser.set_defaults(steps=150, warmup=1)
+                         "validation cross-entropy, on the same rows of real text", runs=False, layouts=False)
+    parser.add_argument("--microbatch", type=int, default=32, help="rows per microbatch (default: 32)")
+    parser.add_argument("--steps", type=int, default=150, help="optimizer updates of every run (default: 150)")
     parser.add_argument("--candidate", action="append", default=[], metavar='"--config FILE --section.key VALUE ..."',
                         help="a recipe to race against the reference, train.py's options quoted as one argument; "
                              "repeat for more")
