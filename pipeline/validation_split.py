@@ -95,13 +95,16 @@ class ValidationPool:
 
 def split_validation(
     docs: Iterable[tuple[bytes, np.ndarray] | InputIdle], pool: ValidationPool, fraction: float, stats: StreamStats,
-    read_ahead_docs: int, read_ahead_tokens: int,
+    read_ahead_docs: int | None = None, read_ahead_tokens: int | None = None,
 ) -> Iterator[np.ndarray | InputIdle]:
     """Divert held-out documents into the pool until it is closed (see the module); pass the rest on.
 
-    ``read_ahead_docs`` and ``read_ahead_tokens`` are the shuffle buffer's bounds: the set is closed
-    when the documents passed on would make the buffer release its first one.
+    ``read_ahead_docs`` and ``read_ahead_tokens`` are the shuffle buffer's bounds: the set is closed,
+    and says so on stderr, when the documents passed on would make the buffer release its first one.
+    Without them (``python -m tools prepare``, which holds out throughout each byte range) only
+    ``data.val_max_tokens`` and the end of the documents close it, silently.
     """
+    announce = read_ahead_docs is not None
     if fraction <= 0 or pool.closed:
         yield from (item if item is INPUT_IDLE else item[1] for item in docs)
         return
@@ -118,19 +121,21 @@ def split_validation(
                     stats.held_out_documents += 1
                     stats.held_out_tokens += len(tokens)
                     continue
-                _close(pool, "val_max_tokens", stats, read)
-            else:
+                _close(pool, "val_max_tokens", stats, read, announce)
+            elif announce:
                 passed_docs += 1
                 passed_tokens += len(tokens)
                 if passed_docs > read_ahead_docs or (passed_tokens > read_ahead_tokens and passed_docs > 1):
-                    _close(pool, "read_ahead", stats, read)
+                    _close(pool, "read_ahead", stats, read, announce)
         yield tokens
     if not pool.closed:
-        _close(pool, "end_of_input", stats, read)
+        _close(pool, "end_of_input", stats, read, announce)
 
 
-def _close(pool: ValidationPool, closed_by: str, stats: StreamStats, read: int) -> None:
+def _close(pool: ValidationPool, closed_by: str, stats: StreamStats, read: int, announce: bool) -> None:
     pool.close(closed_by, stats.updates, read)
+    if not announce:
+        return
     where = (f"{stats.held_out_documents} documents ({stats.held_out_tokens} tokens) held out of the first {read} "
              f"documents of the input")
     if closed_by == "end_of_input":

@@ -16,7 +16,7 @@ from pipeline.validation_split import ValidationPool, is_held_out, load_validati
 
 from tests.pipeline_helpers import VOCAB, fake_encode, ndjson, stream_settings
 
-EVERYTHING = dict(read_ahead_docs=10**9, read_ahead_tokens=10**9)
+EVERYTHING = dict(read_ahead_docs=10**9, read_ahead_tokens=10**9)  # the whole input is read ahead
 
 
 def test_held_out_documents_are_chosen_by_content_not_by_order():
