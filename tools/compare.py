@@ -27,6 +27,7 @@ import argparse
 import json
 import sys
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,7 @@ import matplotlib
 import numpy as np
 from matplotlib.figure import Figure as MplFigure
 
+from runfab.created_files import NotCreatedHere, open_created, write_text
 from tools.report import (FIGURE_INCHES, GRID, NUMBERED_ID, STYLE, STYLE_RC, esc, figure_svg, flatten, note,
                           section, utc, value_html)
 
@@ -63,30 +65,101 @@ class Run:
 
 
 def read_run(path: Path, label: str) -> Run:
-    from callbacks.history import HISTORY_FILE, read_history
-
+    """A run's record, history and metric lines; a damaged file is a ``UsageError`` that names it."""
     model = path / "model" if (path / "model" / "run_record.json").is_file() else path
     record_path = model / "run_record.json"
     if not record_path.is_file():
         raise UsageError(f"{path} holds no run_record.json (nor model/run_record.json): give a run's output root or "
                          "its model/ folder")
+    record = read_record(record_path)
+    history = read_history_file(model)
+    return Run(label, path, record, history, read_metric_lines(model.parent / "run" / "metrics.jsonl"))
+
+
+# Where the record's numbers and sections are: what the check and the page read, so a damaged value is
+# refused here, naming the file, instead of failing later in a plot.
+RECORD_SECTIONS = (("comparability",), ("comparability", "training_tokens"), ("comparability", "validation"),
+                   ("comparability", "measurement_scope"), ("summary",), ("config",), ("environment",))
+RECORD_NUMBERS = (("wall_seconds",), ("optimizer_steps",), ("comparability", "validation", "ce_before"),
+                  ("comparability", "validation", "ce_after"), ("comparability", "training_tokens", "updates"),
+                  *((("summary", key),) for key in ("tokens_per_second", "tokens_per_second_per_gpu", "mfu",
+                                                    "peak_allocated_gib", "peak_reserved_gib")))
+
+
+def read_record(record_path: Path) -> dict:
     try:
-        record = json.loads(record_path.read_text())
-    except ValueError as error:
-        raise UsageError(f"{record_path} is not JSON ({error})") from None
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as error:  # RecursionError: JSON nested deeper than Python's stack
+        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+        raise UsageError(f"{record_path} is not a run record: not JSON ({reason})") from None
+    except OSError as error:
+        raise UsageError(f"{record_path} cannot be read ({error.strerror or error})") from None
+
+    def damaged(where: tuple, expected: str, found) -> UsageError:
+        return UsageError(f"{record_path} is not a run record: {'.'.join(where) or 'the top level'} should be "
+                          f"{expected}, found {type(found).__name__}; give the record the trainer wrote")
+
+    if not isinstance(record, dict):
+        raise damaged((), "an object", record)
+    for where in RECORD_SECTIONS:
+        value = lookup(record, where)
+        if value is not None and not isinstance(value, dict):
+            raise damaged(where, "an object", value)
+    for where in RECORD_NUMBERS:
+        value = lookup(record, where)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise damaged(where, "a number", value)
+    return record
+
+
+def lookup(record: dict, where: tuple):
+    """``record[a][b]...``, or None where a level is missing or not an object."""
+    value = record
+    for key in where:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
+
+
+def read_history_file(model: Path) -> dict | None:
+    from callbacks.history import HISTORY_FILE, read_history
+
+    path = model / HISTORY_FILE
+    if not path.is_file():
+        return None
     try:
-        history = read_history(model / HISTORY_FILE) if (model / HISTORY_FILE).is_file() else None
-    except (OSError, ValueError, KeyError) as error:
-        raise UsageError(f"{model / HISTORY_FILE} is not a run's history ({error})") from None
-    metrics = model.parent / "run" / "metrics.jsonl"
+        history = read_history(path)
+        if len({len(column) for name, column in history.items() if name != "stride"}) != 1:
+            raise ValueError("its columns have different lengths")
+        return history
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, TypeError) as error:
+        raise UsageError(f"{path} is not a run's history ({error}); give the history the trainer wrote, "
+                         "or remove it to compare without per-update curves") from None
+
+
+def read_metric_lines(path: Path) -> list[dict]:
+    """The metric lines that are objects; a val_loss or step that is not a number is damage, named."""
+    if not path.is_file():
+        return []
     lines = []
-    if metrics.is_file():
-        for text in metrics.read_text().splitlines():
-            try:
-                lines.append(json.loads(text))
-            except ValueError:
-                continue
-    return Run(label, path, record, history, lines)
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as error:
+        raise UsageError(f"{path} cannot be read ({error.strerror or error})") from None
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            value = json.loads(line)
+        except (ValueError, RecursionError):
+            continue  # stdout may hold a line that is not a metric
+        if not isinstance(value, dict):
+            continue
+        for key in ("step", "val_loss"):
+            if key in value and (isinstance(value[key], bool) or not isinstance(value[key], (int, float))):
+                raise UsageError(f"{path} line {number}: {key} should be a number, found "
+                                 f"{type(value[key]).__name__} {short(value[key])}")
+        lines.append(value)
+    return lines
 
 
 # ----------------------------------------------------------------------------- the check
@@ -203,7 +276,7 @@ def curve_figure(curve: Curve, runs: list[Run]) -> MplFigure:
         color = COLORS[index % len(COLORS)]
         for series, (x, y) in curve_points(curve, run).items():
             style = {"linestyle": "--", "marker": "o"} if series == "periodic" else {"marker": "o"} if series else {}
-            name = f"{run.label}" + (f" ({series})" if series else "")
+            name = mpl_literal(run.label) + (f" ({series})" if series else "")
             axes.plot(x, y, color=color, linewidth=3.5 if index == 0 else 1.8, markersize=6 if index == 0 else 4,
                       label=name,
                       gid=f"line-{curve.slug}-{index}" + (f"-{series.replace(' ', '-')}" if series else ""), **style)
@@ -222,11 +295,17 @@ def curve_figure(curve: Curve, runs: list[Run]) -> MplFigure:
     return figure
 
 
+def mpl_literal(text: str) -> str:
+    """``text`` as matplotlib shows it literally: a ``$`` would start mathtext (a folder named ``$x^$`` fails)."""
+    return text.replace("$", "\\$")
+
+
 def write_curve(curve: Curve, runs: list[Run], folder: Path) -> str:
     """The plot as a PNG in ``folder`` and as an ``<svg>`` element for the page."""
     with matplotlib.rc_context(STYLE_RC):
         figure = curve_figure(curve, runs)
-        figure.savefig(folder / f"{curve.slug}.png", format="png", dpi=110, metadata={"Software": None})
+        with open_created(folder / f"{curve.slug}.png", "wb") as png:
+            figure.savefig(png, format="png", dpi=110, metadata={"Software": None})
         document = figure_svg(figure, curve.slug)
     return NUMBERED_ID.sub("", document[document.index("<svg"):])
 
@@ -337,7 +416,7 @@ def claim_folder(folder: Path) -> None:
     if folder.is_dir() and any(folder.iterdir()) and not (folder / WRITTEN_BY).exists():
         raise UsageError(f"--out {folder} holds files that {PROG} did not write; give a new or empty folder")
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / WRITTEN_BY).touch()
+    open_created(folder / WRITTEN_BY, "a").close()
 
 
 def compare(paths: list[Path], out: Path, force: bool = False) -> dict:
@@ -346,15 +425,18 @@ def compare(paths: list[Path], out: Path, force: bool = False) -> dict:
         labels = [f"{index + 1}:{label}" for index, label in enumerate(labels)]
     runs = [read_run(path, label) for path, label in zip(paths, labels)]
     found = [d for other in runs[1:] for d in differences(runs[0], other)]
-    claim_folder(out)
-    plots = {}
-    if not found or force:
-        plots = {curve.slug: write_curve(curve, runs, out) for curve in CURVES}
-    else:
-        for curve in CURVES:  # none from an earlier comparison may pass for this one's
-            (out / f"{curve.slug}.png").unlink(missing_ok=True)
     page = out / "index.html"
-    page.write_text(render(runs, found, force, plots), encoding="utf-8")
+    try:  # every file through open_created: a link planted in --out is refused, never written through
+        claim_folder(out)
+        plots = {}
+        if not found or force:
+            plots = {curve.slug: write_curve(curve, runs, out) for curve in CURVES}
+        else:
+            for curve in CURVES:  # none from an earlier comparison may pass for this one's (a link goes, not its target)
+                (out / f"{curve.slug}.png").unlink(missing_ok=True)
+        write_text(page, render(runs, found, force, plots))
+    except NotCreatedHere as error:
+        raise UsageError(str(error)) from None
     return {"comparable": not found, "differences": found, "page": str(page),
             "plots": [str(out / f"{slug}.png") for slug in plots]}
 

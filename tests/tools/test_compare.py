@@ -139,3 +139,68 @@ def test_chromium_renders_the_page_with_every_runs_curves(two_runs, tmp_path, ca
         rgb = np.array([int(color[i:i + 2], 16) for i in (1, 3, 5)])
         near = (np.abs(pixels - rgb).max(axis=2) <= 24).sum()
         assert near > 500, f"the run drawn in {color} is not on the screenshot"
+
+
+@pytest.mark.parametrize("planted", ["index.html", "loss-by-update.png", compare.WRITTEN_BY])
+def test_a_link_planted_in_out_is_refused_and_its_target_kept(two_runs, tmp_path, capsys, planted):
+    a, b, _, _ = two_runs
+    out = tmp_path / "page"
+    out.mkdir()
+    (out / compare.WRITTEN_BY).touch()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (out / planted).unlink(missing_ok=True)
+    (out / planted).symlink_to(victim)
+    assert compare.main([str(a), str(b), "--out", str(out)]) == 2
+    assert victim.read_text() == "keep me"
+    err = capsys.readouterr().err
+    assert "symbolic link" in err and planted in err and len(err.strip().splitlines()) == 1
+
+
+def damage_record_list(model: Path) -> Path:
+    (model / "run_record.json").write_text("[1, 2]")
+    return model / "run_record.json"
+
+
+def damage_deep_json(model: Path) -> Path:
+    (model / "run_record.json").write_text("[" * 100_000 + "]" * 100_000)
+    return model / "run_record.json"
+
+
+def damage_string_number(model: Path) -> Path:
+    rec = json.loads((model / "run_record.json").read_text())
+    rec["comparability"]["validation"]["ce_after"] = "low"
+    (model / "run_record.json").write_text(json.dumps(rec))
+    return model / "run_record.json"
+
+
+def damage_history_cut(model: Path) -> Path:
+    data = (model / "history.npz").read_bytes()
+    (model / "history.npz").write_bytes(data[:len(data) // 2])
+    return model / "history.npz"
+
+
+def damage_metric_line(model: Path) -> Path:
+    run = model.parent / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 5, "val_loss": 7.1}\n{"step": 10, "val_loss": "NaN?"}\n')
+    return run / "metrics.jsonl"
+
+
+@pytest.mark.parametrize("damage", [damage_record_list, damage_deep_json, damage_string_number, damage_history_cut,
+                                    damage_metric_line])
+def test_a_damaged_run_folder_is_exit_2_and_one_line_naming_the_file(two_runs, tmp_path, capsys, damage):
+    a, b, _, _ = two_runs
+    named = damage(b / "model")
+    assert compare.main([str(a), str(b), "--out", str(tmp_path / "page")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and str(named) in err
+    assert "Traceback" not in err
+
+
+def test_a_folder_name_that_matplotlib_would_read_as_math_is_drawn_as_written(tmp_path, capsys):
+    columns = history()
+    a = write_run(tmp_path / "$x^$", record(), columns)
+    b = write_run(tmp_path / "b$_{", record(), columns)
+    assert compare.main([str(a), str(b), "--out", str(tmp_path / "page")]) == 0
+    assert (tmp_path / "page" / "loss-by-update.png").stat().st_size > 0
