@@ -184,7 +184,7 @@ def first_differing_update(a: Run, b: Run) -> str:
 
 
 def differences(first: Run, other: Run) -> list[dict]:
-    """What makes ``other`` not comparable with ``first``: one entry per fingerprint that differs."""
+    """The fingerprints in which ``other`` differs from ``first``: one entry each."""
     a, b = first.comparability, other.comparability
     found = []
 
@@ -203,7 +203,8 @@ def differences(first: Run, other: Run) -> list[dict]:
     elif (ta["sha256"], ta.get("updates")) != (tb["sha256"], tb.get("updates")):
         found.append({"fingerprint": "training tokens", "run": other.label,
                       "detail": f"{first_differing_update(first, other)} ({ta.get('updates')} updates in "
-                                f"{first.label}, {tb.get('updates')} in {other.label})"})
+                                f"{first.label}, {tb.get('updates')} in {other.label})",
+                      "same_prefix": same_token_prefix(first, other)})
     va, vb = a.get("validation") or {}, b.get("validation") or {}
     differ("validation set", va.get("sha256"), vb.get("sha256"),
            f"{va.get('documents')} documents ({va.get('tokens')} tokens) in {first.label}, {vb.get('documents')} "
@@ -212,6 +213,68 @@ def differences(first: Run, other: Run) -> list[dict]:
     differ("measurement scope", sa, sb)
     differ("tokenizer", a.get("tokenizer_sha256"), b.get("tokenizer_sha256"))
     return found
+
+
+def same_token_prefix(a: Run, b: Run) -> bool:
+    """Whether the shorter run's training tokens are the first updates of the longer one's."""
+    if a.history is None or b.history is None or a.history["stride"] != b.history["stride"]:
+        return False
+    da, db = a.history["tokens_digest"], b.history["tokens_digest"]
+    n = min(len(da), len(db))
+    return bool(n) and bool(np.array_equal(da[:n], db[:n]))
+
+
+# What a configuration change is, by its key: (kind, prefixes or keys).
+ARCHITECTURE, OPTIMIZER, LENGTH, SEED = "architecture", "optimizer", "training length", "seed"
+CHANGE_KINDS = ((SEED, ("seed",)), (ARCHITECTURE, ("model.",)), (OPTIMIZER, ("optim.",)),
+                (LENGTH, ("trainer.max_steps", "trainer.max_tokens", "trainer.max_time")))
+
+
+def kind_of(key: str) -> str:
+    for kind, names in CHANGE_KINDS:
+        if any(key == name or (name.endswith(".") and key.startswith(name)) for name in names):
+            return kind
+    return "other"
+
+
+def the_change(first: Run, other: Run) -> list[dict]:
+    """The configuration keys whose values differ between the two runs: the change being compared."""
+    return [{"key": key, "kind": kind_of(key), first.label: values[0], other.label: values[1]}
+            for key, values in differing_rows([first, other], lambda r: r.record.get("config"))]
+
+
+def judge(first: Run, other: Run) -> tuple[list[dict], list[dict], list[dict]]:
+    """The change, the fingerprint differences it explains (each with why) and those it does not, which make
+    the runs not comparable. A seed change is never a change to compare: it moves the initial weights and the
+    order of the tokens, which is noise, not an effect."""
+    change = the_change(first, other)
+    kinds = {c["kind"] for c in change}
+    named = {kind: ", ".join(c["key"] for c in change if c["kind"] == kind) for kind in kinds}
+    explained, unexplained = [], []
+    if SEED in kinds:
+        seeds = next(c for c in change if c["kind"] == SEED)
+        unexplained.append({"fingerprint": "seed", "run": other.label,
+                            "detail": f"seed {seeds[first.label]} in {first.label}, {seeds[other.label]} in "
+                                      f"{other.label}: the initial weights and the order of the tokens change with it; "
+                                      "compare runs of one seed"})
+    for d in differences(first, other):
+        what = d["fingerprint"]
+        reason = None
+        if what == "initial weights" and ARCHITECTURE in kinds and SEED not in kinds:
+            reason = (f"a change of model shape or family ({named[ARCHITECTURE]}) necessarily changes the initial "
+                      "weights")
+        elif what == "initial weights" and SEED in kinds:
+            continue  # named with the seed
+        elif what == "training tokens" and LENGTH in kinds and d.get("same_prefix"):
+            reason = f"one run trained longer ({named[LENGTH]}) on the same tokens in the same order"
+        elif what == "tokenizer" and any(c["key"] == "data.tokenizer" for c in change):
+            d = d | {"detail": d["detail"] + "; data.tokenizer changed: cross-entropies per token of different "
+                                             "tokenizers do not measure the same thing"}
+        elif not change:
+            d = d | {"detail": d["detail"] + "; no configuration change explains it (a different input?)"}
+        d = {key: value for key, value in d.items() if key != "same_prefix"}
+        (explained if reason else unexplained).append(d | ({"why": reason} if reason else {}))
+    return change, explained, unexplained
 
 
 def scope(measurement: dict | None) -> dict | None:
@@ -322,13 +385,27 @@ def ratio_cell(value, base) -> str:
     return text
 
 
+def whole_history(run: Run, what: str):
+    """A figure over every update of the history, every segment of a resumed run included: its target tokens,
+    the training seconds at its last update (the history counts on across resumes), or their ratio."""
+    h = run.history
+    if h is None or not len(h["update"]):
+        return None
+    tokens, seconds = int(np.sum(h["target_tokens"])), float(h["seconds"][-1])
+    return {"tokens": tokens, "seconds": round(seconds, 3),
+            "rate": round(tokens / seconds, 1) if seconds > 0 else None}[what]
+
+
 RESULTS = (
-    ("tokens/s", lambda r: (r.record.get("summary") or {}).get("tokens_per_second")),
+    ("target tokens, whole history", lambda r: whole_history(r, "tokens")),
+    ("training seconds, whole history", lambda r: whole_history(r, "seconds")),
+    ("tokens/s, whole history", lambda r: whole_history(r, "rate")),
+    ("tokens/s, run record (normal region)", lambda r: (r.record.get("summary") or {}).get("tokens_per_second")),
     ("tokens/s per GPU", lambda r: (r.record.get("summary") or {}).get("tokens_per_second_per_gpu")),
     ("MFU", lambda r: (r.record.get("summary") or {}).get("mfu")),
     ("peak allocated GiB", lambda r: (r.record.get("summary") or {}).get("peak_allocated_gib")),
     ("peak reserved GiB", lambda r: (r.record.get("summary") or {}).get("peak_reserved_gib")),
-    ("wall seconds", lambda r: r.record.get("wall_seconds")),
+    ("wall seconds of the last segment", lambda r: r.record.get("wall_seconds")),
     ("updates", lambda r: r.record.get("optimizer_steps")),
     ("validation CE before", lambda r: (r.comparability.get("validation") or {}).get("ce_before")),
     ("validation CE after", lambda r: (r.comparability.get("validation") or {}).get("ce_after")),
@@ -371,16 +448,31 @@ def environment_of(run: Run) -> dict:
             "sources_sha256": record.get("sources_sha256")}
 
 
-def verdict_html(runs: list[Run], found: list[dict], forced: bool) -> str:
+def change_words(entry: dict) -> str:
+    """One run's change against the first, in words: the configuration keys and the kinds of change."""
+    change = entry["change"]
+    if not change:
+        return f"{entry['run']}: the same configuration"
+    kinds = sorted({c["kind"] for c in change} - {"other"})
+    keys = ", ".join(c["key"] for c in change)
+    return f"{entry['run']}: {keys}" + (f" (a change of {' and '.join(kinds)})" if kinds else "")
+
+
+def verdict_html(runs: list[Run], changes: list[dict], found: list[dict], forced: bool) -> str:
+    change_items = "\n".join(f"<li>{esc(change_words(entry))}" + "".join(
+        f"<br>{esc(d['fingerprint'])} differ: {esc(d['why'])}; the rest is the same" for d in entry["explained"])
+        + "</li>" for entry in changes)
+    listed = f"<p>The change against {esc(runs[0].label)}:</p>\n<ul>\n{change_items}\n</ul>\n"
     if not found:
-        return (f'<p id="verdict" class="comparable"><strong>Comparable.</strong> {len(runs)} runs: the same initial '
-                "weights, training tokens, validation set, measurement scope and tokenizer.</p>")
+        return (f'<div id="verdict" class="comparable"><p><strong>Comparable.</strong> {len(runs)} runs: the same '
+                "initial weights, training tokens, validation set, measurement scope and tokenizer, except where the "
+                f"change itself explains a difference.</p>\n{listed}</div>")
     items = "\n".join(f"<li><strong>{esc(d['fingerprint'])}</strong> differ in {esc(d['run'])}: {esc(d['detail'])}</li>"
                       for d in found)
     after = ("Drawn anyway (--force): the curves and figures below are not a like-for-like comparison."
              if forced else "Curves and figures are not drawn; --force draws them anyway, marked as here.")
-    return (f'<div id="verdict" class="not-comparable"><p><strong>Not comparable.</strong></p>\n<ul>\n{items}\n</ul>\n'
-            f"<p>{esc(after)}</p></div>")
+    return (f'<div id="verdict" class="not-comparable"><p><strong>Not comparable.</strong></p>\n{listed}'
+            f"<p>Differences the change does not explain:</p>\n<ul>\n{items}\n</ul>\n<p>{esc(after)}</p></div>")
 
 
 PAGE_STYLE = STYLE + """
@@ -390,10 +482,11 @@ PAGE_STYLE = STYLE + """
 """
 
 
-def render(runs: list[Run], found: list[dict], forced: bool, plots: dict[str, str]) -> str:
+def render(runs: list[Run], changes: list[dict], found: list[dict], forced: bool, plots: dict[str, str]) -> str:
     listed = "\n".join(f"<li><code>{esc(run.label)}</code>: <code>{esc(str(run.path))}</code>, "
                        f"{esc(str(run.record.get('status', 'status unknown')))}</li>" for run in runs)
-    parts = [f"<h1>Comparison of {len(runs)} runs</h1>\n<ul>\n{listed}\n</ul>", verdict_html(runs, found, forced),
+    parts = [f"<h1>Comparison of {len(runs)} runs</h1>\n<ul>\n{listed}\n</ul>",
+             verdict_html(runs, changes, found, forced),
              section("config", "Configuration differences", differences_table("config", runs,
                                                                                lambda r: r.record.get("config"))),
              section("environment-differences", "Environment differences",
@@ -420,11 +513,16 @@ def claim_folder(folder: Path) -> None:
 
 
 def compare(paths: list[Path], out: Path, force: bool = False) -> dict:
+    if len(paths) < 2:
+        raise UsageError(f"give two runs or more (a baseline and the change); {len(paths)} given, nothing written")
     labels = [path.name if path.name != "model" else path.parent.name for path in paths]
     if len(set(labels)) < len(labels):
         labels = [f"{index + 1}:{label}" for index, label in enumerate(labels)]
     runs = [read_run(path, label) for path, label in zip(paths, labels)]
-    found = [d for other in runs[1:] for d in differences(runs[0], other)]
+    judged = [judge(runs[0], other) for other in runs[1:]]
+    changes = [{"run": other.label, "change": change, "explained": explained}
+               for other, (change, explained, _) in zip(runs[1:], judged)]
+    found = [d for _, _, unexplained in judged for d in unexplained]
     page = out / "index.html"
     try:  # every file through open_created: a link planted in --out is refused, never written through
         claim_folder(out)
@@ -432,12 +530,12 @@ def compare(paths: list[Path], out: Path, force: bool = False) -> dict:
         if not found or force:
             plots = {curve.slug: write_curve(curve, runs, out) for curve in CURVES}
         else:
-            for curve in CURVES:  # none from an earlier comparison may pass for this one's (a link goes, not its target)
+            for curve in CURVES:  # none from an earlier comparison may pass for this one's
                 (out / f"{curve.slug}.png").unlink(missing_ok=True)
-        write_text(page, render(runs, found, force, plots))
+        write_text(page, render(runs, changes, found, force, plots))
     except NotCreatedHere as error:
         raise UsageError(str(error)) from None
-    return {"comparable": not found, "differences": found, "page": str(page),
+    return {"comparable": not found, "changes": changes, "differences": found, "page": str(page),
             "plots": [str(out / f"{slug}.png") for slug in plots]}
 
 
@@ -456,6 +554,10 @@ def main(argv: list[str]) -> int:
         print(f"{PROG}: {error}", file=sys.stderr)
         return 2
     print(json.dumps(result), flush=True)
+    for entry in result["changes"]:
+        print(f"{PROG}: change: {change_words(entry)}", file=sys.stderr)
+        for d in entry["explained"]:
+            print(f"{PROG}:   {d['fingerprint']} differ: {d['why']}; the rest is the same", file=sys.stderr)
     if result["comparable"]:
         print(f"{PROG}: the runs are comparable; page {result['page']}", file=sys.stderr)
         return 0
