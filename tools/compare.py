@@ -1,12 +1,16 @@
 """``python -m tools compare RUN [RUN ...]``: first whether the runs may be compared, then what differs
 and how they went, on one HTML page.
 
-A RUN is a run's output root, or its ``model/`` folder as RunFab archives it. Runs may be compared
-when they started from the same initial weights, trained on the same tokens in the same order,
-were validated on the same set, measured over the same scope and tokenized alike: the run record's
-``comparability`` section holds a digest of each (pipeline/fingerprints.py). Where the training
-tokens differ, the per-update histories (``history.npz``) give the first update that differs.
-Every run is checked against the first.
+A RUN is a run's output root, or its ``model/`` folder as RunFab archives it; two or more are given,
+and every run is checked against the first. The configuration keys whose values differ are the
+change (architecture, optimizer, training length, seed, other). Runs may be compared when they
+started from the same initial weights, trained on the same tokens in the same order, were validated
+on the same set, measured over the same scope and tokenized alike (the run record's
+``comparability`` section holds a digest of each, pipeline/fingerprints.py), except where the change
+explains a difference: a change of model shape or family necessarily changes the initial weights;
+training longer adds updates after the same tokens. A seed change, or a difference no configuration
+change explains, is not comparable. Where the training tokens differ, the per-update histories
+(``history.npz``) give the first update that differs.
 
 The page (``--out``, default ``./compare/index.html``) then shows the configuration and environment
 differences, the loss curves by update and by tokens, the validation cross-entropy before and after
@@ -17,8 +21,10 @@ which fingerprint differs and shows the differences, without curves or table; ``
 anyway, marked as not comparable. Each plot is also written as a PNG beside the page; the page
 itself is self-contained (inline SVG, no script, nothing fetched), built from tools/report.py's pieces.
 
-stdout: one JSON object (comparable, the differences, the page); stderr: the verdict in words. Exit
-0 when the runs are comparable, 1 when they are not, 2 for a usage problem.
+stdout: one JSON object (comparable, the changes, the differences, the page); stderr: the change and
+the verdict in words. Exit 0 when the runs are comparable, 1 when they are not, 2 for a usage problem
+or a damaged run folder (one line naming the file). Every file is written through
+runfab/created_files.py: a link placed in ``--out`` is refused, never written through.
 """
 
 from __future__ import annotations
@@ -540,10 +546,12 @@ def compare(paths: list[Path], out: Path, force: bool = False) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description="Say whether runs are comparable (initial weights, "
-                                     "training tokens, validation set, measurement scope, tokenizer), then write one "
-                                     "HTML page of their differences, curves and figures.")
-    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN", help="a run's output root, or its model/ folder")
+    parser = argparse.ArgumentParser(prog=PROG, description="Name the change between runs (the configuration "
+                                     "keys that differ), say whether they are comparable (initial weights, training "
+                                     "tokens, validation set, measurement scope, tokenizer; what the change explains "
+                                     "aside), then write one HTML page of their differences, curves and figures.")
+    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN",
+                        help="a run's output root, or its model/ folder: the baseline first, then one or more changes")
     parser.add_argument("--out", type=Path, default=Path("compare"), metavar="DIR",
                         help="folder of the page (index.html) and its PNG plots (default ./compare)")
     parser.add_argument("--force", action="store_true", help="draw runs that are not comparable, marked as such")
