@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -32,16 +33,121 @@ class NotThisModel(ValueError):
     """A folder this trainer's decoder cannot load; the message says why."""
 
 
+CONFIG_BYTES = 1 << 20  # a config.json is a few kilobytes
+FLOAT_DTYPES = {"F32", "F16", "BF16"}
+MAX_POSITIONS = 1 << 17  # a Llama's positions are in no tensor: its rows' length is bounded here instead
+
+
+def checked_export(folder: Path) -> dict:
+    """``config.json``, once every value the model is built from agrees with the tensors' names and shapes in
+    the weights file's header (read without loading a tensor). A model built from the config then holds no
+    more than the file: a config that claims 100000 layers or a vocabulary of 10**12 is refused here, before
+    anything is allocated. NotThisModel, one line, for what does not agree."""
+    from safetensors import SafetensorError, safe_open
+
+    from callbacks.export import WEIGHTS_NAME
+
+    config_path, weights_path = folder / "config.json", folder / WEIGHTS_NAME
+    try:
+        if config_path.stat().st_size > CONFIG_BYTES:
+            raise NotThisModel(f"{config_path} is over {CONFIG_BYTES} bytes: not the config.json of an export")
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        with safe_open(str(weights_path), framework="pt") as weights:
+            shapes = {name: (weights.get_slice(name).get_dtype(), weights.get_slice(name).get_shape())
+                      for name in weights.keys()}
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, SafetensorError) as error:
+        what = "nested too deeply" if isinstance(error, RecursionError) else " ".join(str(error).split())
+        raise NotThisModel(f"{folder} is not an exported model: {config_path.name} or {WEIGHTS_NAME} cannot be read "
+                           f"({what})") from None
+    if not isinstance(config, dict):
+        raise NotThisModel(f"{config_path} is not a JSON object")
+    not_float = sorted(name for name, (dtype, _) in shapes.items() if dtype not in FLOAT_DTYPES)
+    if not_float:
+        raise NotThisModel(f"{weights_path}: tensor {not_float[0]} is {shapes[not_float[0]][0]}, expected floating "
+                           f"point ({', '.join(sorted(FLOAT_DTYPES))}) as the export writes")
+    llama = config.get("model_type") == "llama"
+    expected = (expected_shapes_llama if llama else expected_shapes_gpt)(config, folder, len(shapes))
+    for name, shape in expected.items():
+        found = shapes.get(name, (None, None))[1]
+        if found is None:
+            raise NotThisModel(f"{weights_path} has no tensor {name}, which config.json implies; give the folder an "
+                               "export wrote, its config.json unchanged")
+        if list(found) != list(shape):
+            raise NotThisModel(f"{weights_path}: tensor {name} has shape {list(found)}, config.json implies "
+                               f"{list(shape)}; give the folder an export wrote, its config.json unchanged")
+    return config
+
+
+def config_int(config: dict, key: str, folder: Path, low: int = 1, high: int | None = None) -> int:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f"from {low} to {high}" if high is not None else f"at least {low}"
+        raise NotThisModel(f"{folder}/config.json: {key} should be a whole number {bound}, found {value!r}")
+    return value
+
+
+def config_positive(config: dict, key: str, folder: Path, default: float | None = None) -> float:
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise NotThisModel(f"{folder}/config.json: {key} should be a finite number above 0, found {value!r}")
+    return value
+
+
+def layer_count(config: dict, key: str, folder: Path, tensors: int) -> int:
+    """``config[key]``, at most the file's tensor count (each layer has several): checked before the layers'
+    expected names are listed, so nothing grows with an absurd value."""
+    return config_int(config, key, folder, high=tensors)
+
+
+def expected_shapes_gpt(config: dict, folder: Path, tensors: int) -> dict[str, tuple]:
+    vocab, width = config_int(config, "vocab_size", folder), config_int(config, "n_embd", folder)
+    heads, positions = config_int(config, "n_head", folder), config_int(config, "n_positions", folder, low=2)
+    config_positive(config, "layer_norm_epsilon", folder)
+    if width % heads:
+        raise NotThisModel(f"{folder}/config.json: n_embd {width} is not a multiple of n_head {heads}")
+    shapes = {"transformer.wte.weight": (vocab, width), "transformer.wpe.weight": (positions, width),
+              "transformer.ln_f.weight": (width,)}
+    for i in range(layer_count(config, "n_layer", folder, tensors)):
+        shapes[f"transformer.h.{i}.attn.c_attn.weight"] = (width, 3 * width)
+        shapes[f"transformer.h.{i}.mlp.c_fc.weight"] = (width, 4 * width)
+    return shapes
+
+
+def expected_shapes_llama(config: dict, folder: Path, tensors: int) -> dict[str, tuple]:
+    vocab, width = config_int(config, "vocab_size", folder), config_int(config, "hidden_size", folder)
+    heads = config_int(config, "num_attention_heads", folder)
+    kv_heads = config_int(config, "num_key_value_heads", folder) if "num_key_value_heads" in config else heads
+    inner = config_int(config, "intermediate_size", folder)
+    config_int(config, "max_position_embeddings", folder, low=2, high=MAX_POSITIONS)
+    config_positive(config, "rms_norm_eps", folder)
+    rope = config.get("rope_parameters")
+    for where in (rope if isinstance(rope, dict) else {}, config):  # the one transformers reads, and the older key
+        if "rope_theta" in where:
+            config_positive(where, "rope_theta", folder)
+    if width % heads or heads % kv_heads:
+        raise NotThisModel(f"{folder}/config.json: hidden_size {width}, num_attention_heads {heads} and "
+                           f"num_key_value_heads {kv_heads} do not divide as a Llama's must")
+    head_dim = width // heads
+    shapes = {"model.embed_tokens.weight": (vocab, width), "model.norm.weight": (width,)}
+    for i in range(layer_count(config, "num_hidden_layers", folder, tensors)):
+        prefix = f"model.layers.{i}."
+        shapes |= {prefix + "self_attn.q_proj.weight": (width, width),
+                   prefix + "self_attn.k_proj.weight": (kv_heads * head_dim, width),
+                   prefix + "mlp.gate_proj.weight": (inner, width)}
+    return shapes
+
+
 def load_model(folder: Path):
     """The exported folder as this trainer's decoder of its family (config.json's model_type: gpt2 or llama)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     from callbacks.export import WEIGHTS_NAME
 
+    config = checked_export(folder)
     try:
-        config = json.loads((folder / "config.json").read_text())
         weights = load_file(str(folder / WEIGHTS_NAME))
-    except (OSError, ValueError) as error:
+    except (OSError, SafetensorError) as error:
         raise NotThisModel(f"{folder} is not an exported model ({error})") from None
     if config.get("model_type") == "llama":
         return load_llama(folder, config, weights)
@@ -204,6 +310,10 @@ def main(argv: list[str]) -> int:
         return 2
     if result["cross_entropy"] is None:
         print(f"{PROG}: {args.data} gave no token to score", file=sys.stderr)
+        return 2
+    if not math.isfinite(result["cross_entropy"]):
+        print(f"{PROG}: the cross-entropy of {args.model} is {result['cross_entropy']}: its weights give no finite "
+              "loss (a NaN or infinite weight); nothing to report", file=sys.stderr)
         return 2
     print(json.dumps(result), flush=True)
     print(f"{PROG}: cross-entropy {result['cross_entropy']:.4f} (perplexity {result['perplexity']:.2f}) over "

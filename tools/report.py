@@ -63,10 +63,14 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
     return lines
 
 
-def read_run_record(path: Path) -> tuple[dict, str | None]:
-    """The run record and, when there is none to show, why."""
+def read_run_record(path: Path, output_dir: Path) -> tuple[dict, str | None]:
+    """The run record and, when there is none to show, why. A record that is a link out of the run folder
+    is not read: the page would show whatever file it points to."""
     if not path.is_file():
         return {}, f"{RUN_RECORD_FILE} not found: the run ended before writing it, or this is not a run's output root"
+    if not path.resolve().is_relative_to(output_dir.resolve()):
+        return {}, (f"{RUN_RECORD_FILE} is a link out of the run folder (to {path.resolve()}); it was not read: "
+                    "give the output root the run wrote")
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as error:
@@ -124,7 +128,7 @@ class Run:
 
 
 def read_run(output_dir: Path, metrics_path: Path) -> Run:
-    record, problem = read_run_record(output_dir / RUN_RECORD_FILE)
+    record, problem = read_run_record(output_dir / RUN_RECORD_FILE, output_dir)
     return Run(output_dir, metrics_path, read_metrics(metrics_path), record, problem,
                find_observation_files(output_dir))
 
@@ -468,10 +472,18 @@ def headline_figures(run: Run) -> list[Figure]:
         figures.append(Figure("training time", duration(last_value(lines, "elapsed_seconds")[0]), "last metric line"))
     if is_number(record.get("parameters")):
         figures.append(Figure("parameters", with_prefix(record["parameters"], 4), f"{record['parameters']:,}"))
-    for key in ("loss", "val_loss"):
-        latest = last_value(lines, key)
-        if latest:
-            figures.append(Figure(f"final {key}", f"{latest[0]:.4f}", at_step(latest[1])))
+    latest = last_value(lines, "loss")
+    if latest:
+        where = ", ".join(filter(None, ("training", at_step(latest[1]))))
+        figures.append(Figure("final loss", f"{latest[0]:.4f}", where))
+    comparability = record.get("comparability") if isinstance(record.get("comparability"), dict) else {}
+    validation = comparability.get("validation") if isinstance(comparability.get("validation"), dict) else {}
+    if is_number(validation.get("ce_after")):
+        figures.append(Figure("final validation CE", f"{validation['ce_after']:.4f}",
+                              "fixed validation set, after training, run record"))
+    latest = last_value(lines, "val_loss")
+    if latest:
+        figures.append(Figure("last periodic val_loss", f"{latest[0]:.4f}", at_step(latest[1])))
     figures += throughput_figures(lines, summary)
     figures += device_figures(record, lines, summary)
     return figures

@@ -5,16 +5,23 @@ them (the config's model_type chooses the class: GPT-2 or Llama, the trainer's t
 with a temperature and top-k, from ``--seed``. stdout carries the text alone (the prompt and its
 continuation, ``--continuation-only`` for the continuation); no progress, no warnings. On a GPU when
 there is one.
+
+The folder is checked first, as ``tools evaluate`` checks it (config.json against the weights' header,
+nothing loaded). A model sees at most its positions (GPT-2's ``n_positions``, Llama's
+``max_position_embeddings``): a longer prompt is cut to its last tokens for the model, and generation
+stops when the positions are full; stderr says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
 
 PROG = "python -m tools sample"
+MIN_TEMPERATURE = 1e-3  # below it the scaled logits overflow float32: 0 is the greedy choice
 
 
 def sample(folder: Path, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
@@ -30,10 +37,19 @@ def sample(folder: Path, prompt: str, max_new_tokens: int = 64, temperature: flo
     chosen = "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder).to(chosen).eval()
-    inputs = tokenizer(prompt, return_tensors="pt").to(chosen)
-    if inputs["input_ids"].shape[1] == 0:  # an empty prompt starts from the end of a document
-        inputs = {"input_ids": torch.tensor([[tokenizer.eos_token_id]], device=chosen),
-                  "attention_mask": torch.ones(1, 1, dtype=torch.long, device=chosen)}
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    if ids.shape[1] == 0:  # an empty prompt starts from the end of a document
+        ids = torch.tensor([[tokenizer.eos_token_id]])
+    positions = model.config.max_position_embeddings
+    if ids.shape[1] >= positions:  # the model sees its last positions - 1 tokens and has room for one more
+        print(f"{PROG}: the prompt is {ids.shape[1]} tokens, the model sees {positions} positions: it continues "
+              f"from the prompt's last {positions - 1} tokens", file=sys.stderr)
+        ids = ids[:, -(positions - 1):]
+    if ids.shape[1] + max_new_tokens > positions:
+        print(f"{PROG}: the model's {positions} positions hold {positions - ids.shape[1]} new tokens after the "
+              f"prompt, not {max_new_tokens}: generation stops there", file=sys.stderr)
+        max_new_tokens = positions - ids.shape[1]
+    inputs = {"input_ids": ids.to(chosen), "attention_mask": torch.ones_like(ids).to(chosen)}
     torch.manual_seed(seed)
     options = {"do_sample": True, "temperature": temperature, "top_k": top_k or 0} if temperature > 0 else {
         "do_sample": False, "temperature": None, "top_k": None, "top_p": None}
@@ -59,8 +75,22 @@ def main(argv: list[str]) -> int:
         (not (args.model / "config.json").is_file() or not (args.model / "tokenizer.json").is_file(),
          f"{args.model} is not an exported model (no config.json or tokenizer.json)"),
         (args.max_new_tokens < 1, "--max-new-tokens must be at least 1"),
-        (args.temperature < 0, "--temperature must be >= 0"),
-        (args.top_k is not None and args.top_k < 1, "--top-k must be at least 1")) if bad]
+        (not math.isfinite(args.temperature) or args.temperature < 0 or 0 < args.temperature < MIN_TEMPERATURE,
+         f"--temperature is 0 (greedy) or a finite number of at least {MIN_TEMPERATURE}, not {args.temperature}"),
+        (args.top_k is not None and args.top_k < 1, "--top-k must be at least 1"),
+        (args.device not in ("auto", "cpu", "cuda"), f"--device is auto, cpu or cuda, not {args.device!r}"),
+        (not is_utf8(args.prompt), "--prompt is not valid UTF-8 text: give the prompt as UTF-8")) if bad]
+    if not problems:
+        import torch
+
+        from tools.evaluate import NotThisModel, checked_export
+
+        if args.device == "cuda" and not torch.cuda.is_available():
+            problems.append("--device cuda, but no CUDA GPU is visible")
+        try:
+            checked_export(args.model)
+        except NotThisModel as error:
+            problems.append(" ".join(str(error).split()))
     if problems:
         print(f"{PROG}: {problems[0]}", file=sys.stderr)
         return 2
@@ -68,3 +98,12 @@ def main(argv: list[str]) -> int:
     sys.stdout.write(text if args.continuation_only else args.prompt + text)
     sys.stdout.write("\n")
     return 0
+
+
+def is_utf8(text: str) -> bool:
+    """Whether ``text`` came from valid UTF-8: the command line hands over other bytes as lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -102,15 +102,15 @@ def test_a_seed_identical_rerun_is_comparable(runs, tmp_path):
         assert f'id="line-{slug}-0' in page and f'id="line-{slug}-1' in page
 
 
-def test_runs_differing_only_in_seed_are_refused_and_the_message_names_the_initial_weights(runs, tmp_path):
+def test_runs_differing_only_in_seed_are_refused_and_the_message_names_the_seed(runs, tmp_path):
     result = tool("compare", runs["baseline"], runs["seed"], "--out", tmp_path / "page")
     assert result.returncode == 1
-    assert "not comparable: initial weights differ in seed" in result.stderr
+    assert "not comparable: seed differ in seed: seed " in result.stderr
     found = {d["fingerprint"]: d["detail"] for d in json.loads(result.stdout)["differences"]}
-    assert set(found) == {"initial weights", "training tokens"}  # the seed also shuffles the input
-    assert found["training tokens"].startswith("from update ")
+    assert set(found) == {"seed", "training tokens"}  # the seed also shuffles the input
+    assert "initial weights" in found["seed"] and found["training tokens"].startswith("from update ")
     page = (tmp_path / "page" / "index.html").read_text()
-    assert "<strong>Not comparable.</strong>" in page and "<strong>initial weights</strong>" in page
+    assert "<strong>Not comparable.</strong>" in page and "<strong>seed</strong>" in page
     assert 'id="line-' not in page and not list((tmp_path / "page").glob("*.png"))  # nothing drawn
     assert '<table id="config">' in page and "seed" in page  # but what differs is shown
 
@@ -120,14 +120,17 @@ def test_runs_differing_only_in_seed_are_refused_and_the_message_names_the_initi
     assert "Drawn anyway (--force)" in page and 'id="line-loss-by-update-1' in page
 
 
-def test_a_deeper_model_is_not_comparable_and_the_page_says_why(runs, tmp_path):
+def test_a_deeper_model_is_an_architecture_comparison_and_the_page_says_so(runs, tmp_path):
     result = tool("compare", runs["baseline"], runs["layers"], "--out", tmp_path / "page")
-    assert result.returncode == 1
-    found = {d["fingerprint"] for d in json.loads(result.stdout)["differences"]}
-    assert found == {"initial weights"}  # the same tokens, the same validation set: only the weights differ
+    assert result.returncode == 0, result.stderr
+    verdict = json.loads(result.stdout)
+    assert verdict["differences"] == []  # the same tokens, validation set, scope and tokenizer
+    [entry] = verdict["changes"]
+    assert [c["key"] for c in entry["change"]] == ["model.n_layer"]
+    assert [d["fingerprint"] for d in entry["explained"]] == ["initial weights"]
     page = (tmp_path / "page" / "index.html").read_text()
-    assert "<strong>initial weights</strong> differ in layers" in page
-    assert "model.n_layer" in page
+    assert "model.n_layer (a change of architecture)" in page
+    assert "necessarily changes the initial weights" in page
 
 
 def test_compare_never_writes_into_a_folder_of_someone_elses(runs, tmp_path):

@@ -9,6 +9,7 @@ must show the series' colours.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -366,3 +367,22 @@ def test_chromium_renders_every_plot_and_the_screenshot_shows_the_series(gpu_run
             assert count_near(colours, series.color) > 150, f"{series.key} ({series.color}) is not on the screenshot"
     for flag in report.FLAGS:
         assert count_near(colours, flag.color, tolerance=6) > 2000, f"no {flag.key} band on the screenshot"
+
+
+def test_a_run_record_linked_out_of_the_run_folder_is_not_read(tmp_path):
+    secret = tmp_path / "credentials.json"
+    secret.write_text(json.dumps({"token": "hunter2-secret"}))
+    root = write_output_root(tmp_path / "output", metric_lines(4), record=None)
+    (root / "model").mkdir()
+    (root / "model/run_record.json").symlink_to(secret)
+    page = render(root)
+    assert "hunter2-secret" not in page
+    assert "link out of the run folder" in page
+
+
+def test_the_headline_validation_is_the_final_fixed_validation(tmp_path):
+    record = copy.deepcopy(RUN_RECORD)
+    record["comparability"] = {"validation": {"sha256": "c" * 64, "ce_before": 10.9, "ce_after": 3.2109}}
+    page = render(write_output_root(tmp_path / "output", metric_lines(), record))
+    assert re.search(r"final validation CE.{0,300}3\.2109.{0,300}fixed validation set, after training", page, re.S)
+    assert "final val_loss" not in page
