@@ -53,6 +53,7 @@ TOOLS = ("package", "check", "emulate", "report", "compare", "evaluate", "sample
          "sample-data", "prepare")
 HELP = ("-h", "--help")
 PRINT_CONFIG = "--print_config"
+SECTION_FILE_KEY = "__path__"  # jsonargparse's record of the file a section's keys came from (--model FILE)
 PASSED_TO_LIGHTNING = "trainer.lightning"  # the config's field for them; on the command line each is --trainer.NAME
 
 
@@ -266,14 +267,31 @@ def new_subcommand_parser(name: str, summary: str = "") -> ArgumentParser:
                         help="print the merged configuration as YAML on stdout and exit without training")
     hints = typing.get_type_hints(RunConfig)
     for item in fields(RunConfig):
-        if is_dataclass(hints[item.name]):
+        if item.name in fit_sections():
             skip = {PASSED_TO_LIGHTNING.split(".")[1]} if item.name == PASSED_TO_LIGHTNING.split(".")[0] else None
             parser.add_class_arguments(hints[item.name], item.name, skip=skip, sub_configs=False)
+            section_file_help(parser, item.name)
         else:
             parser.add_argument(f"--{item.name}", type=hints[item.name], default=item.default,
                                 help=run_config_help()[item.name])
     add_lightning_options(parser)
     return parser
+
+
+@cache
+def fit_sections() -> tuple[str, ...]:
+    """The sections of the config (model, data, ...): each has a --SECTION.key option per key and --SECTION FILE."""
+    hints = typing.get_type_hints(RunConfig)
+    return tuple(item.name for item in fields(RunConfig) if is_dataclass(hints[item.name]))
+
+
+def section_file_help(parser: ArgumentParser, section: str) -> None:
+    """The help of ``--SECTION FILE``, which jsonargparse adds for every section, says what the file holds."""
+    for action in parser._actions:
+        if action.option_strings == [f"--{section}"]:
+            action.metavar = "FILE"
+            action.help = (f"a YAML file of {section} keys (e.g. the {section}: part of a config, without that line), "
+                           "applied where it stands among the overrides")
 
 
 @cache
@@ -313,8 +331,12 @@ def spelled(hint: object) -> object:
 
 
 def flatten(values: dict, prefix: str = "") -> dict[str, object]:
+    """Dotted keys and their values; where a section file (``--model FILE``) was read, its keys (jsonargparse
+    also keeps the file's path, which is no key)."""
     flat = {}
     for key, value in values.items():
+        if key == SECTION_FILE_KEY:
+            continue
         if isinstance(value, dict) and not (prefix + key == PASSED_TO_LIGHTNING):
             flat.update(flatten(value, f"{prefix}{key}."))
         else:

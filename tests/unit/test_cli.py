@@ -362,3 +362,24 @@ def test_help_after_a_config_file_leaves_the_shared_parser_at_the_schema_default
     assert load_config("conf/smoke.yaml").model.n_layer != RunConfig().model.n_layer
     cli.build_parser("conf/smoke.yaml")  # what `--config conf/smoke.yaml --help` builds
     assert cli.subcommand_parser("fit", cli.SUBCOMMANDS["fit"]).get_defaults()["model.n_layer"] == RunConfig().model.n_layer
+
+
+SECTION_FILE_VALUES = {"model": ("n_layer", 3), "compute": ("loss_chunk_tokens", 4096), "data": ("microbatch", 3),
+                       "optim": ("lr", 0.01), "trainer": ("max_steps", 700), "metrics": ("interval_seconds", 7.0),
+                       "observe": ("warmup_updates", 3), "output": ("budget_bytes", 12345)}
+
+
+def test_every_section_file_that_fit_help_offers_sets_its_keys(tmp_path):
+    """`--SECTION FILE` (a YAML file of that section's keys) is an option of every section; a dotted override
+    given after it wins."""
+    sections = [name for name in cli.fit_sections()]
+    assert sorted(sections) == sorted(SECTION_FILE_VALUES), "give the new section a value here"
+    help_text = cli.subcommand_parser("fit").format_help()
+    for section, (key, value) in SECTION_FILE_VALUES.items():
+        assert f"--{section} FILE" in help_text
+        path = tmp_path / f"{section}.yaml"
+        path.write_text(yaml.safe_dump({key: value}))
+        command = cli.parse(["fit", f"--{section}", str(path)])
+        assert getattr(getattr(load_config(None, command.overrides), section), key) == value, section
+        command = cli.parse(["fit", f"--{section}", str(path), f"--{section}.{key}", str(value * 2)])
+        assert getattr(getattr(load_config(None, command.overrides), section), key) == value * 2, section
