@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import re
 import sys
 import typing
 from dataclasses import dataclass, fields, is_dataclass
@@ -35,7 +36,7 @@ from runtime.batch_split import BatchSplit, command_line_microbatch
 from callbacks.export import ExportFailed
 from callbacks.runfab_metrics import NonFiniteLossError
 from config import (CONFIG_ENV, DEFAULT_CONFIG, LIGHTNING_REFUSED, ConfigError, RunConfig, TrainerConfig, as_dict,
-                    lightning_argument_problems, lightning_trainer_arguments, load_config)
+                    lightning_argument_problems, lightning_trainer_arguments, literal_choices, load_config, nullable)
 from runtime.device_policy import world_size
 from runtime.probe import run_probe
 from pipeline.shards import ShardsError
@@ -182,6 +183,12 @@ def config_files(argv: list[str]) -> list[str]:
 def readable(error: Exception, argv: list[str]) -> str:
     """jsonargparse's message on one line; for an option no key has, the keys spelled closest to it."""
     message = " ".join(str(error).split())
+    if (key := re.match(r'Parser key "([\w.]+)"', message)) and (choices := key_choices(key[1])):
+        item = re.search(r"Expected a typing.Literal\[.*\]\. Got value: (.*)$", message)
+        if not list_key(key[1]):
+            return f"--{key[1]} must be one of {choices}, not {given_value(argv, key[1])!r}"
+        if item:  # a list key (a bare value, no list, keeps jsonargparse's words)
+            return f"--{key[1]} must list only {choices}, not {item[1]!r}"
     if not message.startswith("unrecognized arguments"):
         return message
     options = known_options()
@@ -192,6 +199,42 @@ def readable(error: Exception, argv: list[str]) -> str:
             if close:
                 return f"{message}; did you mean {' or '.join(close)}?"
     return message
+
+
+def key_hint(key: str) -> object:
+    """The type of a configuration key ("model.n_layer"); None for a name the config has no key for."""
+    hint: object = RunConfig
+    for name in key.split("."):
+        hints = typing.get_type_hints(hint) if is_dataclass(hint) else {}
+        if name not in hints:
+            return None
+        hint = hints[name]
+    return hint
+
+
+def list_key(key: str) -> bool:
+    return typing.get_origin(key_hint(key)) is list
+
+
+def key_choices(key: str) -> str:
+    """The choices of a configuration key typed ``Literal[...]``, or a list of them ("a, b, c (or null)");
+    "" for any other key."""
+    hint = key_hint(key)
+    if typing.get_origin(hint) is list:
+        hint = typing.get_args(hint)[0]
+    choices = literal_choices(hint)
+    return f"{', '.join(map(str, choices))}{' (or null)' if nullable(hint) else ''}" if choices else ""
+
+
+def given_value(argv: list[str], key: str) -> str | None:
+    """What ``argv`` gives ``--key`` (``--key VALUE`` or ``--key=VALUE``), the last one where it is given twice."""
+    found = None
+    for index, token in enumerate(argv):
+        if token == f"--{key}" and index + 1 < len(argv):
+            found = argv[index + 1]
+        elif token.startswith(f"--{key}="):
+            found = token.split("=", 1)[1]
+    return found
 
 
 def known_options() -> list[str]:
