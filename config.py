@@ -224,7 +224,8 @@ LIGHTNING_REFUSED = {
     "check_val_every_n_epoch": "the run is one epoch: set trainer.val_every_steps (optimizer updates)",
     "limit_train_batches": "it counts microbatches and could end the run inside an update: set trainer.max_steps",
     "overfit_batches": "it counts microbatches and could end the run inside an update: set trainer.max_steps",
-    "fast_dev_run": "it counts microbatches and could end the run inside an update: set trainer.max_steps 1",
+    "fast_dev_run": "it counts microbatches and could end the run inside an update: for one update, set "
+                    "--trainer.max_steps 1 --optim.warmup_steps 0",
 }
 
 

@@ -392,3 +392,11 @@ def test_every_section_file_that_fit_help_offers_sets_its_keys(tmp_path):
         assert getattr(getattr(load_config(None, command.overrides), section), key) == value, section
         command = cli.parse(["fit", f"--{section}", str(path), f"--{section}.{key}", str(value * 2)])
         assert getattr(getattr(load_config(None, command.overrides), section), key) == value * 2, section
+
+
+def test_the_fast_dev_run_refusal_gives_advice_that_is_accepted():
+    with pytest.raises(cli.CommandLineError) as caught:
+        cli.parse(["--trainer.fast_dev_run", "true"])
+    advice = str(caught.value).split("set ", 1)[1].split()
+    assert advice[0].startswith("--"), caught.value
+    assert load_config(None, cli.parse(advice).overrides).trainer.max_steps == 1
