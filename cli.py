@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import re
 import sys
 import typing
 from dataclasses import dataclass, fields, is_dataclass
@@ -35,7 +36,7 @@ from runtime.batch_split import BatchSplit, command_line_microbatch
 from callbacks.export import ExportFailed
 from callbacks.runfab_metrics import NonFiniteLossError
 from config import (CONFIG_ENV, DEFAULT_CONFIG, LIGHTNING_REFUSED, ConfigError, RunConfig, TrainerConfig, as_dict,
-                    lightning_argument_problems, lightning_trainer_arguments, load_config)
+                    lightning_argument_problems, lightning_trainer_arguments, literal_choices, load_config, nullable)
 from runtime.device_policy import world_size
 from runtime.probe import run_probe
 from pipeline.shards import ShardsError
@@ -53,6 +54,7 @@ TOOLS = ("package", "check", "emulate", "report", "compare", "evaluate", "sample
          "sample-data", "prepare")
 HELP = ("-h", "--help")
 PRINT_CONFIG = "--print_config"
+SECTION_FILE_KEY = "__path__"  # jsonargparse's record of the file a section's keys came from (--model FILE)
 PASSED_TO_LIGHTNING = "trainer.lightning"  # the config's field for them; on the command line each is --trainer.NAME
 
 
@@ -181,6 +183,12 @@ def config_files(argv: list[str]) -> list[str]:
 def readable(error: Exception, argv: list[str]) -> str:
     """jsonargparse's message on one line; for an option no key has, the keys spelled closest to it."""
     message = " ".join(str(error).split())
+    if (key := re.match(r'Parser key "([\w.]+)"', message)) and (choices := key_choices(key[1])):
+        item = re.search(r"Expected a typing.Literal\[.*\]\. Got value: (.*)$", message)
+        if not list_key(key[1]):
+            return f"--{key[1]} must be one of {choices}, not {given_value(argv, key[1])!r}"
+        if item:  # a list key (a bare value, no list, keeps jsonargparse's words)
+            return f"--{key[1]} must list only {choices}, not {item[1]!r}"
     if not message.startswith("unrecognized arguments"):
         return message
     options = known_options()
@@ -191,6 +199,42 @@ def readable(error: Exception, argv: list[str]) -> str:
             if close:
                 return f"{message}; did you mean {' or '.join(close)}?"
     return message
+
+
+def key_hint(key: str) -> object:
+    """The type of a configuration key ("model.n_layer"); None for a name the config has no key for."""
+    hint: object = RunConfig
+    for name in key.split("."):
+        hints = typing.get_type_hints(hint) if is_dataclass(hint) else {}
+        if name not in hints:
+            return None
+        hint = hints[name]
+    return hint
+
+
+def list_key(key: str) -> bool:
+    return typing.get_origin(key_hint(key)) is list
+
+
+def key_choices(key: str) -> str:
+    """The choices of a configuration key typed ``Literal[...]``, or a list of them ("a, b, c (or null)");
+    "" for any other key."""
+    hint = key_hint(key)
+    if typing.get_origin(hint) is list:
+        hint = typing.get_args(hint)[0]
+    choices = literal_choices(hint)
+    return f"{', '.join(map(str, choices))}{' (or null)' if nullable(hint) else ''}" if choices else ""
+
+
+def given_value(argv: list[str], key: str) -> str | None:
+    """What ``argv`` gives ``--key`` (``--key VALUE`` or ``--key=VALUE``), the last one where it is given twice."""
+    found = None
+    for index, token in enumerate(argv):
+        if token == f"--{key}" and index + 1 < len(argv):
+            found = argv[index + 1]
+        elif token.startswith(f"--{key}="):
+            found = token.split("=", 1)[1]
+    return found
 
 
 def known_options() -> list[str]:
@@ -266,14 +310,31 @@ def new_subcommand_parser(name: str, summary: str = "") -> ArgumentParser:
                         help="print the merged configuration as YAML on stdout and exit without training")
     hints = typing.get_type_hints(RunConfig)
     for item in fields(RunConfig):
-        if is_dataclass(hints[item.name]):
+        if item.name in fit_sections():
             skip = {PASSED_TO_LIGHTNING.split(".")[1]} if item.name == PASSED_TO_LIGHTNING.split(".")[0] else None
             parser.add_class_arguments(hints[item.name], item.name, skip=skip, sub_configs=False)
+            section_file_help(parser, item.name)
         else:
             parser.add_argument(f"--{item.name}", type=hints[item.name], default=item.default,
                                 help=run_config_help()[item.name])
     add_lightning_options(parser)
     return parser
+
+
+@cache
+def fit_sections() -> tuple[str, ...]:
+    """The sections of the config (model, data, ...): each has a --SECTION.key option per key and --SECTION FILE."""
+    hints = typing.get_type_hints(RunConfig)
+    return tuple(item.name for item in fields(RunConfig) if is_dataclass(hints[item.name]))
+
+
+def section_file_help(parser: ArgumentParser, section: str) -> None:
+    """The help of ``--SECTION FILE``, which jsonargparse adds for every section, says what the file holds."""
+    for action in parser._actions:
+        if action.option_strings == [f"--{section}"]:
+            action.metavar = "FILE"
+            action.help = (f"a YAML file of {section} keys (e.g. the {section}: part of a config, without that line), "
+                           "applied where it stands among the overrides")
 
 
 @cache
@@ -313,8 +374,12 @@ def spelled(hint: object) -> object:
 
 
 def flatten(values: dict, prefix: str = "") -> dict[str, object]:
+    """Dotted keys and their values; where a section file (``--model FILE``) was read, its keys (jsonargparse
+    also keeps the file's path, which is no key)."""
     flat = {}
     for key, value in values.items():
+        if key == SECTION_FILE_KEY:
+            continue
         if isinstance(value, dict) and not (prefix + key == PASSED_TO_LIGHTNING):
             flat.update(flatten(value, f"{prefix}{key}."))
         else:

@@ -224,7 +224,8 @@ LIGHTNING_REFUSED = {
     "check_val_every_n_epoch": "the run is one epoch: set trainer.val_every_steps (optimizer updates)",
     "limit_train_batches": "it counts microbatches and could end the run inside an update: set trainer.max_steps",
     "overfit_batches": "it counts microbatches and could end the run inside an update: set trainer.max_steps",
-    "fast_dev_run": "it counts microbatches and could end the run inside an update: set trainer.max_steps 1",
+    "fast_dev_run": "it counts microbatches and could end the run inside an update: for one update, set "
+                    "--trainer.max_steps 1 --optim.warmup_steps 0",
 }
 
 
@@ -266,8 +267,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Schema defaults <- YAML file <- dotted overrides ("model.n_layer=2"), then checked."""
     path = bundle_path(path) if path is not None else default_config_path()
     if not path.is_file():
-        raise ConfigError(f"config file {path} not found (a relative --config is looked for in the current folder, "
-                          f"then in the bundle; {CONFIG_ENV} names a file of the bundle)")
+        what = "is a folder" if path.is_dir() else "is not a regular file" if path.exists() else "was not found"
+        raise ConfigError(f"config file {path} {what}: expected a YAML file (a relative --config is looked for in "
+                          f"the current folder, then in the bundle; {CONFIG_ENV} names a file of the bundle)")
     source = f"{path} with the command line's overrides" if overrides else str(path)
     try:
         values = OmegaConf.load(path)

@@ -141,14 +141,15 @@ def _read_lines(stream: BinaryIO, max_bytes: int, stats: StreamStats,
     readline_or_idle = getattr(stream, "readline_or_idle", None) if idle_seconds is not None else None
     first = True
     while True:
-        line = readline_or_idle(max_bytes + 2, idle_seconds) if readline_or_idle else stream.readline(max_bytes + 2)
+        limit = max_bytes + 2 + (len(UTF8_BOM) if first else 0)  # the mark is no part of the first record
+        line = readline_or_idle(limit, idle_seconds) if readline_or_idle else stream.readline(limit)
         if line is None:
             yield INPUT_IDLE
             continue
         stats.count_bytes(line)
         if not line:
             return
-        cut = len(line) == max_bytes + 2 and not line.endswith(b"\n")  # stopped by the limit, not a line end
+        cut = len(line) == limit and not line.endswith(b"\n")  # stopped by the limit, not a line end
         record = line.removeprefix(UTF8_BOM) if first else line
         first = False
         if not cut and len(record) - _line_ending_length(record) <= max_bytes:

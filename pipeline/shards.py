@@ -190,6 +190,58 @@ def check_meta(meta: dict, path: str, seq_len: int, tokenizer_sha256: str, token
                           f"--model.vocab_size {vocab_size} (its records with larger ids are then rejected)")
 
 
+# LitData's index.json names how its chunks are decoded; `tools prepare` writes raw numpy arrays only. Other
+# decoders include "pickle", which would run code from a data.path that may be a shared remote folder.
+CHUNK_LOADER = "PyTreeLoader"
+CHUNK_FORMAT = "no_header_numpy:"  # then the dtype's index
+CHUNK_SPEC_TYPES = {"builtins.dict", None}  # a dict of arrays (tokens, starts)
+
+
+def read_index(path: str) -> dict:
+    """LitData's ``index.json`` of a prepared folder or URL."""
+    if not is_url(path):
+        return json.loads((Path(path) / "index.json").read_text())
+    from litdata.streaming.fs_provider import _get_fs_provider
+
+    with tempfile.TemporaryDirectory() as folder:
+        local = Path(folder) / "index.json"
+        _get_fs_provider(path).download_file(f"{path.rstrip('/')}/index.json", str(local))
+        return json.loads(local.read_text())
+
+
+def check_chunk_format(path: str) -> None:
+    """Refuse chunks that `tools prepare` does not write (another item loader, a decoder other than raw
+    numpy arrays, compression, encryption), before LitData decodes one."""
+    try:
+        config = read_index(path)["config"]
+        spec = json.loads(config.get("data_spec") or "null")
+        formats = config["data_format"]
+        found = [f"item_loader {config.get('item_loader')!r}"] if config.get("item_loader") != CHUNK_LOADER else []
+        found += [f"data_format {one!r}" for one in formats if not str(one).startswith(CHUNK_FORMAT)]
+        found += [f"{key} {config[key]!r}" for key in ("compression", "encryption") if config.get(key) is not None]
+        found += [f"data_spec type {one!r}" for one in spec_types(spec) if one not in CHUNK_SPEC_TYPES]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ShardsError(f"data.path {path}: LitData's index.json cannot be read ({type(error).__name__}: "
+                          f"{error}); prepare the corpus again with `python -m tools prepare`") from None
+    if found:
+        raise ShardsError(f"data.path {path} holds chunks that `python -m tools prepare` does not write "
+                          f"({', '.join(found)}; it writes {CHUNK_LOADER} items of raw numpy arrays, "
+                          "uncompressed, unencrypted); they are not read: prepare the corpus again with "
+                          "`python -m tools prepare`")
+
+
+def spec_types(spec) -> list:
+    """The ``type`` of every node of a serialized pytree spec (``[version, node]``)."""
+    if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[1], dict)):
+        raise ValueError(f"data_spec is not a serialized pytree: {spec!r}")
+    found, nodes = [], [spec[1]]
+    while nodes:
+        node = nodes.pop()
+        found.append(node.get("type"))
+        nodes += node.get("children_spec") or []
+    return found
+
+
 # ----------------------------------------------------------------------------- training
 
 
@@ -299,6 +351,7 @@ def open_rows(path: str, seed: int, rows_per_batch: int = 1, workers: int = 0, c
     time, every rank the same number of batches. Its worker processes leave stops to the trainer
     (``loader_worker_start``)."""
     litdata = import_litdata()
+    check_chunk_format(path)
     dataset = litdata.StreamingDataset(path, shuffle=True, drop_last=True, seed=seed)
     same_split_everywhere(dataset)
     start = functools.partial(loader_worker_start, os.getpid()) if workers else None

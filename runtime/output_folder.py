@@ -48,6 +48,7 @@ def claimed_output(root: Path, keep: tuple[str, ...] = ()):
     The folders named in ``keep`` stay where they are (a resumed run reads ``checkpoints/``).
     """
     refuse_unsafe_root(root)
+    made = [folder for folder in (root, *root.parents) if not folder.exists()]  # removed again if left empty
     try:
         root.mkdir(parents=True, exist_ok=True)
         lock = created_files.open_created(root / LOCK_NAME, "a+")
@@ -86,6 +87,17 @@ def claimed_output(root: Path, keep: tuple[str, ...] = ()):
             remove_unfinished_exports(root)
             if created_files.is_same_file(root / LOCK_NAME, lock_file):  # never what replaced it meanwhile
                 (root / LOCK_NAME).unlink()
+            remove_if_empty(made)
+
+
+def remove_if_empty(folders: list[Path]) -> None:
+    """Remove the folders this run created (innermost first) that it left empty: a run that was refused or
+    trained nothing leaves no output folder behind."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (or no longer there): kept, and so are the folders above it
+            return
 
 
 def unsafe_folder(folder: Path) -> str | None:

@@ -129,6 +129,7 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
     tokenizer_sha256 = sha256_file(tokenizer)
     shards.check_meta(meta, cfg.data.path, cfg.model.max_seq_len, tokenizer_sha256, cfg.data.tokenizer,
                       cfg.model.vocab_size)
+    shards.check_chunk_format(cfg.data.path)
     root = Path(cfg.output.root)
     first = environment_rank(per_node) == 0  # only rank 0 writes the output (export, record, checkpoints)
     claim = claimed_output(root, keep=("checkpoints",) if ckpt_path else ()) if first else contextlib.nullcontext()

@@ -342,7 +342,8 @@ def assert_exits_zero_with_stdin_open(process: subprocess.Popen) -> None:
 
 @pytest.mark.parametrize("stdin", ["empty", "closed"])
 def test_an_empty_or_closed_stdin_is_an_error_not_the_bundled_sample(tmp_path, stdin):
-    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+    """...and a run that trained nothing creates no output folder (nor the folders above it)."""
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "runs" / "out"), CUDA_VISIBLE_DEVICES="")
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *ARGS], stdin=subprocess.DEVNULL, env=env, capture_output=True,
         timeout=120, cwd=tmp_path, preexec_fn=(lambda: os.close(0)) if stdin == "closed" else None,
@@ -350,7 +351,22 @@ def test_an_empty_or_closed_stdin_is_an_error_not_the_bundled_sample(tmp_path, s
     stderr = result.stderr.decode()
     assert result.returncode == 2, stderr[-3000:]
     assert f"stdin is {stdin}" in stderr and "--data.source sample" in stderr and "Traceback" not in stderr
-    assert not (tmp_path / "out" / "model").exists()
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_refused_run_leaves_no_output_folder_it_created_and_keeps_one_that_was_there(tmp_path):
+    root = tmp_path / "runs" / "a"
+    with pytest.raises(ConfigError, match="refused"):
+        with output_folder.claimed_output(root):
+            raise ConfigError("refused")
+    assert not (tmp_path / "runs").exists()
+    root.mkdir(parents=True)
+    with output_folder.claimed_output(root):
+        pass
+    assert root.is_dir() and not any(root.iterdir())
+    with output_folder.claimed_output(tmp_path / "runs" / "b"):
+        (tmp_path / "runs" / "b" / "result").write_text("kept")
+    assert (tmp_path / "runs" / "b" / "result").read_text() == "kept"
 
 
 def test_a_second_run_on_the_same_output_is_refused(tmp_path):

@@ -72,3 +72,20 @@ def test_a_fast_preset_is_its_llama_preset_but_for_the_optimizer_and_schedule(fa
     ours, theirs = asdict(load_config(fast)), asdict(load_config(llama))
     assert ours["optim"]["name"] == "muon" and ours["optim"]["schedule"] == "wsd"
     assert {k: v for k, v in ours.items() if k != "optim"} == {k: v for k, v in theirs.items() if k != "optim"}
+
+
+def test_a_config_path_that_is_no_file_says_what_it_is(tmp_path, monkeypatch):
+    """A folder or a FIFO (RUNFAB_CONFIG may name one) is not reported as missing, and a FIFO is never opened."""
+    import os
+
+    from config import CONFIG_ENV
+
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    for path, says in ((tmp_path, "is a folder"), (fifo, "is not a regular file"),
+                       (tmp_path / "absent.yaml", "was not found")):
+        with pytest.raises(ConfigError, match=f"config file {path} {says}: expected a YAML file"):
+            load_config(path)
+    monkeypatch.setenv(CONFIG_ENV, str(fifo))
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        load_config()

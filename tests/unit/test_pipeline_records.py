@@ -69,6 +69,12 @@ def test_a_record_just_at_the_size_limit_is_kept_and_one_byte_more_is_not():
     # The limit is the record's: the line ending does not count, CRLF or none at the very end.
     docs, stats = reader(exact + b"\r\n" + over + b"\r\n" + exact, max_bytes=limit)
     assert [d.text for d in docs] == ["y" * (limit - 12)] * 2 and stats.rejected == {"record_too_large": 1}
+    # A byte-order mark opening the stream is no part of the first record's size.
+    for ending in (b"\n", b"\r\n", b""):
+        docs, stats = reader(b"\xef\xbb\xbf" + exact + ending, max_bytes=limit)
+        assert [d.text for d in docs] == ["y" * (limit - 12)] and not stats.rejected, ending
+    docs, stats = reader(b"\xef\xbb\xbf" + over + b"\n" + exact, max_bytes=limit)
+    assert [d.text for d in docs] == ["y" * (limit - 12)] and stats.rejected == {"record_too_large": 1}
 
 
 def test_a_byte_order_mark_opening_the_stream_does_not_cost_the_first_record():

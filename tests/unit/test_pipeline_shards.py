@@ -324,3 +324,28 @@ def test_training_refuses_rows_holding_ids_beyond_its_vocabulary_in_one_line(tmp
                            "--model.vocab_size 60001 or more")
     meta = json.loads((output / shards.SHARDS_META).read_text())
     shards.check_meta(meta, "DIR", SEQ_LEN, meta["tokenizer_sha256"], "conf/tokenizer.json", 60001)
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"data_format": ["pickle", "no_header_numpy:2"]}, "data_format 'pickle'"),
+    ({"compression": "zstd"}, "compression 'zstd'"),
+    ({"encryption": "fernet"}, "encryption 'fernet'"),
+    ({"item_loader": "TokensLoader"}, "item_loader 'TokensLoader'"),
+    ({"data_spec": json.dumps([1, {"type": "os.system", "context": None, "children_spec": []}])},
+     "data_spec type 'os.system'"),
+])
+def test_chunks_in_a_format_prepare_does_not_write_are_refused_before_litdata_reads_one(tmp_path, corpus, capsys,
+                                                                                        change, named):
+    """index.json (which a shared data.path lets anyone write) decides how LitData decodes a chunk; "pickle"
+    would run code. Only what `tools prepare` writes is read."""
+    output = tmp_path / "rows"
+    assert run_prepare(capsys, "--input", corpus, "--output", output, "--config", config_file(tmp_path))[0] == 0
+    shards.check_chunk_format(str(output))
+    index = json.loads((output / "index.json").read_text())
+    index["config"].update(change)
+    (output / "index.json").write_text(json.dumps(index))
+    for read in (shards.check_chunk_format, lambda path: shards.open_rows(path, SEED)):
+        with pytest.raises(shards.ShardsError) as refused:
+            read(str(output))
+        assert named in str(refused.value) and "\n" not in str(refused.value)
+        assert "does not write" in str(refused.value)
