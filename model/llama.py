@@ -7,7 +7,7 @@ key/value heads each serve n_head / n_kv_head query heads, which every attention
 The head is the token embedding (``tie_embeddings``) or a matrix of its own. Kernels, the compiled trunk and
 the loss are ``model.decoder``'s, as GPT-2's.
 
-The modules map one to one onto Hugging Face's ``LlamaForCausalLM`` (``callbacks.export``): ``qkv`` holds
+The modules map one to one onto Hugging Face's ``LlamaForCausalLM`` (``model.hf``): ``qkv`` holds
 q_proj, k_proj and v_proj's rows in that order, ``gate_up`` gate_proj's then up_proj's.
 """
 
