@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from config import ConfigError, load_config
-from model import flash4, fused_mlp, kernels
+from model import kernels
+from model.kernels import flash4, fused_mlp
 from model.decoder import ModelConfig
 from model.gpt import GPT
 from model.kernels import ComputeConfig
@@ -188,10 +189,10 @@ def test_the_backward_product_pins_its_tile_on_hopper_only(monkeypatch, fake_gem
 
 @pytest.fixture
 def reference_kept_derivative_gemms(monkeypatch):
-    """model.quack_gelu's two epilogue GEMMs for blocks that keep the GELU's derivative, replaced by what they
+    """model.kernels.quack_gelu's two epilogue GEMMs for blocks that keep the GELU's derivative, replaced by what they
     compute, in the operands' dtype: fc's product with the activation and gelu' as outputs, and proj's
     input-gradient product scaled by the kept gelu'. Records each call's operand dtypes."""
-    from model import quack_gelu
+    from model.kernels import quack_gelu
 
     calls = []
 
@@ -228,7 +229,7 @@ def test_under_bf16_the_derivative_is_kept_in_fp16():
 
 
 def test_the_last_blocks_keep_the_derivative_with_quacks_mlp_on_hopper_only(monkeypatch):
-    from model import quack_gelu
+    from model.kernels import quack_gelu
 
     kept = fused_mlp.KEPT_DERIVATIVE
     monkeypatch.setattr(flash4, "compute_capability", lambda device: (9, 0))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from config import load_config
-from model import attention
+from model.kernels import attention
 from runtime import probe
 
 
