@@ -8,6 +8,7 @@
     rank_balance.py       how evenly data-parallel ranks share attention work
     shards.py             one rank reading prepared shards (data.source litdata) on one core
     synthetic_records.py  NDJSON records of random tokens with heavy-tailed lengths, the experiments' input
+    llama_speed.sh        the Llama preset against GPT-2's in one job (trainer, Llama variants), then a Llama trace
 
 May import the training modules and tools.processes. The trainer experiments and host-pipeline take
 the configuration as train.py does: ``--config FILE`` and ``--section.key VALUE``.
