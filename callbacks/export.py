@@ -1,8 +1,8 @@
 """Export a trained decoder as a Hugging Face checkpoint of its family (safetensors, no pickle).
 
-Each family is architecturally its Hugging Face model, so its weights map one to one: gpt2 (pre-LN,
-learned positions, exact GELU, tied head) onto ``GPT2LMHeadModel``, llama (RMSNorm, rotate-half rotary
-positions, SwiGLU, grouped-query attention) onto ``LlamaForCausalLM``. Anyone can then load the result
+Each family is architecturally its Hugging Face model, so its weights map one to one (``model.hf``'s tables):
+gpt2 (pre-LN, learned positions, exact GELU, tied head) onto ``GPT2LMHeadModel``, llama (RMSNorm, rotate-half
+rotary positions, SwiGLU, grouped-query attention) onto ``LlamaForCausalLM``. Anyone can then load the result
 with ``AutoModelForCausalLM.from_pretrained(out_dir)`` and ``AutoTokenizer.from_pretrained(out_dir)``
 without this package.
 """
@@ -20,15 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
-import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
-from torch import nn
 
 from callbacks import owned_folders
 from runfab import created_files
+from model import hf
 from model.decoder import Decoder, ModelConfig
-from model.gpt import GPT
 from model.llama import Llama
 
 log = logging.getLogger(__name__)
@@ -53,47 +51,6 @@ def as_os_error(error: BaseException) -> OSError | None:
         return None
     code = int(found[1])
     return OSError(code, os.strerror(code) if code in errno.errorcode else str(error))
-
-
-def _export_tensor(t: torch.Tensor) -> torch.Tensor:
-    """fp32, contiguous and on CPU, so the file is the same whatever precision/device trained it."""
-    return t.detach().to(device="cpu", dtype=torch.float32).contiguous()
-
-
-def _conv1d(linear: nn.Linear) -> torch.Tensor:
-    """GPT-2's Conv1D stores its weight as [in, out], the transpose of nn.Linear's [out, in]."""
-    return _export_tensor(linear.weight.t())
-
-
-def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """Our weights under ``GPT2LMHeadModel`` key names.
-
-    Our Linear layers have no bias, GPT-2's Conv1D layers do: those biases are written as zeros,
-    which is the same function. ``lm_head.weight`` is left out because GPT-2 ties it to
-    ``transformer.wte.weight`` on load (safetensors refuses two names for one storage anyway).
-    """
-    sd: dict[str, torch.Tensor] = {
-        "transformer.wte.weight": _export_tensor(model.wte.weight),
-        "transformer.wpe.weight": _export_tensor(model.wpe.weight),
-        "transformer.ln_f.weight": _export_tensor(model.ln_f.weight),
-        "transformer.ln_f.bias": _export_tensor(model.ln_f.bias),
-    }
-    for i, block in enumerate(model.blocks):
-        prefix = f"transformer.h.{i}."
-        # c_attn's output is [q | k | v], the same order as our qkv rows, so a transpose suffices.
-        layers = {
-            "attn.c_attn": block.attn.qkv,
-            "attn.c_proj": block.attn.proj,
-            "mlp.c_fc": block.mlp.fc,
-            "mlp.c_proj": block.mlp.proj,
-        }
-        for name, linear in layers.items():
-            sd[prefix + name + ".weight"] = _conv1d(linear)
-            sd[prefix + name + ".bias"] = torch.zeros(linear.out_features, dtype=torch.float32)
-        for name, norm in (("ln_1", block.ln_1), ("ln_2", block.ln_2)):
-            sd[prefix + name + ".weight"] = _export_tensor(norm.weight)
-            sd[prefix + name + ".bias"] = _export_tensor(norm.bias)
-    return sd
 
 
 def gpt2_config(config: ModelConfig, eos_id: int):
@@ -121,31 +78,6 @@ def gpt2_config(config: ModelConfig, eos_id: int):
         architectures=["GPT2LMHeadModel"],
         dtype="float32",
     )
-
-
-def llama_state_dict(model: Llama) -> dict[str, torch.Tensor]:
-    """Our weights under ``LlamaForCausalLM`` key names: the fused products split into Hugging Face's (qkv's rows
-    are q_proj's, k_proj's and v_proj's in that order; gate_up's gate_proj's then up_proj's). The rotary positions
-    are Hugging Face's rotate-half convention already, so q and k need no permutation. ``lm_head.weight`` only when
-    the head is untied: tied, Llama takes it from ``model.embed_tokens.weight`` on load."""
-    config = model.config
-    sd: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": _export_tensor(model.wte.weight),
-        "model.norm.weight": _export_tensor(model.norm.weight),
-    }
-    if model.lm_head is not None:
-        sd["lm_head.weight"] = _export_tensor(model.lm_head.weight)
-    q_rows, kv_rows = config.n_head * config.head_dim, config.kv_heads * config.head_dim
-    for i, block in enumerate(model.blocks):
-        prefix = f"model.layers.{i}."
-        q, k, v = block.attn.qkv.weight.split((q_rows, kv_rows, kv_rows))
-        gate, up = block.mlp.gate_up.weight.chunk(2)
-        weights = {"self_attn.q_proj": q, "self_attn.k_proj": k, "self_attn.v_proj": v,
-                   "self_attn.o_proj": block.attn.proj.weight, "mlp.gate_proj": gate, "mlp.up_proj": up,
-                   "mlp.down_proj": block.mlp.proj.weight, "input_layernorm": block.attn_norm.weight,
-                   "post_attention_layernorm": block.mlp_norm.weight}
-        sd.update({prefix + name + ".weight": _export_tensor(weight) for name, weight in weights.items()})
-    return sd
 
 
 def llama_config(config: ModelConfig, eos_id: int):
@@ -177,11 +109,6 @@ def llama_config(config: ModelConfig, eos_id: int):
     )
 
 
-def hf_state_dict(model: Decoder) -> dict[str, torch.Tensor]:
-    """``model``'s weights under the Hugging Face key names of its family."""
-    return llama_state_dict(model) if isinstance(model, Llama) else gpt2_state_dict(model)
-
-
 def hf_config(model: Decoder, eos_id: int):
     """The Hugging Face config of ``model``'s family that computes what it computes."""
     return llama_config(model.config, eos_id) if isinstance(model, Llama) else gpt2_config(model.config, eos_id)
@@ -201,7 +128,7 @@ def _write_export(model: Decoder, tokenizer_path: Path, folder: Path, eos_token:
             f"vocab_size {model.config.vocab_size}"
         )
 
-    save_file(hf_state_dict(model), str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    save_file(hf.to_hf(model), str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
     hf_config(model, eos_id).save_pretrained(folder)
     if isinstance(model, Llama):
         _name_rope_theta_for_4x(folder / "config.json", model.config.rope_theta)

@@ -44,9 +44,9 @@ DIGEST_MODULUS = 1 << 63
 
 def model_weights_digest(model) -> str:
     """The digest of a model's weights under the export's names: what anyone who loads the model sees."""
-    from callbacks.export import hf_state_dict
+    from model import hf
 
-    return fingerprints.weights_digest(hf_state_dict(model))
+    return fingerprints.weights_digest(hf.to_hf(model))
 
 
 def merge_pairs(columns: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

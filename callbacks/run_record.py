@@ -20,7 +20,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from model import flash4
+from model.kernels import gpu
 from callbacks.observe import ObservationWindows
 from callbacks.runfab_metrics import RunFabMetrics
 from model.flops import count_parameters
@@ -174,7 +174,7 @@ class RunRecord:
         usage = {}
         folders = {name: Path(os.environ[variable]) if variable in os.environ else None
                    for name, variable in (("inductor", "TORCHINDUCTOR_CACHE_DIR"), ("triton", "TRITON_CACHE_DIR"))}
-        folders |= flash4.cache_usage_folders()  # FlashAttention 4's and the CuTe DSL's, when training wrote them
+        folders |= gpu.cache_usage_folders()  # FlashAttention 4's and the CuTe DSL's, when training wrote them
         for name, folder in folders.items():
             if folder is not None and folder.is_dir():
                 usage[name] = {"path": str(folder), "bytes": folder_bytes(folder)}

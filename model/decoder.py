@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from model import kernels
-from model.attention import DocumentLayout
+from model.kernels.attention import DocumentLayout
 from model.kernels import ComputeConfig, Kernels
 from model.loss import LMHeadLoss
 

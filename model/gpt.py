@@ -3,7 +3,7 @@
 Pre-LayerNorm blocks (LayerNorm with bias), learned absolute positions, bias-free linear
 layers, a GELU MLP of width 4d, and a token embedding tied to the LM head. Rows may pack
 several documents: ``positions`` restart at 0 where a document starts, and attention never
-crosses that boundary (``model.attention``). What both families share (kernels, the compiled
+crosses that boundary (``model.kernels.attention``). What both families share (kernels, the compiled
 trunk, the loss) is ``model.decoder``'s.
 """
 
@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import fused_mlp
-from model.attention import DocumentLayout, attend
+from model.kernels import fused_mlp
+from model.kernels.attention import DocumentLayout, attend
 from model.decoder import Decoder, ModelConfig
 from model.kernels import ComputeConfig
 
@@ -38,7 +38,7 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
-        self.kernel = "torch"  # compiled training's kernel (model.fused_mlp), which Decoder.use_kernels sets
+        self.kernel = "torch"  # compiled training's kernel (model.kernels.fused_mlp), which Decoder.use_kernels sets
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # quack's kernels compile once per shape: only inside the compiled trunk, whose shapes are the training rows'

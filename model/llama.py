@@ -2,12 +2,12 @@
 
 Pre-norm blocks as GPT-2's, with RMSNorm (PyTorch's) in place of LayerNorm, no biases anywhere, no learned
 positions: q and k turn by their token's position in its document (``model.rope``), which restarts at 0 with
-every document of a packed row, and attention never crosses documents (``model.attention``). ``n_kv_head``
+every document of a packed row, and attention never crosses documents (``model.kernels.attention``). ``n_kv_head``
 key/value heads each serve n_head / n_kv_head query heads, which every attention kernel takes as they are.
 The head is the token embedding (``tie_embeddings``) or a matrix of its own. Kernels, the compiled trunk and
 the loss are ``model.decoder``'s, as GPT-2's.
 
-The modules map one to one onto Hugging Face's ``LlamaForCausalLM`` (``callbacks.export``): ``qkv`` holds
+The modules map one to one onto Hugging Face's ``LlamaForCausalLM`` (``model.hf``): ``qkv`` holds
 q_proj, k_proj and v_proj's rows in that order, ``gate_up`` gate_proj's then up_proj's.
 """
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import rope
-from model.attention import DocumentLayout, attend
+from model.kernels.attention import DocumentLayout, attend
 from model.decoder import Decoder, ModelConfig
 from model.kernels import ComputeConfig
 

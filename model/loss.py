@@ -9,8 +9,8 @@ gradient come from a chunk function (``chunk_function``; ``model.kernels`` choos
 
 - ``"eager"``: PyTorch (CPU runs, the probe, evaluation);
 - ``"triton"``: cuBLAS's logits, then one Triton kernel that reads them twice and writes the
-  gradient over them (``model.triton_cross_entropy``);
-- ``"quack"``: the logits with each row's log-sum-exp from quack's GEMM epilogue (``model.quack_lse``,
+  gradient over them (``model.kernels.triton_cross_entropy``);
+- ``"quack"``: the logits with each row's log-sum-exp from quack's GEMM epilogue (``model.kernels.quack_lse``,
   bf16 on Hopper), then the Triton kernel's single pass.
 
 Validation (no gradients) takes the plain cross-entropy, chunk by chunk.
@@ -116,9 +116,9 @@ def product_then_softmax(softmax_fn: Callable, rows: torch.Tensor, weight: torch
 
 
 def triton_chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, dtype: torch.dtype):
-    """``chunk_loss_and_grad`` as one Triton kernel (``model.triton_cross_entropy``): the gradient
+    """``chunk_loss_and_grad`` as one Triton kernel (``model.kernels.triton_cross_entropy``): the gradient
     is written over ``logits``, which the caller made for this chunk alone."""
-    from model.triton_cross_entropy import loss_and_gradient_in_place  # Triton: CUDA builds of PyTorch only
+    from model.kernels.triton_cross_entropy import loss_and_gradient_in_place  # Triton: CUDA builds of PyTorch only
 
     loss = loss_and_gradient_in_place(logits, targets, vocab_size, IGNORE_INDEX)
     return loss, logits.to(dtype)
@@ -127,10 +127,10 @@ def triton_chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, voca
 def quack_chunk_loss_and_grad(rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
                               dtype: torch.dtype):
     """One chunk (bf16): its logits with each row's log-sum-exp by column tiles from one quack GEMM
-    (``model.quack_lse``), then the Triton kernel's single pass, which folds the tiles' values and writes the
+    (``model.kernels.quack_lse``), then the Triton kernel's single pass, which folds the tiles' values and writes the
     gradient over the logits. quack and the CuTe DSL are imported on first use (seconds to load)."""
-    from model import quack_lse
-    from model.triton_cross_entropy import gradient_in_place  # Triton: CUDA builds of PyTorch only
+    from model.kernels import quack_lse
+    from model.kernels.triton_cross_entropy import gradient_in_place  # Triton: CUDA builds of PyTorch only
 
     logits, tile_log_normalizers = quack_lse.logits_and_tile_log_normalizers(rows, weight, vocab_size)
     loss = gradient_in_place(logits, tile_log_normalizers, targets, vocab_size, IGNORE_INDEX)

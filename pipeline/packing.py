@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from model.attention import document_offsets
+from model.kernels.attention import document_offsets
 from model.loss import IGNORE_INDEX
 from pipeline.fingerprints import rows_digest
 from pipeline.records import INPUT_IDLE, InputIdle, StreamStats

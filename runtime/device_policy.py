@@ -18,7 +18,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from model import flash4
+from model.kernels import gpu
 from runtime import hostmem
 from config import ConfigError, RunConfig
 from runfab.limits import CPU_CORES
@@ -143,7 +143,7 @@ def prepare_compile(folder: Path, world: int) -> None:
         named = os.environ.get(variable)
         if named is None or Path(named).absolute() == default.absolute():
             os.environ[variable] = str(ours)
-    flash4.use_cache_folder(folder)  # FA4's kernels, compiled at first use
+    gpu.use_cache_folder(folder)  # FA4's kernels, compiled at first use
     _move_precompiled_headers(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]))
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
         import torch._inductor.config as inductor_config

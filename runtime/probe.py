@@ -23,7 +23,7 @@ from runtime import launcher
 from runtime.batch_split import probe_accumulation
 from callbacks.runfab_metrics import peak_memory
 from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict
-from model import attention
+from model.kernels import attention
 from pipeline.packing import Row, collate_rows
 from runtime.device_policy import (
     build_module, check_host_memory, limit_gpu_memory, local_device, platform_memory_fraction,

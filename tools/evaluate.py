@@ -25,8 +25,6 @@ import warnings
 from pathlib import Path
 
 PROG = "python -m tools evaluate"
-LINEAR_LAYERS = {"attn.c_attn": ("attn", "qkv"), "attn.c_proj": ("attn", "proj"), "mlp.c_fc": ("mlp", "fc"),
-                 "mlp.c_proj": ("mlp", "proj")}
 
 
 class NotThisModel(ValueError):
@@ -155,10 +153,8 @@ def load_model(folder: Path):
 
 
 def load_gpt(folder: Path, config: dict, weights: dict):
-    """The exported GPT-2 folder as this trainer's GPT: the inverse of callbacks.export.gpt2_state_dict."""
-    import torch
-
-    from callbacks.export import gpt2_state_dict
+    """The exported GPT-2 folder as this trainer's GPT: model.hf's table read backwards."""
+    from model import hf
     from model.decoder import ModelConfig
     from model.families import build_model
 
@@ -169,26 +165,16 @@ def load_gpt(folder: Path, config: dict, weights: dict):
     model = build_model(ModelConfig(vocab_size=config["vocab_size"], n_layer=config["n_layer"], n_head=config["n_head"],
                                     n_embd=config["n_embd"], max_seq_len=config["n_positions"],
                                     layer_norm_eps=config["layer_norm_epsilon"]))
-    own = {"transformer.wte.weight": model.wte.weight, "transformer.wpe.weight": model.wpe.weight,
-           "transformer.ln_f.weight": model.ln_f.weight, "transformer.ln_f.bias": model.ln_f.bias}
-    for i, block in enumerate(model.blocks):
-        for name, (part, layer) in LINEAR_LAYERS.items():
-            own[f"transformer.h.{i}.{name}.weight"] = getattr(getattr(block, part), layer).weight
-        for name in ("ln_1", "ln_2"):
-            own[f"transformer.h.{i}.{name}.weight"] = getattr(block, name).weight
-            own[f"transformer.h.{i}.{name}.bias"] = getattr(block, name).bias
-    with torch.no_grad():
-        for key, parameter in own.items():
-            value = weights[key]
-            parameter.copy_(value.t() if key.rsplit(".", 2)[-2] in {"c_attn", "c_proj", "c_fc"} else value)
-    return model_holding_exactly(folder, model, gpt2_state_dict(model), weights, ignored={"lm_head.weight"})
+    try:
+        hf.load_hf(model, weights)
+    except (KeyError, RuntimeError) as error:  # a missing tensor, or one of another shape
+        raise NotThisModel(f"{folder} has weights this trainer's GPT does not hold as they are ({error})") from None
+    return model_holding_exactly(folder, model, hf.to_hf(model), weights, ignored={"lm_head.weight"})
 
 
 def load_llama(folder: Path, config: dict, weights: dict):
-    """The exported Llama folder as this trainer's Llama: the inverse of callbacks.export.llama_state_dict."""
-    import torch
-
-    from callbacks.export import llama_state_dict
+    """The exported Llama folder as this trainer's Llama: model.hf's table read backwards."""
+    from model import hf
     from model.decoder import ModelConfig
     from model.families import build_model
 
@@ -210,24 +196,10 @@ def load_llama(folder: Path, config: dict, weights: dict):
         layer_norm_eps=config["rms_norm_eps"], rope_theta=rope["rope_theta"],
         tie_embeddings=config.get("tie_word_embeddings", False)))
     try:
-        with torch.no_grad():
-            model.wte.weight.copy_(weights["model.embed_tokens.weight"])
-            model.norm.weight.copy_(weights["model.norm.weight"])
-            if model.lm_head is not None:
-                model.lm_head.weight.copy_(weights["lm_head.weight"])
-            for i, block in enumerate(model.blocks):
-                layer = {name: weights[f"model.layers.{i}.{name}.weight"] for name in (
-                    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                    "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")}
-                block.attn.qkv.weight.copy_(torch.cat([layer[f"self_attn.{p}_proj"] for p in "qkv"]))
-                block.attn.proj.weight.copy_(layer["self_attn.o_proj"])
-                block.mlp.gate_up.weight.copy_(torch.cat([layer["mlp.gate_proj"], layer["mlp.up_proj"]]))
-                block.mlp.proj.weight.copy_(layer["mlp.down_proj"])
-                block.attn_norm.weight.copy_(layer["input_layernorm"])
-                block.mlp_norm.weight.copy_(layer["post_attention_layernorm"])
+        hf.load_hf(model, weights)
     except (KeyError, RuntimeError) as error:  # a missing tensor, or one of another shape
         raise NotThisModel(f"{folder} has weights this trainer's Llama does not hold as they are ({error})") from None
-    return model_holding_exactly(folder, model, llama_state_dict(model), weights, ignored=set())
+    return model_holding_exactly(folder, model, hf.to_hf(model), weights, ignored=set())
 
 
 def model_holding_exactly(folder: Path, model, expected: dict, weights: dict, ignored: set):

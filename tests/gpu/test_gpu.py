@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import flash4, fused_mlp, kernels
-from model.attention import DocumentLayout, attend, document_offsets, varlen_attn
+from model import kernels
+from model.kernels import flash4, fused_mlp
+from model.kernels.attention import DocumentLayout, attend, document_offsets, varlen_attn
 from model.decoder import ModelConfig
 from model.families import build_model
 from model.gpt import GPT
@@ -127,7 +128,7 @@ def test_one_document_rows_use_fused_causal_sdpa_and_match_the_varlen_kernel(mon
                 hidden = fast.trunk(tokens, positions, cu_seqlens, torch.bfloat16, torch.bfloat16)
             else:
                 calls = []
-                monkeypatch.setattr("model.attention.varlen_attn", lambda *a, **k: calls.append(1))
+                monkeypatch.setattr("model.kernels.attention.varlen_attn", lambda *a, **k: calls.append(1))
                 hidden = fast.hidden_states(tokens, positions, cu_seqlens)
                 assert not calls  # one document per row never reaches the varlen kernel
         (hidden.float() * direction).mean().backward()
@@ -170,7 +171,7 @@ def test_the_triton_chunk_kernel_matches_pytorchs_at_the_trainers_vocabulary():
     """One chunk of 4,096 x 50,304 bf16 logits (50,257 real columns), with ignored targets: the
     in-place Triton kernel's loss and gradient against the PyTorch function's."""
     from model.loss import chunk_loss_and_grad
-    from model.triton_cross_entropy import loss_and_gradient_in_place
+    from model.kernels.triton_cross_entropy import loss_and_gradient_in_place
 
     gen = torch.Generator(device="cuda").manual_seed(21)
     logits = (3 * torch.randn(4096, 50304, device="cuda", generator=gen)).bfloat16()
@@ -466,8 +467,8 @@ def test_quacks_logits_with_their_log_sum_exp_are_its_products_logits_and_their_
     kernel's loss and gradient."""
     from quack.gemm_interface import gemm
 
-    from model import quack_lse
-    from model.triton_cross_entropy import gradient_in_place, loss_and_gradient_in_place
+    from model.kernels import quack_lse
+    from model.kernels.triton_cross_entropy import gradient_in_place, loss_and_gradient_in_place
 
     if torch.cuda.get_device_capability()[0] != kernels.LSE_COMPUTE_CAPABILITY:
         pytest.skip("the log-sum-exp epilogue is Hopper's")

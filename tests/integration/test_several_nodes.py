@@ -32,9 +32,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from callbacks.export import hf_state_dict
 from config import load_config
 from lit_module import GPTTrainingModule
+from model.hf import to_hf
 from pipeline import shards
 from pipeline.packing import collate_rows
 from tools.data import prepare as prepare_tool
@@ -136,7 +136,7 @@ def accumulate_same_rows(config: Path, shares: list[list], updates: int) -> tupl
 
 def assert_same_weights(model_dir: Path, module: GPTTrainingModule) -> None:
     trained = load_file(model_dir / "model.safetensors")
-    expected = hf_state_dict(module.model)
+    expected = to_hf(module.model)
     assert trained.keys() == expected.keys()
     # Adam divides each gradient by its own running size, so the last bits of a near-zero gradient summed over
     # ranks in another order move its weight by a sliver of a step (up to 6e-6 in the Llama's gated product);

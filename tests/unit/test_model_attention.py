@@ -14,8 +14,9 @@ import os
 import pytest
 import torch
 
-from model import attention, flash4, kernels
-from model.attention import document_offsets
+from model import kernels
+from model.kernels import attention, flash4, gpu
+from model.kernels.attention import document_offsets
 from model.decoder import ModelConfig
 from model.families import build_model
 from model.gpt import GPT
@@ -37,7 +38,7 @@ def fake_gpu(monkeypatch):
         state["imported"] += 1
         return None if state["imports"] else "flash_attn.cute does not import (ModuleNotFoundError)"
 
-    monkeypatch.setattr(flash4, "compute_capability", lambda device: state["capability"])
+    monkeypatch.setattr(gpu, "compute_capability", lambda device: state["capability"])
     monkeypatch.setattr(flash4, "fa4_import_problem", import_problem)
     return state
 
@@ -85,42 +86,42 @@ def test_the_model_records_and_describes_the_kernel_of_each_batch_kind():
 
 
 def test_fa4_caches_go_under_the_output_in_training_and_nowhere_otherwise(monkeypatch, tmp_path):
-    for variable in (*flash4.CACHE_VARIABLES.values(), "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",
+    for variable in (*gpu.CACHE_VARIABLES.values(), "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",
                      "CUTE_DSL_DISABLE_FILE_CACHING", "QUACK_CACHE_ENABLED"):
         monkeypatch.delenv(variable, raising=False)
-    flash4.use_cache_folder(None)
-    flash4.prepare_environment()  # the probe, tests: memory only, no folder made anywhere
+    gpu.use_cache_folder(None)
+    gpu.prepare_environment()  # the probe, tests: memory only, no folder made anywhere
     assert os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] == "1" and os.environ["CUTE_DSL_CACHE_DIR"] == os.devnull
     assert os.environ["QUACK_CACHE_ENABLED"] == "0"  # quack's .o cache would default to /tmp
-    assert flash4.cache_usage_folders() == {}
+    assert gpu.cache_usage_folders() == {}
 
     for variable in ("CUTE_DSL_DISABLE_FILE_CACHING", "CUTE_DSL_CACHE_DIR", "QUACK_CACHE_ENABLED"):
         monkeypatch.delenv(variable)
     monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(tmp_path / "mine"))  # a folder someone chose stays
-    flash4.use_cache_folder(tmp_path / "data/compile-cache")  # what device_policy.prepare_compile does
-    flash4.prepare_environment()
+    gpu.use_cache_folder(tmp_path / "data/compile-cache")  # what device_policy.prepare_compile does
+    gpu.prepare_environment()
     assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
-    assert flash4.cache_usage_folders() == {
+    assert gpu.cache_usage_folders() == {
         "flash-attn": tmp_path / "mine", "cute-dsl": tmp_path / "data/compile-cache/cute-dsl",
         "quack": tmp_path / "data/compile-cache/quack"}
-    flash4.use_cache_folder(None)
+    gpu.use_cache_folder(None)
 
 
 def test_prepare_compile_hands_its_folder_to_fa4(monkeypatch, tmp_path):
     from runtime import device_policy
 
-    for variable in (*flash4.CACHE_VARIABLES.values(), "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",
+    for variable in (*gpu.CACHE_VARIABLES.values(), "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",
                      "CUTE_DSL_DISABLE_FILE_CACHING", "QUACK_CACHE_ENABLED"):
         monkeypatch.delenv(variable, raising=False)
-    flash4.use_cache_folder(None)
+    gpu.use_cache_folder(None)
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # leave inductor's settings alone
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     device_policy.prepare_compile(tmp_path / "data/compile-cache", 1)
-    flash4.prepare_environment()
-    assert set(flash4.cache_usage_folders().values()) == {
-        tmp_path / "data/compile-cache" / name for name in flash4.CACHE_VARIABLES}
-    flash4.use_cache_folder(None)
+    gpu.prepare_environment()
+    assert set(gpu.cache_usage_folders().values()) == {
+        tmp_path / "data/compile-cache" / name for name in gpu.CACHE_VARIABLES}
+    gpu.use_cache_folder(None)
 
 
 # ----------------------------------------------------------------------------- the custom ops
@@ -283,7 +284,7 @@ def test_the_fa4_import_is_lazy():
     import subprocess
     import sys
 
-    code = ("import sys, model.families, model.flash4; "
+    code = ("import sys, model.families, model.kernels.flash4; "
             "print('flash_attn' in sys.modules, 'cutlass' in sys.modules)")
     from tests.helpers import ROOT as root
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout

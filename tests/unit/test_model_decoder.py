@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from config import ConfigError, load_config
-from model.attention import document_causal_mask, document_offsets
+from model.kernels.attention import document_causal_mask, document_offsets
 from model.flops import count_parameters, training_flops
 from model.decoder import ModelConfig
 from model.families import build_model
@@ -111,7 +111,7 @@ def test_rows_of_one_document_each_take_plain_causal_attention_with_the_same_res
     positions = torch.arange(32).expand(3, 32)
     with torch.no_grad():
         masked = model.hidden_states(ids, positions)  # without cu_seqlens: the document-mask path
-        monkeypatch.setattr("model.attention.document_causal_mask", lambda *a: (_ for _ in ()).throw(AssertionError("mask built")))
+        monkeypatch.setattr("model.kernels.attention.document_causal_mask", lambda *a: (_ for _ in ()).throw(AssertionError("mask built")))
         plain = model.hidden_states(ids, positions, document_offsets(positions))
     torch.testing.assert_close(plain, masked, rtol=1e-5, atol=1e-5)
     two_docs = torch.cat([torch.arange(16), torch.arange(16)]).expand(3, 32)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from config import ConfigError, load_config
-from model import flash4, fused_mlp, kernels
+from model import kernels
+from model.kernels import fused_mlp, gpu
 from model.decoder import ModelConfig
 from model.gpt import GPT
 from model.kernels import ComputeConfig
@@ -43,11 +44,11 @@ def test_auto_falls_back_to_pytorch_and_quack_is_an_error_where_it_cannot_run(mo
     assert mlp_kernels("auto", torch.device("cpu"), torch.float32, True) == ("torch", "torch")
     with pytest.raises(RuntimeError, match="compute.mlp is 'quack' but it cannot run: it needs a CUDA device, not cpu"):
         mlp_kernels("quack", torch.device("cpu"), torch.bfloat16, True)
-    monkeypatch.setattr(flash4, "compute_capability", lambda device: (8, 0))
+    monkeypatch.setattr(gpu, "compute_capability", lambda device: (8, 0))
     assert "compute capability 8.0" in fused_mlp.quack_unavailable_reason(CUDA, torch.bfloat16, 768)
     assert "bf16 or fp16, not torch.float32" in fused_mlp.quack_unavailable_reason(CUDA, torch.float32, 768)
     assert "width 100 is not a multiple of 8" in fused_mlp.quack_unavailable_reason(CUDA, torch.bfloat16, 100)
-    monkeypatch.setattr(flash4, "compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(gpu, "compute_capability", lambda device: (9, 0))
     monkeypatch.setattr(fused_mlp, "quack_imports", lambda: "quack.gemm_interface does not import (ModuleNotFoundError: x)")
     assert fused_mlp.quack_unavailable_reason(CUDA, torch.bfloat16, 768) == \
         "quack.gemm_interface does not import (ModuleNotFoundError: x)"
@@ -178,7 +179,7 @@ def test_the_backward_product_pins_its_tile_on_hopper_only(monkeypatch, fake_gem
     same config object: quack keys its cached launch by the pinned config's identity."""
     assert fused_mlp.dact_config(torch.device("cpu")) is None
     for capability, pinned in (((9, 0), True), ((10, 0), False)):
-        monkeypatch.setattr(flash4, "compute_capability", lambda device, capability=capability: capability)
+        monkeypatch.setattr(gpu, "compute_capability", lambda device, capability=capability: capability)
         config = fused_mlp.dact_config(torch.device("cuda"))
         assert (config is not None) == pinned
         if pinned:
@@ -188,10 +189,10 @@ def test_the_backward_product_pins_its_tile_on_hopper_only(monkeypatch, fake_gem
 
 @pytest.fixture
 def reference_kept_derivative_gemms(monkeypatch):
-    """model.quack_gelu's two epilogue GEMMs for blocks that keep the GELU's derivative, replaced by what they
+    """model.kernels.quack_gelu's two epilogue GEMMs for blocks that keep the GELU's derivative, replaced by what they
     compute, in the operands' dtype: fc's product with the activation and gelu' as outputs, and proj's
     input-gradient product scaled by the kept gelu'. Records each call's operand dtypes."""
-    from model import quack_gelu
+    from model.kernels import quack_gelu
 
     calls = []
 
@@ -228,17 +229,17 @@ def test_under_bf16_the_derivative_is_kept_in_fp16():
 
 
 def test_the_last_blocks_keep_the_derivative_with_quacks_mlp_on_hopper_only(monkeypatch):
-    from model import quack_gelu
+    from model.kernels import quack_gelu
 
     kept = fused_mlp.KEPT_DERIVATIVE
-    monkeypatch.setattr(flash4, "compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(gpu, "compute_capability", lambda device: (9, 0))
     assert not fused_mlp.block_kernels("quack", 3, 2, CUDA).count(kept) and not hasattr(quack_gelu, "times_derivative")
     monkeypatch.setattr(quack_gelu, "times_derivative", object(), raising=False)  # as where quack's frontend built it
     assert fused_mlp.block_kernels("quack", 4, 2, CUDA) == ("quack", "quack", kept, kept)
     assert fused_mlp.block_kernels("quack", 3, 6, CUDA) == (kept,) * 3  # at most every block
     assert fused_mlp.block_kernels("quack", 3, 0, CUDA) == ("quack",) * 3
     assert fused_mlp.block_kernels("torch", 3, 2, CUDA) == ("torch",) * 3
-    monkeypatch.setattr(flash4, "compute_capability", lambda device: (10, 0))  # Blackwell's epilogues take pairs
+    monkeypatch.setattr(gpu, "compute_capability", lambda device: (10, 0))  # Blackwell's epilogues take pairs
     assert fused_mlp.block_kernels("quack", 3, 2, CUDA) == ("quack",) * 3
     assert not fused_mlp.kept_derivative_runs(torch.device("cpu"))
 

@@ -15,7 +15,7 @@ import torch
 from config import ConfigError, load_config
 from lit_module import GPTTrainingModule, OptimConfig
 from model import kernels
-from model.attention import DocumentLayout, attend, document_offsets
+from model.kernels.attention import DocumentLayout, attend, document_offsets
 from model.decoder import ModelConfig
 from model.families import build_model
 from model.flops import count_parameters, matrix_parameters, training_flops
@@ -144,7 +144,7 @@ def test_the_cpu_memory_estimate_counts_the_built_models_parameters(preset):
 
 
 def test_the_mlp_of_compiled_llama_training_is_pytorchs_and_the_log_says_why(monkeypatch):
-    monkeypatch.setattr("model.fused_mlp.quack_unavailable_reason", lambda *a: None)  # quack would run for gpt2
+    monkeypatch.setattr("model.kernels.fused_mlp.quack_unavailable_reason", lambda *a: None)  # quack would run for gpt2
     assert kernels.mlp_kernels(ComputeConfig(), CUDA, torch.bfloat16, True, 3, 128, "llama") == ("torch",) * 3
     gpt2 = kernels.mlp_kernels(ComputeConfig(mlp_kept_derivatives=0), CUDA, torch.bfloat16, True, 3, 128, "gpt2")
     assert gpt2 == ("quack",) * 3

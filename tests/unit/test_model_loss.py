@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from config import ConfigError, load_config
-from model import flash4, fused_mlp, kernels, loss
-from model.kernels import ComputeConfig
+from model import kernels, loss
+from model.kernels import ComputeConfig, fused_mlp, gpu
 from model.loss import IGNORE_INDEX, token_loss_sum
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
@@ -41,14 +41,14 @@ def loss_kernel(requested: str, device, compiled: bool = True, dtype=torch.bfloa
 
 def test_eager_runs_and_the_cpu_take_pytorch_and_compiled_cuda_training_a_triton_kernel(monkeypatch):
     monkeypatch.setattr(fused_mlp, "quack_unavailable_reason", lambda device, dtype, width: None)
-    monkeypatch.setattr(flash4, "compute_capability", lambda device: (9, 0))  # a Hopper GPU with quack
+    monkeypatch.setattr(gpu, "compute_capability", lambda device: (9, 0))  # a Hopper GPU with quack
     for requested in kernels.LOSS_CHOICES:
         assert loss_kernel(requested, CUDA, compiled=False) == "eager"  # the probe, evaluation
         assert loss_kernel(requested, torch.device("cpu")) == "eager"  # Triton is CUDA's
     assert loss_kernel("auto", CUDA) == loss_kernel("quack", CUDA) == "quack"
     assert loss_kernel("triton", CUDA) == "triton"
     assert loss_kernel("auto", CUDA, dtype=torch.float16) == "triton"  # the epilogue rounds the logits to bf16
-    monkeypatch.setattr(flash4, "compute_capability", lambda device: (10, 0))
+    monkeypatch.setattr(gpu, "compute_capability", lambda device: (10, 0))
     assert loss_kernel("auto", CUDA) == "triton"  # quack passes Blackwell's epilogues pairs of values
     with pytest.raises(RuntimeError, match="compute.loss is 'quack' but it cannot run: its epilogue takes the single "
                                            "values Hopper's GEMMs pass"):
@@ -100,7 +100,7 @@ def test_the_log_sum_exp_epilogues_rounding_is_bf16s_round_to_nearest_even():
     2^-133, which changes no exponential."""
     import numpy as np
 
-    from model import quack_lse
+    from model.kernels import quack_lse
 
     def binades(*starts):
         return torch.from_numpy(np.concatenate([np.arange(start, start + 2**23, dtype=np.uint32) for start in starts])
@@ -118,7 +118,7 @@ REFERENCE_TILE_COLUMNS = 192  # quack's default tile width for the head's produc
 
 def reference_logits_and_tile_log_normalizers(rows: torch.Tensor, padded_weight: torch.Tensor, vocab_size: int,
                                               tile_columns: int = REFERENCE_TILE_COLUMNS):
-    """What ``model.quack_lse.logits_and_tile_log_normalizers`` computes, in PyTorch: the logits in the rows' dtype
+    """What ``model.kernels.quack_lse.logits_and_tile_log_normalizers`` computes, in PyTorch: the logits in the rows' dtype
     (NaN past the vocabulary, where quack's are left unwritten), and each row's log-sum-exp of those logits within
     each tile of ``tile_columns`` of its first ``vocab_size`` columns (the last tile ragged), in fp32 [rows, tiles]."""
     logits = rows @ padded_weight.t()
@@ -147,7 +147,7 @@ import types
 import torch
 from model import loss
 from model.loss import IGNORE_INDEX, chunk_loss_and_grad
-from model.triton_cross_entropy import gradient_in_place, loss_and_gradient_in_place
+from model.kernels.triton_cross_entropy import gradient_in_place, loss_and_gradient_in_place
 from tests.unit.test_loss import reference_logits_and_tile_log_normalizers
 
 torch.manual_seed(3)
@@ -167,7 +167,7 @@ for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
 
 # the single pass, given each row's log-sum-exp, and the chunk function around it (quack's GEMM by its reference)
 import model
-model.quack_lse = sys.modules["model.quack_lse"] = types.SimpleNamespace(
+model.kernels.quack_lse = sys.modules["model.kernels.quack_lse"] = types.SimpleNamespace(
     logits_and_tile_log_normalizers=reference_logits_and_tile_log_normalizers)
 hidden, weight = torch.randn(rows, 16), torch.zeros(padded, 16)
 weight[:vocab] = torch.randn(vocab, 16)

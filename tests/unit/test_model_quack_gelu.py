@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from model import quack_gelu
+from model.kernels import quack_gelu
 
 
 def exact_cdf(x: torch.Tensor) -> torch.Tensor:

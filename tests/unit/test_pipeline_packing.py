@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from model.attention import document_offsets
+from model.kernels.attention import document_offsets
 from model.loss import IGNORE_INDEX
 from pipeline.packing import Row, collate_rows, pack_rows, shuffle_documents
 from pipeline.records import INPUT_IDLE, StreamStats

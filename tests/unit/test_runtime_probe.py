@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from config import load_config
-from model import attention
+from model.kernels import attention
 from runtime import probe
 
 

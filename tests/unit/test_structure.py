@@ -86,3 +86,22 @@ def test_no_tool_module_imports_one_that_imports_it_back():
         graph[name] = {m for m in found if m in modules and m != name}
     mutual = sorted((a, b) for a in graph for b in graph[a] if a in graph.get(b, ()) and a < b)
     assert not mutual, f"tool modules that import each other: {mutual}"
+
+
+KERNEL_PACKAGES = {"triton", "quack", "flash_attn", "cutlass"}
+
+
+def test_kernel_packages_are_imported_only_in_model_kernels():
+    """The fast paths live in one package (model/kernels/), beside the choice among them; the families and the
+    rest of the trainer reach a kernel only through it."""
+    outside = {}
+    for rel in shipping.shipped_files(ROOT):
+        if not rel.endswith(".py") or rel.startswith("model/kernels/"):
+            continue
+        for node in ast.walk(ast.parse((ROOT / rel).read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            found = [name for name in names if name.split(".")[0] in KERNEL_PACKAGES]
+            if found:
+                outside.setdefault(rel, []).extend(found)
+    assert not outside, f"kernel packages imported outside model/kernels/: {outside}"

@@ -7,15 +7,20 @@ choice as a constant. Each part then runs its own: ``CausalSelfAttention`` its a
 follows: "auto" takes it where it runs and falls back with one log line saying why not; asking for it
 by name where it cannot run is an error that says what to do.
 
+The package holds the kernels too: ``attention`` (causal attention within documents; ``flash4``: FlashAttention 4
+as custom ops), ``fused_mlp`` (GPT-2's MLP with its GELU in quack's GEMM epilogues; ``quack_gelu``: the exact
+GELU's formula there), ``triton_cross_entropy`` and ``quack_lse`` (the loss's chunk kernels), and ``gpu`` (the
+compute capability, the optional packages' versions, and where their compilations are cached).
+
 The optional kernels and what they need:
 
-- FlashAttention 4 (``model.flash4``; the ``flash-attn-4`` package): Hopper or Blackwell, half dtypes.
-- quack's GEMMs with the GELU in their epilogues (``model.fused_mlp``; ``quack-kernels``): GPT-2's MLP in
+- FlashAttention 4 (``model.kernels.flash4``; the ``flash-attn-4`` package): Hopper or Blackwell, half dtypes.
+- quack's GEMMs with the GELU in their epilogues (``model.kernels.fused_mlp``; ``quack-kernels``): GPT-2's MLP in
   compiled training in half dtypes on Hopper or Blackwell; the last ``mlp_kept_derivatives`` blocks keep the
   GELU's derivative on Hopper. Llama's SwiGLU MLP takes PyTorch's products, its elementwise work fused by
   inductor.
-- quack's head logits with each row's log-sum-exp (``model.quack_lse``) and the one-pass Triton
-  gradient (``model.triton_cross_entropy``): compiled training in bf16 on Hopper; elsewhere on CUDA the
+- quack's head logits with each row's log-sum-exp (``model.kernels.quack_lse``) and the one-pass Triton
+  gradient (``model.kernels.triton_cross_entropy``): compiled training in bf16 on Hopper; elsewhere on CUDA the
   two-pass Triton kernel over cuBLAS's logits.
 """
 
@@ -27,7 +32,7 @@ from typing import Literal, get_args
 
 import torch
 
-from model import attention, flash4, fused_mlp
+from model.kernels import attention, flash4, fused_mlp, gpu
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +40,7 @@ Attention = Literal["auto", "fa4", "varlen", "sdpa"]
 MLPKernel = Literal["auto", "quack", "torch"]
 LossKernel = Literal["auto", "quack", "triton"]
 MLP_CHOICES, LOSS_CHOICES = get_args(MLPKernel), get_args(LossKernel)
-LSE_COMPUTE_CAPABILITY = 9  # Hopper: quack hands its epilogue functions single fp32 values (model.quack_lse)
+LSE_COMPUTE_CAPABILITY = 9  # Hopper: quack hands its epilogue functions single fp32 values (model.kernels.quack_lse)
 
 
 @dataclass
@@ -155,7 +160,7 @@ def loss_kernel(compute: ComputeConfig, device: torch.device, dtype: torch.dtype
     problem = fused_mlp.quack_unavailable_reason(device, dtype, width)
     if problem is None and dtype != torch.bfloat16:
         problem = f"its logits are rounded to bf16, not {dtype}"
-    if problem is None and flash4.compute_capability(device)[0] != LSE_COMPUTE_CAPABILITY:
+    if problem is None and gpu.compute_capability(device)[0] != LSE_COMPUTE_CAPABILITY:
         problem = "its epilogue takes the single values Hopper's GEMMs pass (compute capability 9.x)"
     return pick("compute.loss", compute.loss, "quack", problem, "triton")
 

@@ -17,7 +17,7 @@ within fp32's reach, and in bf16 its outputs are the exact GELU's rounding at le
 kernel's are (tests/unit/test_model_quack_gelu.py holds it to both).
 
 Beside the activation tables, two epilogues for quack's ``@gemm_epilogue`` frontend use the formula: fc's product
-writing the activation and the GELU's derivative (for the blocks that keep the derivative, model.fused_mlp), and
+writing the activation and the GELU's derivative (for the blocks that keep the derivative, model.kernels.fused_mlp), and
 proj's input-gradient product scaling by that kept derivative.
 
 The formula is written once, over the arithmetic it is given: the CuTe DSL's in the kernels (``register``), and

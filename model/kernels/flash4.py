@@ -5,22 +5,17 @@
 at every layer's CuTe-DSL launch; the forward's autograd formula calls the backward op. Which kernel
 runs is decided in ``model.kernels``; this module says whether FA4 can run at all.
 
-FA4 compiles its kernels at first use (a few seconds each). ``use_cache_folder`` (called by
-``runtime.device_policy.prepare_compile``) makes those compilations persist under the output's
-disposable ``data/compile-cache/`` folder; without it (the probe, tests, evaluation) they stay in
-memory and nothing is written, not even the CuTe DSL's default ``/tmp`` cache.
+FA4 compiles its kernels at first use (a few seconds each), into the caches ``model.kernels.gpu`` sets up.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import warnings
-from functools import lru_cache
-from importlib import metadata
-from pathlib import Path
 
 import torch
+
+from model.kernels import gpu
 
 log = logging.getLogger(__name__)
 
@@ -28,46 +23,15 @@ FA4_PACKAGE = "flash-attn-4"
 FA4_COMPUTE_CAPABILITIES = (9, 10)  # Hopper and Blackwell data-centre parts
 FA4_HEAD_DIMS = range(8, 129, 8)  # what FA4 compiles on both: multiples of 8 up to 128
 
-# The caches' environment variables, read once when flash_attn.cute, quack and the CuTe DSL are imported.
-CACHE_VARIABLES = {
-    "flash-attn": "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",  # FA4's compiled kernels (.o), when enabled
-    "cute-dsl": "CUTE_DSL_CACHE_DIR",  # the CuTe DSL's own IR cache (default /tmp/<user>/cutlass_python_cache)
-    "quack": "QUACK_CACHE_DIR",  # quack's compiled GEMMs (.o; default /tmp/<user>/quack_cache, on by default)
-}
-_cache_folder: Path | None = None
 _fa4: object | None = None  # flash_attn.cute.interface once imported
 _fa4_error: str | None = None  # why it could not be imported
-
-
-def use_cache_folder(folder: Path | None) -> None:
-    """FA4's and the CuTe DSL's compile caches go under ``folder`` (the output's data/compile-cache),
-    unless the environment already names folders; None: in memory only. Takes effect if FA4 was not
-    imported yet."""
-    global _cache_folder
-    _cache_folder = None if folder is None else Path(folder)
-    if _fa4 is not None:
-        log.info("FlashAttention 4 was imported before its cache folder was set: its kernels stay in memory")
-
-
-def prepare_environment() -> None:
-    """Point the CuTe DSL (FA4's and quack's compiler) and quack at this process's caches, or at none.
-    Read when they are imported, so it is called first."""
-    if _cache_folder is not None:  # training: compiled kernels persist under the output
-        for name, variable in CACHE_VARIABLES.items():
-            os.environ.setdefault(variable, str(_cache_folder / name))
-        os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-    else:  # probe, tests, evaluation: in memory only. With file caching off the DSL never creates
-        # its cache folder, so naming one spares the /tmp folder it would otherwise make on import.
-        os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
-        os.environ.setdefault("CUTE_DSL_CACHE_DIR", os.devnull)
-        os.environ.setdefault("QUACK_CACHE_ENABLED", "0")
 
 
 def fa4_interface():
     """flash_attn.cute.interface, imported on first use (seconds: it loads the CuTe DSL); None if absent."""
     global _fa4, _fa4_error
     if _fa4 is None and _fa4_error is None:
-        prepare_environment()
+        gpu.prepare_environment()
         # The CuTe DSL warns at every kernel compilation that FA4's aux_data argument is not a JIT
         # argument (FA4 passes it on purpose as a compile-time value): noise in the training log.
         warnings.filterwarnings("ignore", message="Argument aux_data .* cannot be converted to a JitArgument")
@@ -80,25 +44,11 @@ def fa4_interface():
     return _fa4
 
 
-@lru_cache(maxsize=None)
-def installed_version(package: str) -> str | None:
-    """An optional package's version for the log and the run record, or None."""
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def compute_capability(device: torch.device) -> tuple[int, int]:
-    """The GPU's compute capability: whether FA4's CuTe-DSL kernels run on it."""
-    return torch.cuda.get_device_capability(device)
-
-
 def fa4_unavailable_reason(device: torch.device, head_dim: int) -> str | None:
     """None when FA4 can run attention of ``head_dim`` on ``device``, else why not."""
     if device.type != "cuda":
         return f"needs a CUDA device, not {device.type}"
-    major, minor = compute_capability(device)
+    major, minor = gpu.compute_capability(device)
     if major not in FA4_COMPUTE_CAPABILITIES:
         return f"compute capability {major}.{minor} is not one FA4 supports here (9.x, 10.x)"
     if head_dim not in FA4_HEAD_DIMS:
@@ -109,13 +59,6 @@ def fa4_unavailable_reason(device: torch.device, head_dim: int) -> str | None:
 def fa4_import_problem() -> str | None:
     """None when FA4's interface imports (tried once), else why not."""
     return None if fa4_interface() is not None else _fa4_error
-
-
-def cache_usage_folders() -> dict[str, Path]:
-    """FA4's and the CuTe DSL's cache folders when this process persists them (training)."""
-    if os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") != "1":
-        return {}
-    return {name: Path(os.environ[variable]) for name, variable in CACHE_VARIABLES.items() if variable in os.environ}
 
 
 # ----------------------------------------------------------------------------- the custom ops

@@ -6,7 +6,7 @@ gradient and the pre-activation again to apply the GELU's derivative. quack (the
 ``quack-kernels`` package, CuTe-DSL GEMMs for Hopper and Blackwell) does the GELU in the fc
 product's epilogue, writing the pre-activation and the activation at once, and the derivative in the
 epilogue of proj's input-gradient product: the MLP's elementwise passes are gone. The GELU is the
-exact (erf) one, as ``F.gelu`` computes it, by a cheaper formula than quack's own (``model.quack_gelu``); the
+exact (erf) one, as ``F.gelu`` computes it, by a cheaper formula than quack's own (``model.kernels.quack_gelu``); the
 products accumulate in fp32 as cuBLAS's do.
 
 In the last ``compute.mlp_kept_derivatives`` blocks (Hopper), fc's product also writes the GELU's derivative, which
@@ -29,7 +29,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from model import flash4
+from model.kernels import gpu
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def derivative_dtype(dtype: torch.dtype) -> torch.dtype:
 @torch.library.custom_op("runfab::quack_gelu_keeping_derivative", mutates_args=())
 def gelu_keeping_derivative(x: torch.Tensor, fc_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """gelu(x @ fc_weight.t()) and gelu'(x @ fc_weight.t()) (in ``derivative_dtype``), by one quack GEMM."""
-    from model import quack_gelu
+    from model.kernels import quack_gelu
 
     derivative = x.new_empty((x.shape[0], fc_weight.shape[0]), dtype=derivative_dtype(x.dtype))
     result = quack_gelu.gelu_keeping_derivative(x, fc_weight.t(), out={"derivative": derivative}, tuned=False)
@@ -112,7 +112,7 @@ def _(x, fc_weight):
 @torch.library.custom_op("runfab::quack_times_derivative", mutates_args=())
 def times_derivative(dout: torch.Tensor, proj_weight: torch.Tensor, derivative: torch.Tensor) -> torch.Tensor:
     """(dout @ proj_weight) * derivative, rows [tokens, 4 * width] in dout's dtype, by one quack GEMM."""
-    from model import quack_gelu
+    from model.kernels import quack_gelu
 
     return quack_gelu.times_derivative(dout, proj_weight, C=derivative, tuned=False)["D"]
 
@@ -132,7 +132,7 @@ DACT_TILE_SM90 = (128, 128)
 
 def dact_config(device: torch.device):
     """The pinned tile for ``gelu_dact`` on ``device``: a quack GemmConfig on Hopper, else None (quack's default)."""
-    return None if device.type != "cuda" else pinned_dact_config(flash4.compute_capability(device)[0])
+    return None if device.type != "cuda" else pinned_dact_config(gpu.compute_capability(device)[0])
 
 
 @lru_cache(maxsize=None)
@@ -191,10 +191,10 @@ KEPT_DERIVATIVE = "quack, derivative kept"
 
 def kept_derivative_runs(device: torch.device) -> bool:
     """Whether a block can keep the GELU's derivative on ``device``: quack's epilogues there pass their functions
-    one value at a time (Hopper), as model.quack_gelu's take them, and quack's frontend built those epilogues."""
-    if device.type != "cuda" or flash4.compute_capability(device)[0] != 9:
+    one value at a time (Hopper), as model.kernels.quack_gelu's take them, and quack's frontend built those epilogues."""
+    if device.type != "cuda" or gpu.compute_capability(device)[0] != 9:
         return False
-    from model import quack_gelu
+    from model.kernels import quack_gelu
 
     return hasattr(quack_gelu, "times_derivative")
 
@@ -202,7 +202,7 @@ def kept_derivative_runs(device: torch.device) -> bool:
 def block_kernels(kernel: str, n_layer: int, kept: int, device: torch.device) -> tuple[str, ...]:
     """Each block's MLP kernel: ``kernel`` ("quack" or "torch"), with the last ``kept`` blocks keeping the GELU's
     derivative where ``kernel`` is quack's and ``kept_derivative_runs`` (Hopper: Blackwell's epilogues take pairs
-    of values, which model.quack_gelu's epilogue functions do not)."""
+    of values, which model.kernels.quack_gelu's epilogue functions do not)."""
     if kernel != "quack" or kept <= 0 or not kept_derivative_runs(device):
         kept = 0
     kept = max(0, min(kept, n_layer))
@@ -222,12 +222,12 @@ def gelu_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor
 def quack_imports() -> str | None:
     """None when quack's GEMMs import, else why not (tried once; the CuTe DSL takes seconds to load). Where they
     import, this also registers the model's GELU in quack's tables under ``ACTIVATION``."""
-    flash4.prepare_environment()  # the CuTe DSL's and quack's caches: output folder, or memory only
+    gpu.prepare_environment()  # the CuTe DSL's and quack's caches: output folder, or memory only
     try:
         importlib.import_module("quack.gemm_interface")
         import cutlass
 
-        from model import quack_gelu
+        from model.kernels import quack_gelu
 
         quack_gelu.register(ACTIVATION)
         if getattr(quack_gelu, "EPILOGUE_PROBLEM", None):  # the blocks then recompute the activation: still quack's
@@ -257,7 +257,7 @@ def quack_unavailable_reason(device: torch.device, dtype: torch.dtype, width: in
         return f"it computes in bf16 or fp16, not {dtype}"
     if width % 8:  # the operands' rows are width or 4 * width elements of 2 bytes
         return f"the model's width {width} is not a multiple of 8, and quack's GEMMs need rows of whole 16 bytes"
-    major, minor = flash4.compute_capability(device)
+    major, minor = gpu.compute_capability(device)
     if major not in QUACK_COMPUTE_CAPABILITIES:
         return f"compute capability {major}.{minor} is not one quack's GEMMs support here (9.x, 10.x)"
     return quack_imports()
@@ -266,7 +266,7 @@ def quack_unavailable_reason(device: torch.device, dtype: torch.dtype, width: in
 def describe(kernel: str) -> str:
     """What ran the MLP, for the log."""
     if kernel == "quack":
-        return f"quack GEMMs with the GELU in their epilogues (quack-kernels {flash4.installed_version(QUACK_PACKAGE) or '?'})"
+        return f"quack GEMMs with the GELU in their epilogues (quack-kernels {gpu.installed_version(QUACK_PACKAGE) or '?'})"
     if kernel == KEPT_DERIVATIVE:
         return "quack GEMMs with the GELU in their epilogues, the GELU's derivative kept from the forward"
     return "PyTorch (cuBLAS products, GELU by inductor or eager)"

@@ -3,7 +3,7 @@
 ``attend()`` is the one place attention is computed, by one of three kernel families
 (``model.kernels`` chooses which, from ``compute.attention``):
 
-- ``"fa4"``: FlashAttention 4 (``model.flash4``, the optional ``flash-attn-4`` package): varlen for
+- ``"fa4"``: FlashAttention 4 (``model.kernels.flash4``, the optional ``flash-attn-4`` package): varlen for
   packed rows, dense causal for one-document rows;
 - ``"flash"``: PyTorch's own CUDA kernels: ``varlen_attn`` for packed rows, fused causal SDPA for
   one-document rows;
@@ -17,7 +17,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from model import flash4, rope
+from model import rope
+from model.kernels import flash4, gpu
 
 try:  # the flash-attention varlen kernel; absent from older PyTorch and CPU-only builds it can't use
     from torch.nn.attention.varlen import varlen_attn
@@ -124,7 +125,7 @@ def attend(qkv: torch.Tensor, kv_heads: int, layout: DocumentLayout, kernel: str
 def describe(family: str, packed: bool) -> str:
     """What runs for a batch: packed rows (several documents) or one document per row."""
     if family == "fa4":
-        version = flash4.installed_version(flash4.FA4_PACKAGE) or "?"
+        version = gpu.installed_version(flash4.FA4_PACKAGE) or "?"
         return f"FlashAttention 4 {'varlen' if packed else 'dense causal'} (flash-attn-4 {version})"
     if family == "flash":
         return "varlen_attn (FlashAttention 2)" if packed else "SDPA is_causal (cuDNN/flash)"

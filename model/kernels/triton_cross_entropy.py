@@ -8,7 +8,7 @@ exponentials, then the gradient written over the logits it was computed from. Tr
 every CUDA build of PyTorch, so this needs nothing RunFab's image lacks.
 
 Where each row's log-sum-exp comes with the logits (quack's GEMM computes it in its epilogue, one value
-per output tile of the row: ``model.quack_lse``), ``gradient_in_place`` folds the row's tile values and
+per output tile of the row: ``model.kernels.quack_lse``), ``gradient_in_place`` folds the row's tile values and
 reads the row once and writes it once.
 
 Columns at or past ``vocab`` are the padding of the LM head (zero rows of the weight): they take
