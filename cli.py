@@ -305,7 +305,9 @@ def new_subcommand_parser(name: str, summary: str = "") -> ArgumentParser:
     if name == "fit":
         parser.add_argument("--ckpt_path", type=typing.Optional[str], default=None,
                             help="resume a run from prepared shards (data.source litdata): a checkpoint file, or last "
-                                 "(the newest in the output's checkpoints/; none yet: start from the beginning)")
+                                 "(the newest that loads in the output's checkpoints/; none yet: start from the "
+                                 "beginning; some and none loads: refused); the model, rows, seed, batch, optim.* and "
+                                 "process count must be unchanged")
     parser.add_argument(PRINT_CONFIG, action="store_true",
                         help="print the merged configuration as YAML on stdout and exit without training")
     hints = typing.get_type_hints(RunConfig)

@@ -2,20 +2,25 @@
 what a resume must keep.
 
 - ``DurableCheckpointIO``: Lightning's CheckpointIO plugin for ``output/checkpoints/``. A checkpoint
-  is written under a temporary name, synced to disk and renamed, so that a write cut short (a
-  killed process, a full disk, a lost node) never carries a checkpoint's name, and once it is safe,
-  the checkpoints that earlier saves of this trainer wrote there are removed: the newest is kept,
-  across resumes too (Lightning's ModelCheckpoint only tracks its own saves of the current run).
-  What those saves wrote is listed in ``WRITTEN``, so nothing else in the folder is ever removed.
+  is written under a temporary name, synced to disk, renamed, and loaded back, so that a write cut
+  short (a killed process, a full disk, a lost node) never carries a checkpoint's name. Once the new
+  one loads, the checkpoints that earlier saves of this trainer wrote there are removed except the
+  one before it: two are kept, across resumes too, so that a newest one damaged later still leaves
+  a checkpoint to resume from (Lightning's ModelCheckpoint only tracks its own saves of the current
+  run). What those saves wrote is listed in ``WRITTEN``, so nothing else in the folder is ever removed.
+- Loading never unpickles code: ``torch.load(weights_only=True)`` takes tensors and plain values
+  only, which is all a checkpoint of this trainer holds; a file that needs more is refused.
 - ``newest_loadable``: ``--ckpt_path last``, skipping (and naming on stderr) a checkpoint that
-  does not load.
+  does not load; when checkpoints exist and none loads, the resume is refused and they stay.
 - ``ResumeFingerprint``: stores in every checkpoint what a resume must not change (the model's
-  shape, the prepared rows, the seed, the batch, the tokenizer); ``refuse_changes`` compares a
-  checkpoint's with this run's before Lightning loads it, in one line naming the key.
+  shape, the prepared rows, the seed, the batch, every ``optim.*`` key, the process count, the
+  tokenizer); ``refuse_changes`` compares a checkpoint's with this run's before Lightning loads it,
+  in one line naming the key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -73,10 +78,13 @@ def _record_written(folder: Path, names: list[str]) -> None:
     _write_durably(folder / WRITTEN, lambda file: file.write(text.encode()))
 
 
+KEEP = 2  # checkpoints of this trainer kept in the folder: the newest, and the one before it in case it is damaged
+
+
 class DurableCheckpointIO(TorchCheckpointIO):
     """Lightning's torch checkpoint format, written so that a torn write is never the newest, and
-    keeping only the newest of the checkpoints this trainer wrote in the folder (runs on global rank 0,
-    where Lightning saves)."""
+    keeping the newest two of the checkpoints this trainer wrote in the folder (runs on global rank 0,
+    where Lightning saves); loaded with ``weights_only=True``."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
@@ -86,38 +94,68 @@ class DurableCheckpointIO(TorchCheckpointIO):
         earlier = [name for name in written(path.parent) if name != path.name]
         _record_written(path.parent, [*earlier, path.name])  # listed before it exists: a crash leaks no file unlisted
         _write_durably(path, lambda file: torch.save(checkpoint, file))
-        for name in earlier:  # the new one is safe on disk: the older ones are not needed to resume
-            (path.parent / name).unlink(missing_ok=True)
-        _record_written(path.parent, [path.name])
+        load_metadata(path)  # verified: it loads back; until then the earlier ones stay
+        kept = [name for name in earlier if (path.parent / name).is_file()][-(KEEP - 1):]
+        for name in earlier:
+            if name not in kept:
+                (path.parent / name).unlink(missing_ok=True)
+        _record_written(path.parent, [*kept, path.name])
+
+    def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        return torch.load(path, map_location=map_location or "cpu", weights_only=True)
 
     def remove_checkpoint(self, path) -> None:
         Path(path).unlink(missing_ok=True)
 
 
+def remove_written(folder: Path, name: str) -> None:
+    """Remove ``name`` from ``folder`` if this trainer's saves wrote it (a stop checkpoint that a
+    completed run no longer needs); a file of anyone else stays."""
+    names = written(folder)
+    if name in names:
+        (folder / name).unlink(missing_ok=True)
+        _record_written(folder, [kept for kept in names if kept != name])
+
+
 def load_metadata(path: Path) -> dict:
     """The checkpoint without reading its tensors (memory-mapped); raises when the file does not load
     (cut short, or not a checkpoint)."""
-    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise ValueError("it holds no Lightning checkpoint")
     return checkpoint
 
 
+def _first_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
 def newest_loadable(folder: Path) -> tuple[Path, dict] | None:
     """The newest checkpoint in ``folder`` that loads, and its contents (memory-mapped); the ones
-    newer than it that do not load are named on stderr and skipped. None when there is none."""
+    newer than it that do not load are named on stderr and skipped. None when there is no checkpoint;
+    a ConfigError when there are some and none loads (they stay: they may be all the run has), or
+    when ``folder`` is a symbolic link (a resume reads and writes only the output's own folder)."""
+    if folder.is_symlink():
+        raise ConfigError(f"--ckpt_path last: {folder} is a symbolic link, expected the run's own folder; "
+                          "move the checkpoints into a real folder there, or give one with --ckpt_path FILE")
     found = sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True) if folder.is_dir() else []
     for path in found:
         try:
             return path, load_metadata(path)
-        except Exception as error:  # any way a file fails to load: a truncated zip, a foreign file, ...
-            log.warning("--ckpt_path last: skipping %s, which does not load (%s: %s); trying the one before it",
-                        path, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        except Exception as error:  # any way a file fails to load: a truncated zip, a foreign file, pickled code
+            log.warning("--ckpt_path last: skipping %s, which does not load (%s); trying the one before it",
+                        path, _first_line(error))
+    if found:
+        raise ConfigError(f"--ckpt_path last: none of the {len(found)} checkpoint(s) in {folder} loads (the newest: "
+                          f"{found[0].name}); they are left in place: give one with --ckpt_path FILE, or start a "
+                          "new run in another output.root")
     return None
 
 
-def fingerprint(cfg, split, data_fingerprint: str, tokenizer_sha256: str) -> dict:
-    """What a resume must not change, under the names a user sets them by."""
+def fingerprint(cfg, split, data_fingerprint: str, tokenizer_sha256: str, processes: int) -> dict:
+    """What a resume must not change, under the names a user sets them by: every ``optim.*`` key
+    (a checkpoint's optimizer and schedule state hold the values it was trained with) and the process
+    count (each rank's position in the rows depends on it) among them."""
     return {
         "model.vocab_size": cfg.model.vocab_size, "model.n_layer": cfg.model.n_layer,
         "model.n_head": cfg.model.n_head, "model.n_embd": cfg.model.n_embd,
@@ -129,6 +167,8 @@ def fingerprint(cfg, split, data_fingerprint: str, tokenizer_sha256: str) -> dic
         "seed": cfg.seed, "trainer.global_batch_size (rows per update)": split.effective,
         "tokens per update": split.effective * cfg.model.max_seq_len,
         "tokenizer (sha256)": tokenizer_sha256,
+        **{f"optim.{key}": value for key, value in dataclasses.asdict(cfg.optim).items()},
+        "processes (trainer.devices x trainer.num_nodes)": processes,
     }
 
 
@@ -142,7 +182,8 @@ def refuse_changes(path: Path | str, checkpoint: dict, expected: dict) -> None:
     for key, value in expected.items():
         if key in stored and stored[key] != value:
             raise ConfigError(f"cannot resume from {path}: it was trained with {key} {stored[key]!r}, this run has "
-                              f"{value!r}; a resume keeps the model, the rows, the seed and the batch: resume with "
+                              f"{value!r}; a resume keeps the model, the rows, the seed, the batch, the optimizer "
+                              f"settings and the process count: resume with "
                               f"{stored[key]!r}, or start a new run in another output.root")
 
 

@@ -75,10 +75,13 @@ def resolve_checkpoint(ckpt_path: str | None, folder: Path) -> tuple[str, dict] 
 
     ``last``: the newest checkpoint in ``folder`` that loads; a newer one that does not is named on
     stderr and skipped (None when there is none yet: the run starts from the beginning, so the same
-    command serves the first start and every restart). Else the file given, which must load."""
+    command serves the first start and every restart; refused when there are some and none loads).
+    Else the file given, which must load."""
     if ckpt_path is None:
         return None
     if ckpt_path != "last":
+        if Path(ckpt_path).is_symlink():
+            raise ConfigError(f"--ckpt_path {ckpt_path} is a symbolic link; give the checkpoint file itself")
         if not Path(ckpt_path).is_file():
             raise ConfigError(f"--ckpt_path {ckpt_path} is not a file; give a checkpoint file, or last (the newest "
                               f"in {folder})")
@@ -133,7 +136,8 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
     root = Path(cfg.output.root)
     first = environment_rank(per_node) == 0  # only rank 0 writes the output (export, record, checkpoints)
     claim = claimed_output(root, keep=("checkpoints",) if ckpt_path else ()) if first else contextlib.nullcontext()
-    unchanged = checkpoints.fingerprint(cfg, split, shards.prepared_fingerprint(cfg.data.path), tokenizer_sha256)
+    unchanged = checkpoints.fingerprint(cfg, split, shards.prepared_fingerprint(cfg.data.path), tokenizer_sha256,
+                                          world)
     resume = resolve_checkpoint(ckpt_path, root / "checkpoints")
     if resume is not None:  # before the output moves and Lightning loads it: a change is one line, no traceback
         resume, stored = resume
@@ -168,4 +172,6 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
     if agreement.stop_signal is not None and not result["steps"]:  # before the first update: GracefulStop ended fit
         raise launcher.Interrupted(f"received {agreement.stop_signal} before the first update; nothing was trained")
     # A signal after the last update was settled came when training had nothing left to do: the run is complete.
+    if first:  # the run is complete: a stop checkpoint of an earlier segment is no longer needed
+        checkpoints.remove_written(root / "checkpoints", STOP_CHECKPOINT)
     return result

@@ -1,6 +1,7 @@
 """Resuming a run from prepared shards in one process: which checkpoint ``--ckpt_path last`` takes
-(never one that does not load), which ones stay in ``checkpoints/`` (the newest this trainer
-wrote, nothing else), and the changes of configuration a resume refuses in one line, exit 2.
+(never one that does not load; none at all when some exist and none loads), which ones stay in
+``checkpoints/`` (the newest two this trainer wrote, nothing else), and the changes of configuration
+a resume refuses in one line, exit 2.
 
 A first run (four updates, a checkpoint every two) is made once per module; the resume tests each
 resume a copy of its output. Then a stop by SIGTERM to the whole process group (as SLURM's --signal
@@ -71,7 +72,8 @@ def first_run(tmp_path_factory) -> dict:
     other = prepare(records(200), folder, folder / "other-rows")  # another corpus: fewer documents
     done = train(write_config(folder, folder / "output", 4), rows)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(p.name for p in (folder / "output" / "checkpoints").glob("*.ckpt")) == ["epoch=0-step=4.ckpt"]
+    assert sorted(p.name for p in (folder / "output" / "checkpoints").glob("*.ckpt")) == ["epoch=0-step=2.ckpt",
+                                                                                         "epoch=0-step=4.ckpt"]
     return {"folder": folder, "rows": rows, "other": other, "output": folder / "output"}
 
 
@@ -98,9 +100,13 @@ def resume(first_run: dict, tmp_path: Path, capsys, *extra: str, rows: Path | No
     (["--seed", "7"], "seed", "5", "7"),
     (["--model.family", "llama"], "model.family", "'gpt2'", "'llama'"),
     (["--trainer.global_batch_size", "16"], "trainer.global_batch_size (rows per update)", "8", "16"),
+    (["--optim.lr", "0.001"], "optim.lr", "0.003", "0.001"),
+    (["--optim.warmup_steps", "2"], "optim.warmup_steps", "1", "2"),
+    (["--optim.schedule", "constant"], "optim.schedule", "'cosine'", "'constant'"),
+    (["--trainer.devices", "2"], "processes (trainer.devices x trainer.num_nodes)", "1", "2"),
 ])
-def test_a_resume_with_another_model_seed_or_batch_is_refused_in_one_line(first_run, tmp_path, capsys, change, key,
-                                                                          stored, given):
+def test_a_resume_with_another_model_seed_batch_optimizer_or_process_count_is_refused_in_one_line(
+        first_run, tmp_path, capsys, change, key, stored, given):
     status, err = resume(first_run, tmp_path, capsys, *change)
     assert status == 2
     lines = [line for line in err.splitlines() if line.startswith("error:")]
@@ -138,14 +144,14 @@ def test_a_resume_on_rows_prepared_again_from_another_corpus_in_the_same_place_i
 # ----------------------------------------------------------------------------- which checkpoint, which stay
 
 
-def test_last_skips_a_newest_checkpoint_that_does_not_load_and_only_the_newest_is_kept(first_run, tmp_path):
+def test_last_skips_a_newest_checkpoint_that_does_not_load_and_the_newest_two_are_kept(first_run, tmp_path):
     output = copy_output(first_run, tmp_path)
     folder = output / "checkpoints"
     valid = folder / "epoch=0-step=4.ckpt"
     torn = folder / "epoch=0-step=6.ckpt"  # as if this trainer's write of step 6 had been cut in half
     data = valid.read_bytes()
     torn.write_bytes(data[: len(data) // 2])
-    (folder / checkpoints.WRITTEN).write_text(f"{valid.name}\n{torn.name}\n")
+    (folder / checkpoints.WRITTEN).write_text(f"epoch=0-step=2.ckpt\n{valid.name}\n{torn.name}\n")
     mine = folder / "mine.ckpt"  # a user's file: never removed
     mine.write_bytes(data)
     os.utime(mine, (time.time() - 3600,) * 2)
@@ -158,8 +164,36 @@ def test_last_skips_a_newest_checkpoint_that_does_not_load_and_only_the_newest_i
     assert steps == [5, 6, 7, 8]
     record = json.loads((output / "model" / "run_record.json").read_text())
     assert record["input"]["resumed_from"] == str(valid)
-    assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == ["epoch=0-step=8.ckpt",
+    assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == ["epoch=0-step=6.ckpt",
+                                                                                       "epoch=0-step=8.ckpt",
                                                                                        "mine.ckpt"]
+
+
+def test_last_refuses_when_checkpoints_exist_and_none_loads_and_leaves_them(first_run, tmp_path, capsys):
+    output = copy_output(first_run, tmp_path)
+    folder = output / "checkpoints"
+    for path in folder.glob("*.ckpt"):
+        path.write_bytes(path.read_bytes()[:1000])
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    status = cli.main(["fit", "--config", str(write_config(tmp_path, output, 8)), "--data.source", "litdata",
+                       "--data.path", str(first_run["rows"]), "--ckpt_path", "last"], EFFECTIVE)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert status == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert f"none of the 2 checkpoint(s) in {folder} loads" in lines[0]
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+    assert not (output / "previous-model").exists()
+
+
+def test_last_refuses_a_checkpoints_folder_that_is_a_symbolic_link(first_run, tmp_path, capsys):
+    output = copy_output(first_run, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    (output / "checkpoints").rename(elsewhere)
+    (output / "checkpoints").symlink_to(elsewhere)
+    status = cli.main(["fit", "--config", str(write_config(tmp_path, output, 8)), "--data.source", "litdata",
+                       "--data.path", str(first_run["rows"]), "--ckpt_path", "last"], EFFECTIVE)
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err and "is a symbolic link" in err, err
 
 
 def test_a_given_checkpoint_that_does_not_load_is_refused_in_one_line(first_run, tmp_path, capsys):
@@ -178,7 +212,8 @@ def test_a_given_checkpoint_that_does_not_load_is_refused_in_one_line(first_run,
 
 def test_sigterm_to_the_whole_process_group_at_the_default_loader_workers_stops_at_a_checkpoint(first_run, tmp_path):
     """As SLURM's --signal and Ctrl-C do, the signal reaches the loader's worker too: the run still
-    finishes the update, writes stopped.ckpt and exits 2; the resume keeps only the newest checkpoint."""
+    finishes the update, writes stopped.ckpt and exits 2; the completed resume removes stopped.ckpt,
+    which it no longer needs."""
     output = tmp_path / "output"
     config = tmp_path / "run.yaml"
     config.write_text(as_yaml(values(output, 60) | {"data.loader_workers": 1, "trainer.checkpoint_every_steps": 50}))
