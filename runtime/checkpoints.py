@@ -95,7 +95,7 @@ class DurableCheckpointIO(TorchCheckpointIO):
         _record_written(path.parent, [*earlier, path.name])  # listed before it exists: a crash leaks no file unlisted
         _write_durably(path, lambda file: torch.save(checkpoint, file))
         load_metadata(path)  # verified: it loads back; until then the earlier ones stay
-        kept = [name for name in earlier if (path.parent / name).is_file()][-(KEEP - 1):]
+        kept = [name for name in reversed(earlier) if _loads(path.parent / name)][:KEEP - 1]
         for name in earlier:
             if name not in kept:
                 (path.parent / name).unlink(missing_ok=True)
@@ -105,7 +105,8 @@ class DurableCheckpointIO(TorchCheckpointIO):
         return torch.load(path, map_location=map_location or "cpu", weights_only=True)
 
     def remove_checkpoint(self, path) -> None:
-        Path(path).unlink(missing_ok=True)
+        """Nothing: ModelCheckpoint would remove the one before the newest, which ``save_checkpoint``
+        keeps until a newer one loads; what stays is decided there alone."""
 
 
 def remove_written(folder: Path, name: str) -> None:
@@ -128,6 +129,14 @@ def load_metadata(path: Path) -> dict:
 
 def _first_line(error: Exception) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+def _loads(path: Path) -> bool:
+    try:
+        load_metadata(path)
+    except Exception:  # missing, torn, foreign: not worth keeping as the one before
+        return False
+    return True
 
 
 def newest_loadable(folder: Path) -> tuple[Path, dict] | None:

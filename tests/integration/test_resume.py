@@ -103,7 +103,7 @@ def resume(first_run: dict, tmp_path: Path, capsys, *extra: str, rows: Path | No
     (["--optim.lr", "0.001"], "optim.lr", "0.003", "0.001"),
     (["--optim.warmup_steps", "2"], "optim.warmup_steps", "1", "2"),
     (["--optim.schedule", "constant"], "optim.schedule", "'cosine'", "'constant'"),
-    (["--trainer.devices", "2"], "processes (trainer.devices x trainer.num_nodes)", "1", "2"),
+    (["--trainer.devices", "2", "--microbatch", "4"], "processes (trainer.devices x trainer.num_nodes)", "1", "2"),
 ])
 def test_a_resume_with_another_model_seed_batch_optimizer_or_process_count_is_refused_in_one_line(
         first_run, tmp_path, capsys, change, key, stored, given):
@@ -156,6 +156,7 @@ def test_last_skips_a_newest_checkpoint_that_does_not_load_and_the_newest_two_ar
     mine.write_bytes(data)
     os.utime(mine, (time.time() - 3600,) * 2)
     os.utime(valid, (time.time() - 60,) * 2)
+    os.utime(folder / "epoch=0-step=2.ckpt", (time.time() - 120,) * 2)
 
     done = train(write_config(tmp_path, output, 8), first_run["rows"], "--ckpt_path", "last")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -164,7 +165,7 @@ def test_last_skips_a_newest_checkpoint_that_does_not_load_and_the_newest_two_ar
     assert steps == [5, 6, 7, 8]
     record = json.loads((output / "model" / "run_record.json").read_text())
     assert record["input"]["resumed_from"] == str(valid)
-    assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == ["epoch=0-step=6.ckpt",
+    assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == ["epoch=0-step=6-v1.ckpt",
                                                                                        "epoch=0-step=8.ckpt",
                                                                                        "mine.ckpt"]
 
