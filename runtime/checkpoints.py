@@ -176,9 +176,20 @@ def fingerprint(cfg, split, data_fingerprint: str, tokenizer_sha256: str, proces
         "seed": cfg.seed, "trainer.global_batch_size (rows per update)": split.effective,
         "tokens per update": split.effective * cfg.model.max_seq_len,
         "tokenizer (sha256)": tokenizer_sha256,
-        **{f"optim.{key}": value for key, value in dataclasses.asdict(cfg.optim).items()},
+        **{f"optim.{key}": value for key, value in dataclasses.asdict(cfg.optim).items()
+           if key not in unread_optim_keys(cfg.optim)},
         "processes (trainer.devices x trainer.num_nodes)": processes,
     }
+
+
+def unread_optim_keys(optim) -> set[str]:
+    """The ``optim`` keys this run's optimizer and schedule do not read, which a resume may therefore change (a
+    constant schedule has no horizon, so training longer is a resume)."""
+    unread = {"constant": {"decay_steps", "decay_fraction", "min_lr_ratio"}, "cosine": {"decay_fraction"},
+              "wsd": set()}[optim.schedule]
+    if optim.name == "adamw":
+        unread |= {key for key in dataclasses.asdict(optim) if key.startswith("muon_")}
+    return unread
 
 
 def refuse_changes(path: Path | str, checkpoint: dict, expected: dict) -> None:

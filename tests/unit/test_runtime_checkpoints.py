@@ -85,17 +85,22 @@ def test_last_refuses_a_checkpoints_folder_that_is_a_symbolic_link(tmp_path):
         checkpoints.newest_loadable(tmp_path / "checkpoints")
 
 
-def test_the_fingerprint_holds_every_optim_key_and_the_process_count():
+def test_the_fingerprint_holds_every_optim_key_the_run_reads_and_the_process_count():
+    import dataclasses
     from types import SimpleNamespace
 
     from config import RunConfig
 
     cfg = RunConfig()
     cfg.data.path = "rows"
+    cfg.optim.name, cfg.optim.schedule = "muon", "wsd"
     values = checkpoints.fingerprint(cfg, SimpleNamespace(effective=8), "rows", "tok", 4)
-    import dataclasses
     assert {f"optim.{field.name}" for field in dataclasses.fields(cfg.optim)} <= set(values)
     assert values["processes (trainer.devices x trainer.num_nodes)"] == 4
+    cfg.optim.name, cfg.optim.schedule = "adamw", "constant"  # no horizon and no Muon: training longer may resume
+    values = checkpoints.fingerprint(cfg, SimpleNamespace(effective=8), "rows", "tok", 4)
+    assert not {"optim.decay_steps", "optim.min_lr_ratio", "optim.muon_lr"} & set(values)
+    assert {"optim.lr", "optim.warmup_steps", "optim.schedule"} <= set(values)
 
 
 def test_a_stored_fingerprint_refuses_the_first_changed_key_in_one_line():
