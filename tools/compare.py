@@ -236,6 +236,9 @@ CHANGE_KINDS = ((SEED, ("seed",)), (ARCHITECTURE, ("model.",)), (OPTIMIZER, ("op
                 (LENGTH, ("trainer.max_steps", "trainer.max_tokens", "trainer.max_time")))
 
 
+NOT_A_CHANGE = ("output.",)  # where each run writes differs between any two runs
+
+
 def kind_of(key: str) -> str:
     for kind, names in CHANGE_KINDS:
         if any(key == name or (name.endswith(".") and key.startswith(name)) for name in names):
@@ -246,7 +249,8 @@ def kind_of(key: str) -> str:
 def the_change(first: Run, other: Run) -> list[dict]:
     """The configuration keys whose values differ between the two runs: the change being compared."""
     return [{"key": key, "kind": kind_of(key), first.label: values[0], other.label: values[1]}
-            for key, values in differing_rows([first, other], lambda r: r.record.get("config"))]
+            for key, values in differing_rows([first, other], lambda r: r.record.get("config"))
+            if not key.startswith(NOT_A_CHANGE)]
 
 
 def judge(first: Run, other: Run) -> tuple[list[dict], list[dict], list[dict]]:
