@@ -467,7 +467,7 @@ def test_the_hook_returns_and_the_process_exits_zero_while_stdin_is_still_open(t
     (["compute.attention=bogus", "compute.loss_chunk_tokens=-1"], ["compute.attention must be one of auto, fa4",
                                                                  "compute.loss_chunk_tokens must be >= 0"]),
     (["model.n_embd=100", "model.n_head=3"], ["divisible by model.n_head"]),
-    (["optim.schedule=linear"], ["optim.schedule must be one of cosine, constant"]),
+    (["optim.schedule=linear"], ["optim.schedule must be one of cosine, constant, wsd"]),
     (["data.source=web", "metrics.interval_seconds=-1"], ["data.source must be one of auto, stdin, sample",
                                                          "metrics.interval_seconds must be >= 0"]),
 ])

@@ -267,7 +267,7 @@ def test_a_worker_typed_by_a_person_is_one_readable_error(monkeypatch, capsys):
     ("trainer.precision", "16", "32-true, bf16-mixed, bf16-true, 16-mixed, 16-true, 64-true"),
     ("trainer.worker_start", "spawn", "auto, fork, exec"),
     ("data.source", "file", "auto, stdin, sample, litdata"),
-    ("optim.schedule", "linear", "cosine, constant"),
+    ("optim.schedule", "linear", "cosine, constant, wsd"),
     ("observe.loggers", "[csv,mlflow]", "csv, tensorboard, wandb"),
 ])
 def test_a_choice_key_refuses_a_value_outside_its_choices_and_names_them(key, value, choices, capsys):

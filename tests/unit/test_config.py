@@ -10,7 +10,7 @@ from tests.helpers import as_yaml
 
 @pytest.mark.parametrize("key, value, says", [
     ("data.source", "web", "data.source must be one of auto, stdin, sample, litdata, not 'web'"),
-    ("optim.schedule", "linear", "optim.schedule must be one of cosine, constant, not 'linear'"),
+    ("optim.schedule", "linear", "optim.schedule must be one of cosine, constant, wsd, not 'linear'"),
     ("trainer.accelerator", "tpu", "trainer.accelerator must be one of auto, cpu, gpu, not 'tpu'"),
     ("trainer.worker_start", "spawn", "trainer.worker_start must be one of auto, fork, exec, not 'spawn'"),
     ("trainer.precision", "fp8", "trainer.precision must be one of 32-true, bf16-mixed, bf16-true, 16-mixed, 16-true, "

@@ -104,7 +104,7 @@ def test_the_history_stays_within_its_bound_and_says_its_stride():
     history = History(max_rows=8)
     rows = history_rows(37)
     optimizer = SimpleNamespace(param_groups=[{"lr": 0.0}])
-    trainer = SimpleNamespace(world_size=1, global_step=0, optimizers=[optimizer])
+    trainer = SimpleNamespace(world_size=1, global_step=0, optimizers=[optimizer], is_global_zero=True, loggers=[])
     for i in range(37):
         tokens = int(rows["target_tokens"][i])
         batch = {"update_target_tokens": tokens, "update_digest": int(rows["tokens_digest"][i])}
