@@ -94,8 +94,9 @@ def test_max_time_stops_training_and_the_model_is_still_exported(tmp_path):
     # 12 s less the 4 s reserve. Lightning looks at the clock after each update, so the last one may end past 8 s
     # by about an update's time, which on two busy cores (the tests' workers) can pass half a second; without the
     # reserve training would run to 12 s.
-    update_seconds = max((b["elapsed_seconds"] - a["elapsed_seconds"]) / (b["step"] - a["step"])
-                         for a, b in zip(lines, lines[1:]) if b["step"] > a["step"])
+    update_seconds = max(((b["elapsed_seconds"] - a["elapsed_seconds"]) / (b["step"] - a["step"])
+                          for a, b in zip(lines, lines[1:]) if b["step"] > a["step"]),
+                         default=lines[-1]["elapsed_seconds"] / lines[-1]["step"])  # one line: its own mean
     assert lines[-1]["elapsed_seconds"] <= 8 + max(0.5, 2 * update_seconds), (lines[-1], update_seconds)
 
 
@@ -112,9 +113,10 @@ def test_max_time_ends_a_run_whose_input_went_silent_and_the_model_is_exported(t
     process.stdin.flush()  # and left open: communicate() would close it
     returncode, text = wait_with_stdin_open(process, stderr, timeout=90)
     assert returncode == 0, text.decode()[-3000:]
-    assert time.monotonic() - started < 60
     record = json.loads((tmp_path / "out" / "model" / "run_record.json").read_text())
     assert record["status"] == "completed" and record["optimizer_steps"] >= 1
+    # The run's own clock, not the interpreter's start on busy cores: 14 s, then the export.
+    assert record["wall_seconds"] < 14 + 30 and time.monotonic() - started < 90
     # Records too few for one update, then silence: the time limit ends the run, which fails (no model).
     process = start_training(tmp_path, "--trainer.max_time", "00:00:00:10", "--trainer.export_reserve_seconds", "4",
                              output=tmp_path / "none")
