@@ -138,20 +138,21 @@ class VariantError(ValueError):
     """A --variant that train.py would refuse; the message names the variant and what is wrong."""
 
 
-def variant_flags(args, text: str) -> tuple[str, ...]:
+def variant_flags(args, text: str, option: str = "--variant", own_file: bool = False) -> tuple[str, ...]:
     """A --variant's train.py options, as typed (``"--compute.x 0 --data.y false"``), refused now if
-    train.py would refuse them after the job's own configuration, rather than after the first run."""
+    train.py would refuse them after the job's own configuration, rather than after the first run.
+    ``own_file``: the options may name a --config file of their own, which replaces the job's."""
     flags = tuple(shlex.split(text))
     if not flags or not flags[0].startswith("--"):
-        raise VariantError(f"--variant {text!r}: give train.py's options, --section.key VALUE ...")
+        raise VariantError(f"{option} {text!r}: give train.py's options, --section.key VALUE ...")
     try:
         command = cli.parse(list(flags))
-        if command.name != cli.DEFAULT_SUBCOMMAND or command.config_path is not None:
-            raise VariantError(f"--variant {text}: a variant changes single keys (--section.key VALUE); the "
+        if command.name != cli.DEFAULT_SUBCOMMAND or (command.config_path is not None and not own_file):
+            raise VariantError(f"{option} {text}: a variant changes single keys (--section.key VALUE); the "
                                "configuration file and subcommand are the job's")
-        load_config(args.config, [*args.overrides, *command.overrides])
+        load_config(command.config_path or args.config, [*args.overrides, *command.overrides])
     except (cli.CommandLineError, ConfigError) as error:
-        raise VariantError(f"--variant {text}: {one_line(error)}") from None
+        raise VariantError(f"{option} {text}: {one_line(error)}") from None
     return flags
 
 

@@ -33,7 +33,7 @@ import numpy as np
 
 import cli
 from callbacks.history import read_history
-from config import ConfigError, load_config
+from config import load_config
 from pipeline.tokenizer import TextEncoder
 from runfab import created_files
 from tools import processes
@@ -89,15 +89,12 @@ def main(argv: list[str]) -> int:
 
 
 def candidate_flags(args, text: str) -> tuple[str, ...]:
-    """A candidate's train.py options, refused now if train.py would refuse them over the job's configuration; its
-    tokenizer and vocabulary must be the reference's, since every run reads the same token ids."""
-    flags = tuple(shlex.split(text))
-    try:
-        command = cli.parse(list(flags))
-        ours = load_config(command.config_path or args.config, [*args.overrides, *command.overrides])
-    except (cli.CommandLineError, ConfigError) as error:
-        raise runs.VariantError(f"--candidate {text}: {runs.one_line(error)}") from None
-    reference = load_config(args.config, args.overrides)
+    """A candidate's train.py options, checked as a --variant's (its own --config allowed); its tokenizer and
+    vocabulary must be the reference's, since every run reads the same token ids."""
+    flags = runs.variant_flags(args, text, option="--candidate", own_file=True)
+    command = cli.parse(list(flags))
+    ours = load_config(command.config_path or args.config, [*args.overrides, *command.overrides])
+    reference = runs.config(args)
     if (ours.data.tokenizer, ours.model.vocab_size) != (reference.data.tokenizer, reference.model.vocab_size):
         raise runs.VariantError(f"--candidate {text}: its tokenizer and vocabulary must be the reference's, since "
                                 "every run reads the same token ids")
