@@ -191,20 +191,14 @@ class GPTTrainingModule(L.LightningModule):
     def configure_optimizers(self):
         cfg = self.optim_config
         fused = cfg.fused if cfg.fused is not None else self.device.type == "cuda"
-        if cfg.name == "adamw":
-            optimizer = torch.optim.AdamW(
-                self.parameter_groups(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused
-            )
-        else:
-            matrices = self.muon_parameters()
-            held = {id(p) for p in matrices}
-            rest = [p for p in self.model.parameters() if id(p) not in held]
-            optimizer = OptimizerPair(
-                torch.optim.Muon(matrices, lr=cfg.muon_lr, momentum=cfg.muon_momentum,
-                                 weight_decay=cfg.muon_weight_decay),
-                torch.optim.AdamW(self.parameter_groups(rest), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                  fused=fused),
-            )
+        matrices = self.muon_parameters() if cfg.name == "muon" else []
+        held = {id(p) for p in matrices}
+        adamw = torch.optim.AdamW(self.parameter_groups([p for p in self.model.parameters() if id(p) not in held]),
+                                  lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
+        optimizer = adamw if not matrices else OptimizerPair(
+            torch.optim.Muon(matrices, lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay),
+            adamw,
+        )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
