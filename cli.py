@@ -68,7 +68,7 @@ class Command:
     microbatch: int | None
     accumulation: int | None
     print_config: bool
-    ckpt_path: str | None = None  # resume a run from prepared shards: a checkpoint file, or "last"
+    ckpt_path: str | None = None  # resume a run from a checkpoint file, or "last" (the newest in output's checkpoints/)
 
 
 class CommandLineError(Exception):
@@ -104,16 +104,13 @@ def main(argv: list[str], effective: int) -> int:
 
             shard_run.train_from_shards(cfg, effective, command.microbatch, command.accumulation, command.ckpt_path)
             return 0
-        if command.ckpt_path is not None:
-            raise CommandLineError("--ckpt_path resumes a run from prepared shards (--data.source litdata); a run on "
-                                   "stdin cannot resume, its input is a stream")
         if cfg.trainer.global_batch_size is not None:
             raise ConfigError(f"trainer.global_batch_size ({cfg.trainer.global_batch_size}) sets the batch of a run "
                               f"from prepared shards (--data.source litdata); on stdin the batch is "
                               f"EFFECTIVE_BATCH_SIZE ({effective}): leave it null")
         split = BatchSplit.for_command_line(effective, world, cfg.data.microbatch, command.microbatch,
                                            command.accumulation)
-        training_run.run_training(cfg, split)
+        training_run.run_training(cfg, split, ckpt_path=command.ckpt_path)
     except (CommandLineError, *USER_ERRORS) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -304,10 +301,10 @@ def new_subcommand_parser(name: str, summary: str = "") -> ArgumentParser:
                         help="microbatches per update (default: what the batch size implies)")
     if name == "fit":
         parser.add_argument("--ckpt_path", type=typing.Optional[str], default=None,
-                            help="resume a run from prepared shards (data.source litdata): a checkpoint file, or last "
-                                 "(the newest that loads in the output's checkpoints/; none yet: start from the "
-                                 "beginning; some and none loads: refused); the model, rows, seed, batch, optim.* and "
-                                 "process count must be unchanged")
+                            help="resume a run: a checkpoint file, or last (the newest that loads in the output's "
+                                 "checkpoints/; none yet: start from the beginning; some and none loads: refused); the "
+                                 "model, input, seed, batch, optim.* and process count must be unchanged (on stdin: "
+                                 "give the same records again; the trained updates are checked and skipped)")
     parser.add_argument(PRINT_CONFIG, action="store_true",
                         help="print the merged configuration as YAML on stdout and exit without training")
     hints = typing.get_type_hints(RunConfig)

@@ -68,7 +68,8 @@ class TrainerConfig:
     enable_progress_bar: bool | None = None
     """Lightning's progress bar, on stderr; null: when stderr is a terminal"""
     checkpoint_every_steps: int = 0
-    """Optimizer updates between Lightning checkpoints, kept in the output's checkpoints/ folder; 0: none"""
+    """Optimizer updates between Lightning checkpoints, kept in the output's checkpoints/ folder (and one written
+    when a signal stops a run on stdin); --ckpt_path last resumes from them; 0: none"""
     compile: bool | None = None
     """torch.compile the model trunk; null: on a GPU only"""
     devices: int | None = None

@@ -17,6 +17,7 @@ from typing import BinaryIO
 import numpy as np
 
 from pipeline.records import StreamStats
+from pipeline.resume import TrainedUpdates, skip_trained
 from pipeline.stream import StreamSettings, stream_updates
 from pipeline.validation_split import ValidationPool
 
@@ -49,7 +50,7 @@ class UpdateFeeder:
 
     def __init__(self, open_stream: Callable[[], tuple[BinaryIO, str]], settings: StreamSettings,
                  encode_batch: Callable, pool: ValidationPool, report_every: float | None = None,
-                 time_limit_seconds: float | None = None) -> None:
+                 time_limit_seconds: float | None = None, trained: TrainedUpdates | None = None) -> None:
         """``report_every`` (seconds) marks updates with ``report=1`` so that data-parallel ranks
         agree on when to report metrics without a collective; held-out documents then also travel
         to every rank (as ValidationDocument items) so each worker holds the same pool.
@@ -57,7 +58,11 @@ class UpdateFeeder:
         ``time_limit_seconds`` (``trainer.max_time`` less the export reserve, counted from the first
         request for data) ends every rank's stream at an update boundary once it has passed while
         training waits for input. Lightning checks its own ``max_time`` only between steps, and a
-        loop blocked on a silent stdin never gets there: the model would never be exported."""
+        loop blocked on a silent stdin never gets there: the model would never be exported.
+
+        ``trained``: the updates a resumed run's checkpoint trained, read again, checked and not handed
+        to training (pipeline/resume.py)."""
+        self.trained = trained
         self.time_limit_seconds = time_limit_seconds
         self.time_limit_reached = False  # the streams ended because the time limit passed while waiting
         self._deadline: float | None = None
@@ -136,7 +141,8 @@ class UpdateFeeder:
         try:
             stream, self.stats.source = self._open_stream()
             log.info("reading records from %s", self.stats.source)
-            for per_rank in stream_updates(stream, self.settings, self._encode_batch, self.stats, pool):
+            updates = stream_updates(stream, self.settings, self._encode_batch, self.stats, pool)
+            for per_rank in skip_trained(updates, self.trained):
                 if self.report_every is not None and time.monotonic() - last_report >= self.report_every:
                     last_report = time.monotonic()
                     for microbatches in per_rank:
@@ -176,11 +182,14 @@ class UpdateFeeder:
         """
         self.start()
         per_update = self.settings.accumulation
+        remaining = self.settings.max_updates
+        if remaining is not None and self.trained is not None:
+            remaining -= self.trained.count
         taken = 0  # microbatches yielded
         marked = False
         while not self._finished[rank]:
             boundary = taken % per_update == 0
-            if boundary and taken // per_update == self.settings.max_updates:
+            if boundary and taken // per_update == remaining:
                 break  # Lightning fetches one batch ahead: it must not wait on the input for one it never trains
             if boundary and self._past_last_update(rank, taken // per_update, starting=False):
                 break

@@ -1,5 +1,5 @@
-"""The checkpoints of a run from prepared shards: how they are written, which one ``last`` is, and
-what a resume must keep.
+"""The checkpoints of a run, on stdin or from prepared shards: how they are written, which one ``last``
+is, and what a resume must keep.
 
 - ``DurableCheckpointIO``: Lightning's CheckpointIO plugin for ``output/checkpoints/``. A checkpoint
   is written under a temporary name, synced to disk, renamed, and loaded back, so that a write cut
@@ -27,15 +27,18 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from config import ConfigError
 from pipeline import shards
+from pipeline.resume import TrainedUpdates
 from runfab import created_files
 
 log = logging.getLogger("train")
 
+STOP_CHECKPOINT = "stopped.ckpt"  # written when a signal stops the run; the periodic ones are Lightning's
 WRITTEN = ".written-checkpoints"  # the checkpoint files this trainer's saves wrote in the folder, one name a line
 FINGERPRINT_KEY = "runfab_resume"  # where a checkpoint keeps what a resume must not change
 
@@ -161,18 +164,59 @@ def newest_loadable(folder: Path) -> tuple[Path, dict] | None:
     return None
 
 
-def fingerprint(cfg, split, data_fingerprint: str, tokenizer_sha256: str, processes: int) -> dict:
-    """What a resume must not change, under the names a user sets them by: every ``optim.*`` key
-    (a checkpoint's optimizer and schedule state hold the values it was trained with) and the process
-    count (each rank's position in the rows depends on it) among them."""
+def resolve(ckpt_path: str | None, folder: Path) -> tuple[str, dict] | None:
+    """The checkpoint to resume from and its contents (memory-mapped, tensors not read), or None.
+
+    ``last``: the newest checkpoint in ``folder`` that loads; a newer one that does not is named on
+    stderr and skipped (None when there is none yet: the run starts from the beginning, so the same
+    command serves the first start and every restart; refused when there are some and none loads).
+    Else the file given, which must load."""
+    if ckpt_path is None:
+        return None
+    if ckpt_path != "last":
+        if Path(ckpt_path).is_symlink():
+            raise ConfigError(f"--ckpt_path {ckpt_path} is a symbolic link; give the checkpoint file itself")
+        if not Path(ckpt_path).is_file():
+            raise ConfigError(f"--ckpt_path {ckpt_path} is not a file; give a checkpoint file, or last (the newest "
+                              f"in {folder})")
+        try:
+            return ckpt_path, load_metadata(Path(ckpt_path))
+        except Exception as error:  # cut short, or not a checkpoint
+            raise ConfigError(f"--ckpt_path {ckpt_path} does not load ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0] if str(error) else ''}); give another checkpoint, or "
+                              f"last (the newest in {folder} that loads)") from None
+    found = newest_loadable(folder)
+    if found is None:
+        log.info("--ckpt_path last: no checkpoint that loads in %s yet; training starts from the beginning", folder)
+        return None
+    log.info("resuming from %s", found[0])
+    return str(found[0]), found[1]
+
+
+def trained_updates(checkpoint: dict) -> TrainedUpdates:
+    """The updates a checkpoint trained, with its history's digests of their tokens (callbacks/history.py),
+    for a resumed run on stdin to check them as it reads them again (pipeline/resume.py)."""
+    history = next((state for key, state in checkpoint.get("callbacks", {}).items() if key.split("{")[0] == "History"),
+                   None)
+    if history is None:
+        raise ConfigError("the checkpoint holds no per-update history, which a resume on stdin needs to check its "
+                          "input: resume it from prepared shards, or start a new run in another output.root")
+    columns = history["columns"]
+    return TrainedUpdates(int(checkpoint["global_step"]), np.array(columns["update"].numpy()),
+                          np.array(columns["tokens_digest"].numpy()))
+
+
+def fingerprint(cfg, split, input_identity: dict, tokenizer_sha256: str, processes: int) -> dict:
+    """What a resume must not change, under the names a user sets them by: the input (``input_identity``:
+    shards_identity or stream_identity), every ``optim.*`` key (a checkpoint's optimizer and schedule state
+    hold the values it was trained with) and the process count (each rank's share of the rows depends on it)."""
     return {
         "model.vocab_size": cfg.model.vocab_size, "model.n_layer": cfg.model.n_layer,
         "model.n_head": cfg.model.n_head, "model.n_embd": cfg.model.n_embd,
         "model.max_seq_len": cfg.model.max_seq_len,
         **{f"model.{key}": getattr(cfg.model, key)
            for key in ("family", "n_kv_head", "intermediate_size", "rope_theta", "tie_embeddings")},
-        "data.path": cfg.data.path if shards.is_url(cfg.data.path) else os.path.abspath(cfg.data.path),
-        "data.path contents (sha256 of its index)": data_fingerprint,
+        **input_identity,
         "seed": cfg.seed, "trainer.global_batch_size (rows per update)": split.effective,
         "tokens per update": split.effective * cfg.model.max_seq_len,
         "tokenizer (sha256)": tokenizer_sha256,
@@ -180,6 +224,23 @@ def fingerprint(cfg, split, data_fingerprint: str, tokenizer_sha256: str, proces
            if key not in unread_optim_keys(cfg.optim)},
         "processes (trainer.devices x trainer.num_nodes)": processes,
     }
+
+
+def shards_identity(cfg, data_fingerprint: str) -> dict:
+    """The prepared rows a run from shards reads: where they are and the digest of their index."""
+    return {"data.path": cfg.data.path if shards.is_url(cfg.data.path) else os.path.abspath(cfg.data.path),
+            "data.path contents (sha256 of its index)": data_fingerprint}
+
+
+STREAM_KEYS = ("source", "val_path", "val_fraction", "val_max_tokens", "shuffle_buffer_docs", "shuffle_buffer_tokens",
+               "max_record_bytes")  # what decides which updates a stream's records make (the records are checked by
+#                                    their tokens' digests as they are read again: pipeline/resume.py)
+
+
+def stream_identity(cfg) -> dict:
+    """The settings that turn a stream of records into updates; the records themselves are checked as
+    they are read again (pipeline/resume.py)."""
+    return {f"data.{key}": getattr(cfg.data, key) for key in STREAM_KEYS}
 
 
 def unread_optim_keys(optim) -> set[str]:

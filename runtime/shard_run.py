@@ -41,8 +41,6 @@ from runtime.training_run import TrainingInput, fit, load_encoder, validation_po
 
 log = logging.getLogger("train")
 
-STOP_CHECKPOINT = "stopped.ckpt"  # written when a signal stops the run; the periodic ones are Lightning's
-
 
 def topology(cfg: RunConfig) -> tuple[int, int]:
     """(processes per node, nodes): from torchrun or SLURM when they started this process, else the
@@ -68,35 +66,6 @@ def environment_rank(per_node: int) -> int:
         if name in os.environ:
             return int(os.environ[name])
     return int(os.environ.get("NODE_RANK", 0)) * per_node + int(os.environ.get("LOCAL_RANK", 0))
-
-
-def resolve_checkpoint(ckpt_path: str | None, folder: Path) -> tuple[str, dict] | None:
-    """The checkpoint to resume from and its contents (memory-mapped, tensors not read), or None.
-
-    ``last``: the newest checkpoint in ``folder`` that loads; a newer one that does not is named on
-    stderr and skipped (None when there is none yet: the run starts from the beginning, so the same
-    command serves the first start and every restart; refused when there are some and none loads).
-    Else the file given, which must load."""
-    if ckpt_path is None:
-        return None
-    if ckpt_path != "last":
-        if Path(ckpt_path).is_symlink():
-            raise ConfigError(f"--ckpt_path {ckpt_path} is a symbolic link; give the checkpoint file itself")
-        if not Path(ckpt_path).is_file():
-            raise ConfigError(f"--ckpt_path {ckpt_path} is not a file; give a checkpoint file, or last (the newest "
-                              f"in {folder})")
-        try:
-            return ckpt_path, checkpoints.load_metadata(Path(ckpt_path))
-        except Exception as error:  # cut short, or not a checkpoint
-            raise ConfigError(f"--ckpt_path {ckpt_path} does not load ({type(error).__name__}: "
-                              f"{str(error).splitlines()[0] if str(error) else ''}); give another checkpoint, or "
-                              f"last (the newest in {folder} that loads)") from None
-    found = checkpoints.newest_loadable(folder)
-    if found is None:
-        log.info("--ckpt_path last: no checkpoint that loads in %s yet; training starts from the beginning", folder)
-        return None
-    log.info("resuming from %s", found[0])
-    return str(found[0]), found[1]
 
 
 def prepared_validation(cfg: RunConfig, meta: dict, encoder) -> ValidationPool:
@@ -136,9 +105,9 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
     root = Path(cfg.output.root)
     first = environment_rank(per_node) == 0  # only rank 0 writes the output (export, record, checkpoints)
     claim = claimed_output(root, keep=("checkpoints",) if ckpt_path else ()) if first else contextlib.nullcontext()
-    unchanged = checkpoints.fingerprint(cfg, split, shards.prepared_fingerprint(cfg.data.path), tokenizer_sha256,
-                                          world)
-    resume = resolve_checkpoint(ckpt_path, root / "checkpoints")
+    unchanged = checkpoints.fingerprint(cfg, split, checkpoints.shards_identity(cfg, shards.prepared_fingerprint(
+        cfg.data.path)), tokenizer_sha256, world)
+    resume = checkpoints.resolve(ckpt_path, root / "checkpoints")
     if resume is not None:  # before the output moves and Lightning loads it: a change is one line, no traceback
         resume, stored = resume
         checkpoints.refuse_changes(resume, stored, unchanged)
@@ -151,7 +120,7 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
             cfg.data.loader_workers, agreement, pin_memory=resolve_accelerator(cfg) == "gpu",
             token_digests=cfg.data.token_digests)
         held_out = prepared_validation(cfg, meta, encoder)
-        stop = StopAtAgreedUpdate(agreement, root / "checkpoints" / STOP_CHECKPOINT)
+        stop = StopAtAgreedUpdate(agreement, root / "checkpoints" / checkpoints.STOP_CHECKPOINT)
         overrides: dict = {"devices": per_node, "num_nodes": nodes, "plugins": [checkpoints.DurableCheckpointIO()]}
         if SLURMEnvironment.detect():  # its requeue handler checkpoints between microbatches: not exact
             overrides["plugins"].append(SLURMEnvironment(auto_requeue=False))
@@ -173,5 +142,5 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
         raise launcher.Interrupted(f"received {agreement.stop_signal} before the first update; nothing was trained")
     # A signal after the last update was settled came when training had nothing left to do: the run is complete.
     if first:  # the run is complete: a stop checkpoint of an earlier segment is no longer needed
-        checkpoints.remove_written(root / "checkpoints", STOP_CHECKPOINT)
+        checkpoints.remove_written(root / "checkpoints", checkpoints.STOP_CHECKPOINT)
     return result

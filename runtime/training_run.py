@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from runfab import memory
 from callbacks.host_memory import HostMemory
-from runtime import launcher
+from runtime import checkpoints, launcher
 from runtime.batch_split import BatchSplit
 from runfab.lifetime import exit_with_parent
 from callbacks import owned_folders
@@ -40,6 +40,7 @@ from callbacks.graceful_stop import GracefulStop
 from callbacks.observe import ObservationWindows
 from callbacks.progress import UpdateProgressBar
 from callbacks.run_record import RunRecord, sha256_file
+from callbacks.stop_checkpoint import StopCheckpoint
 from callbacks.runfab_metrics import RunFabMetrics, ensure_stdout
 from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, load_config_dict, training_time_limit
 from datamodule import StreamingDataModule
@@ -47,6 +48,7 @@ from pipeline import feeder_wire
 from pipeline.feeder import UpdateFeeder
 from pipeline.sources import open_input
 from pipeline.records import UnusableInputError
+from pipeline.resume import TrainedUpdates
 from pipeline.stream import StreamSettings, summary_line
 from pipeline.validation_split import HELD_OUT, ValidationPool, load_validation_file
 from runtime.device_policy import (
@@ -65,29 +67,71 @@ log = logging.getLogger("train")
 # ----------------------------------------------------------------------------- the run's steps
 
 
-def run_training(cfg: RunConfig, split: BatchSplit, stdin=None) -> dict:
-    """Validate, then train in this process (one device) or through data-parallel workers."""
+def run_training(cfg: RunConfig, split: BatchSplit, stdin=None, ckpt_path: str | None = None) -> dict:
+    """Validate, then train in this process (one device) or through data-parallel workers; ``ckpt_path``
+    (a checkpoint file, or ``last``) resumes from a checkpoint, reading the same input again."""
     root = Path(cfg.output.root)
     check_output_budget(cfg)
     setup_process(cfg)  # first: the host-memory check logs its budget line
     check_host_memory(cfg, split.ranks, split.microbatch)
     ensure_stdout()
-    with claimed_output(root):
+    resume, trained = resume_point(cfg, split, ckpt_path)  # before the output moves: a refusal is one line
+    with claimed_output(root, keep=("checkpoints",) if ckpt_path else ()):
         check_output_space(cfg, root)
         use_allocator_settings(cfg)
         platform_fraction = platform_memory_fraction()
         encoder = load_encoder(cfg)
-        feeder = build_feeder(cfg, encoder, split, stdin)
+        feeder = build_feeder(cfg, encoder, split, stdin, trained)
         if split.ranks > 1 or cfg.trainer.worker_processes:
-            result = train_data_parallel(cfg, split, feeder, platform_fraction)
+            result = train_data_parallel(cfg, split, feeder, platform_fraction, resume)
         else:
             source = TrainingInput(build_stream_datamodule(cfg, feeder), summary=feeder.close, end=feeder.finish,
                                    early_end=lambda: feeder.early_end)
-            result = fit(cfg, split, source, encoder, platform_fraction)
+            result = fit(cfg, split, source, encoder, platform_fraction, ckpt_path=resume,
+                         **stream_checkpoints(cfg, split, source.early_end))
         result["input"] = feeder.close()
         log.info(summary_line(feeder.stats))
-        raise_if_ended_early(feeder, result)
+        raise_if_ended_early(feeder, result, checkpoint_folder(cfg))
+        checkpoints.remove_written(checkpoint_folder(cfg), checkpoints.STOP_CHECKPOINT)  # complete: not needed
     return result
+
+
+def resume_point(cfg: RunConfig, split: BatchSplit, ckpt_path: str | None) -> tuple[str | None, TrainedUpdates | None]:
+    """The checkpoint a run on stdin resumes from, and the updates it trained (which the feeder reads
+    again, checks and skips: pipeline/resume.py); (None, None) for a new run. A checkpoint of another
+    model, batch, optimizer setting or stream setting is refused here, before anything moves."""
+    if ckpt_path is None:
+        return None, None
+    if not cfg.data.token_digests:
+        raise ConfigError("a resume on stdin checks that the input is the same by its tokens' digests: leave "
+                          "data.token_digests true")
+    found = checkpoints.resolve(ckpt_path, checkpoint_folder(cfg))
+    if found is None:
+        return None, None
+    path, stored = found
+    checkpoints.refuse_changes(path, stored, stream_fingerprint(cfg, split))
+    trained = checkpoints.trained_updates(stored)
+    del stored
+    log.info("the input's first %d update(s), which the checkpoint trained, are read again, checked against its "
+             "history and not trained again", trained.count)
+    return path, trained
+
+
+def stream_fingerprint(cfg: RunConfig, split: BatchSplit) -> dict:
+    """What a resume on stdin must not change (runtime/checkpoints.py)."""
+    return checkpoints.fingerprint(cfg, split, checkpoints.stream_identity(cfg),
+                                   sha256_file(bundle_path(cfg.data.tokenizer)), split.ranks)
+
+
+def stream_checkpoints(cfg: RunConfig, split: BatchSplit, stopped_early: Callable[[], str | None]) -> dict:
+    """``fit``'s arguments for the checkpoints of a run on stdin, when it writes any
+    (``trainer.checkpoint_every_steps``): the periodic ones, and one when it stops early (a signal, a
+    failing input), each with what a resume must not change, written durably (runtime/checkpoints.py)."""
+    if cfg.trainer.checkpoint_every_steps <= 0:
+        return {}
+    stop = StopCheckpoint(checkpoint_folder(cfg) / checkpoints.STOP_CHECKPOINT, stopped_early)
+    return {"extra_callbacks": (stop, checkpoints.ResumeFingerprint(stream_fingerprint(cfg, split))),
+            "trainer_overrides": {"plugins": [checkpoints.DurableCheckpointIO()]}}
 
 
 @dataclass
@@ -188,14 +232,17 @@ def stream_settings(cfg: RunConfig, encoder: TextEncoder, split: BatchSplit) -> 
     )
 
 
-def build_feeder(cfg: RunConfig, encoder: TextEncoder, split: BatchSplit, stdin=None) -> UpdateFeeder:
-    """The stream of updates from the input (stdin, or ``data.sample_path``), read beside training.
-    With several ranks it marks the updates that end with a metric line, so the ranks report together."""
+def build_feeder(cfg: RunConfig, encoder: TextEncoder, split: BatchSplit, stdin=None,
+                 trained: TrainedUpdates | None = None) -> UpdateFeeder:
+    """The stream of updates from the input (stdin, or ``data.sample_path``), read beside training, past
+    the ``trained`` ones of a resumed run. With several ranks it marks the updates that end with a metric
+    line, so the ranks report together."""
     return UpdateFeeder(
         lambda: open_input(bundle_path(cfg.data.sample_path), stdin, cfg.data.source),
         stream_settings(cfg, encoder, split), encoder.encode_batch_arrays, validation_pool(cfg, encoder),
         report_every=cfg.metrics.interval_seconds if split.ranks > 1 else None,
         time_limit_seconds=limit.total_seconds() if (limit := training_time_limit(cfg)) is not None else None,
+        trained=trained,
     )
 
 
@@ -380,7 +427,7 @@ def train(trainer: L.Trainer, module: L.LightningModule, datamodule: L.Lightning
 # ----------------------------------------------------------------------------- the end, and data parallelism
 
 
-def raise_if_ended_early(feeder: UpdateFeeder, result: dict) -> None:
+def raise_if_ended_early(feeder: UpdateFeeder, result: dict, checkpoint_dir: Path) -> None:
     """A run cut short by a signal or by its input fails, after the model trained so far was exported;
     so does one whose time limit passed before the input delivered a single update."""
     if feeder.time_limit_reached and not result["steps"]:
@@ -395,6 +442,9 @@ def raise_if_ended_early(feeder: UpdateFeeder, result: dict) -> None:
     where = (f"stopped after optimizer step {result['steps']}; the model trained so far is in {result['model_dir']} "
              f"(run_record.json status: partial)" if result["steps"] else "stopped before the first optimizer step; "
              "nothing was trained, so no model was exported")
+    if result["steps"] and checkpoints.STOP_CHECKPOINT in checkpoints.written(checkpoint_dir):
+        where += (f"; checkpoint {checkpoint_dir / checkpoints.STOP_CHECKPOINT}: resume with the same command, the "
+                  "same input and --ckpt_path last")
     if feeder.input_error is not None:
         raise launcher.InputFailed(f"the input failed: {type(feeder.input_error).__name__}: {feeder.input_error}; "
                                    + where) from feeder.input_error
@@ -402,13 +452,15 @@ def raise_if_ended_early(feeder: UpdateFeeder, result: dict) -> None:
 
 
 def train_data_parallel(cfg: RunConfig, split: BatchSplit, feeder: UpdateFeeder,
-                        platform_fraction: float | None = None) -> dict:
-    """This process feeds; one worker per rank trains. Waits for all, or fails with the first failure."""
+                        platform_fraction: float | None = None, resume: str | None = None) -> dict:
+    """This process feeds; one worker per rank trains (from the checkpoint ``resume``, if given). Waits
+    for all, or fails with the first failure."""
     world = split.ranks
     listener, authkey = feeder_wire.new_listener()
     spec = {"config": as_dict(cfg), "microbatch": split.microbatch, "accumulation": split.accumulation,
             "effective": split.effective,
-            "address": list(listener.address), "authkey": authkey.hex(), "platform_memory_fraction": platform_fraction}
+            "address": list(listener.address), "authkey": authkey.hex(), "platform_memory_fraction": platform_fraction,
+            "ckpt_path": resume}
     if launcher.resolve_start(cfg.trainer.worker_start) == "fork":
         preload_worker_modules(cfg, compile_folder(cfg), world)
     stop_by: list[float] = []  # set by the first signal: when the graceful stop must be over
@@ -478,7 +530,8 @@ def _run_worker(cfg: RunConfig, spec: dict, world: int, rank: int, platform_frac
     source = TrainingInput(datamodule, summary=lambda: connection.input_summary, early_end=lambda: connection.early_end,
                            report_due=connection.report_marks.due if world > 1 else None)
     try:
-        fit(cfg, split, source, encoder, platform_fraction)
+        fit(cfg, split, source, encoder, platform_fraction, ckpt_path=spec.get("ckpt_path"),
+            **stream_checkpoints(cfg, split, source.early_end))
     except ExportFailed as error:  # one line in the feeder's report of this rank, as in a single process
         print(f"error: {error}", file=sys.stderr)
         return 1

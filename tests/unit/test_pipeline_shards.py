@@ -281,8 +281,6 @@ def test_stdin_runs_refuse_what_only_a_run_from_shards_can_do(tmp_path, capsys, 
     import train
 
     config = config_file(tmp_path)
-    assert cli.main(["--config", config, "--ckpt_path", "last"], 32) == 2
-    assert "--ckpt_path resumes a run from prepared shards" in capsys.readouterr().err
     assert cli.main(["--config", config, "--trainer.global_batch_size", "64"], 32) == 2
     assert "trainer.global_batch_size (64) sets the batch of a run from prepared shards" in capsys.readouterr().err
     assert cli.main(["--config", config, "--data.source", "litdata"], 32) == 2

@@ -94,11 +94,12 @@ def test_the_fingerprint_holds_every_optim_key_the_run_reads_and_the_process_cou
     cfg = RunConfig()
     cfg.data.path = "rows"
     cfg.optim.name, cfg.optim.schedule = "muon", "wsd"
-    values = checkpoints.fingerprint(cfg, SimpleNamespace(effective=8), "rows", "tok", 4)
+    rows = checkpoints.shards_identity(cfg, "rows")
+    values = checkpoints.fingerprint(cfg, SimpleNamespace(effective=8), rows, "tok", 4)
     assert {f"optim.{field.name}" for field in dataclasses.fields(cfg.optim)} <= set(values)
     assert values["processes (trainer.devices x trainer.num_nodes)"] == 4
     cfg.optim.name, cfg.optim.schedule = "adamw", "constant"  # no horizon and no Muon: training longer may resume
-    values = checkpoints.fingerprint(cfg, SimpleNamespace(effective=8), "rows", "tok", 4)
+    values = checkpoints.fingerprint(cfg, SimpleNamespace(effective=8), rows, "tok", 4)
     assert not {"optim.decay_steps", "optim.min_lr_ratio", "optim.muon_lr"} & set(values)
     assert {"optim.lr", "optim.warmup_steps", "optim.schedule"} <= set(values)
 
