@@ -26,6 +26,7 @@ from model import kernels
 from model.kernels.attention import DocumentLayout
 from model.kernels import ComputeConfig, Kernels
 from model.loss import LMHeadLoss
+from model.rope import RotaryTable
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +164,7 @@ class Decoder(nn.Module):
         self.compiled_trunk: Callable | None = None  # what training calls in place of trunk, once compile_trunk ran
         self.kernels: Kernels | None = None  # what runs each part, chosen for ``kernels_for``
         self.kernels_for: tuple | None = None  # (device, compute dtype, compiled)
+        self.rotary: RotaryTable | None = None  # the rotary angles of every position, where the family turns q and k
 
     def embed(self, input_ids: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         """The residual stream's start [B, T, d] for the rows' tokens."""
@@ -252,7 +254,8 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """Embeddings, blocks and the final norm: what ``compile_trunk`` compiles. ``residual``: the dtype of the
         residual stream where it is not the embeddings'; ``out``: the final norm's output dtype."""
-        layout = DocumentLayout(positions, cu_seqlens)
+        rotary = None if self.rotary is None else self.rotary(positions, input_ids.shape[1])
+        layout = DocumentLayout(positions, cu_seqlens, rotary)
         x = self.embed(input_ids, layout)
         if residual is not None:
             x = x.to(residual)

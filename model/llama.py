@@ -35,7 +35,6 @@ class GroupedQueryAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.n_head, self.kv_heads, self.head_dim = config.n_head, config.kv_heads, config.head_dim
-        self.rope_theta = config.rope_theta
         self.qkv = nn.Linear(config.n_embd, (self.n_head + 2 * self.kv_heads) * self.head_dim, bias=False)
         self.proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=False)
         self.kernel = "sdpa"  # the attention family (compute.attention), which Decoder.use_kernels sets
@@ -43,7 +42,7 @@ class GroupedQueryAttention(nn.Module):
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         b, t, _ = x.shape
         qkv = self.qkv(x).view(b, t, self.n_head + 2 * self.kv_heads, self.head_dim)
-        cos, sin = layout.rotary(b, t, self.head_dim, self.rope_theta, x.device)
+        cos, sin = layout.rotary
         turned = self.n_head + self.kv_heads  # q's and k's heads; v's are not turned
         qkv = torch.cat((rope.rotate(qkv[:, :, :turned], cos, sin), qkv[:, :, turned:]), dim=2)
         return self.proj(attend(qkv, self.kv_heads, layout, self.kernel).reshape(b, t, self.n_head * self.head_dim))
@@ -82,6 +81,7 @@ class Llama(Decoder):
             raise ValueError(f"Llama is built from model.family llama, not {config.family!r}")
         super().__init__(config, compute)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.rotary = rope.RotaryTable(config.head_dim, config.rope_theta, config.max_seq_len)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.n_embd, eps=config.layer_norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
