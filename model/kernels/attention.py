@@ -12,7 +12,9 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -109,6 +111,12 @@ def attend(qkv: torch.Tensor, kv_heads: int, layout: DocumentLayout, kernel: str
     else:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **grouped)
     return y.transpose(1, 2)
+
+
+def kernel(family: str) -> Callable[[torch.Tensor, int, DocumentLayout], torch.Tensor]:
+    """``attend`` by ``family`` ("fa4", "flash", "sdpa"), as a block holds it from its build: (qkv, kv_heads,
+    layout) -> [B, T, H, hd]."""
+    return functools.partial(attend, kernel=family)
 
 
 def describe(family: str, packed: bool) -> str:

@@ -19,7 +19,7 @@ from model.kernels.attention import DocumentLayout, attend, document_offsets
 from model.decoder import ModelConfig
 from model.families import build_model
 from model.flops import count_parameters, matrix_parameters, training_flops
-from model.kernels import ComputeConfig
+from model.kernels import ComputeConfig, Target
 from model.llama import Llama
 from runtime import hostmem
 
@@ -160,11 +160,9 @@ def test_the_mlp_of_compiled_llama_training_is_pytorchs_and_the_log_says_why(mon
     assert said.rstrip().endswith("torch instead")
 
 
-def test_the_model_says_what_ran_each_part_once_it_ran(caplog):
-    model = tiny_llama(loss_chunk_tokens=8).train()
+def test_a_model_built_for_compiled_training_says_what_runs_each_part(caplog):
     with caplog.at_level(logging.INFO, logger="model.decoder"):
-        model.loss_sum({"input_ids": torch.zeros(2, 16, dtype=torch.long),
-                        "targets": torch.zeros(2, 16, dtype=torch.long)})
+        model = build_model(tiny_llama().config, ComputeConfig(loss_chunk_tokens=8), Target(compiled=True))
     assert model.kernels_used()["mlp"] == {"requested": "auto", "ran": "torch", "blocks_keeping_the_gelu_derivative": 0}
     assert "mlp: PyTorch (cuBLAS products, SwiGLU and RMSNorm by inductor or eager)" in caplog.text
 
