@@ -13,7 +13,7 @@ from torchmetrics.aggregation import MeanMetric
 
 from model.decoder import ModelConfig
 from model.families import build_model
-from model.kernels import ComputeConfig
+from model.kernels import ComputeConfig, Target
 
 
 Schedule = Literal["cosine", "constant", "wsd"]
@@ -123,10 +123,10 @@ class GPTTrainingModule(L.LightningModule):
     """
 
     def __init__(self, model_config: ModelConfig, optim_config: OptimConfig,
-                 compute_config: ComputeConfig | None = None) -> None:
+                 compute_config: ComputeConfig | None = None, target: Target | None = None) -> None:
         super().__init__()
         self.optim_config = optim_config
-        self.model = build_model(model_config, compute_config)
+        self.model = build_model(model_config, compute_config, target)  # its kernels chosen for ``target``
         self.val_loss = MeanMetric()
         self.last_grad_norm: torch.Tensor | None = None
         self._step_marker: record_function | None = None  # open from on_before_optimizer_step to optimizer_step's end

@@ -2,7 +2,8 @@
 
 ``ModelConfig`` is the decoder's shape, with ``family`` choosing the architecture (``model.gpt``'s GPT-2,
 ``model.llama``'s Llama); ``model.families.build_model`` builds the one it names. ``Decoder`` is the part both
-families run the same way: the kernels chosen once for the device and dtype (``model.kernels``), the trunk
+families run the same way: the kernels chosen once, when it is built, for the device and dtype it is built for
+(``model.kernels``), the trunk
 (embeddings, blocks, final norm) compiled as one graph for training, activation checkpointing, the residual
 stream's dtype, and the LM head's chunked loss (``model.loss``). A family says how it embeds tokens, what its
 blocks are, and which norm ends the trunk.
@@ -23,9 +24,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from model import kernels
+from model.kernels import ComputeConfig, Kernels, Target, attention, fused_mlp
 from model.kernels.attention import DocumentLayout
-from model.kernels import ComputeConfig, Kernels
-from model.loss import LMHeadLoss
+from model.loss import LMHeadLoss, chunk_function
+from model.rope import RotaryTable
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +148,11 @@ REMOVED_KEYS = {
 
 class Decoder(nn.Module):
     """A decoder-only LM: ``wte`` (the token embedding), ``blocks`` (each ``Block.forward(x, layout)``, with an
-    ``attn`` and an ``mlp`` whose ``kernel`` ``use_kernels`` sets), a final norm, and the LM head's loss.
+    ``attn`` holding its attention kernel as ``attend`` and an ``mlp`` holding its fused kernel, if any, as
+    ``kernel``), a final norm, and the LM head's loss.
 
     A family defines ``embed``, ``final_norm`` and ``lm_head_weight``, builds its modules after
-    ``Decoder.__init__``, then calls ``reset_parameters``.
+    ``Decoder.__init__``, then calls ``reset_parameters`` and ``use_target``.
     """
 
     wte: nn.Embedding
@@ -160,9 +163,10 @@ class Decoder(nn.Module):
         self.config = config
         self.compute = compute or ComputeConfig()
         self.head_loss = LMHeadLoss(self.compute.loss_chunk_tokens)
-        self.compiled_trunk: Callable | None = None  # what training calls in place of trunk, once compile_trunk ran
-        self.kernels: Kernels | None = None  # what runs each part, chosen for ``kernels_for``
-        self.kernels_for: tuple | None = None  # (device, compute dtype, compiled)
+        self.compiled_trunk: Callable | None = None  # what training calls in place of trunk, for a compiled target
+        self.kernels: Kernels | None = None  # what runs each part, chosen for ``target`` by ``use_target``
+        self.target: Target | None = None
+        self.rotary: RotaryTable | None = None  # the rotary angles of every position, where the family turns q and k
 
     def embed(self, input_ids: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         """The residual stream's start [B, T, d] for the rows' tokens."""
@@ -203,7 +207,8 @@ class Decoder(nn.Module):
         ``positions`` None means one document per row; ``cu_seqlens`` (document offsets in the
         flattened rows, see attention.document_offsets) may come with the batch to spare a device
         sync, and then also tells, from its shape alone, when every row is one document.
-        Training runs the compiled trunk once ``compile_trunk`` was called; evaluation stays eager.
+        Training runs the compiled trunk where the model was built for a compiled target; evaluation runs eager,
+        with the same kernels.
         """
         if input_ids.shape[1] > self.config.max_seq_len:
             raise ValueError(f"sequence length {input_ids.shape[1]} exceeds max_seq_len {self.config.max_seq_len}")
@@ -212,7 +217,6 @@ class Decoder(nn.Module):
             # with positions 0..T-1, plain causal attention, which dense causal kernels do fastest.
             positions = cu_seqlens = None
         dtype = self.compute_dtype(input_ids.device)
-        self.use_kernels(input_ids.device, dtype)
         # fp32 keeps the embeddings' dtype (fp32 weights); a half dtype makes every residual add half too.
         residual = None if self.compute.residual_in_fp32 or dtype == self.wte.weight.dtype else dtype
         # Under autocast the final norm's output leaves in the compute dtype, in which the head's products take it
@@ -227,32 +231,37 @@ class Decoder(nn.Module):
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.wte.weight.dtype
 
-    def use_kernels(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Chooses every part's kernel (``model.kernels``) for ``device`` and ``dtype`` and hands each to its module,
-        with one log line: once, at the first forward, and again only if the device, the dtype or compilation
-        changed. Outside any compiled graph, which then sees the kernels as constants."""
-        key = (device, dtype, self.compiled_trunk is not None)
-        if key == self.kernels_for or torch.compiler.is_compiling():
-            return
-        chosen = kernels.choose_kernels(self.compute, device, dtype, key[2], self.config)
+    def use_target(self, target: Target | None = None) -> None:
+        """Chooses every part's kernel (``model.kernels``) for ``target`` and hands each module its kernel, with one
+        log line; for a compiled target, wraps the trunk in torch.compile (which compiles at the first training
+        forward). None: where the weights are, in their dtype, eager. A family calls it when it is built (with
+        the target ``build_model`` was given); whoever runs the model elsewhere later calls it again, never a
+        forward."""
+        weight = self.wte.weight
+        target = target or Target(torch.device("cpu") if weight.is_meta else weight.device, weight.dtype)
+        chosen = kernels.choose_kernels(self.compute, target, self.config)
         for block, mlp in zip(self.blocks, chosen.mlp, strict=True):
-            block.attn.kernel, block.mlp.kernel = chosen.attention, mlp
-        self.head_loss.kernel = chosen.loss
-        if chosen != self.kernels:
+            block.attn.attend = attention.kernel(chosen.attention)
+            block.mlp.kernel = fused_mlp.kernel(mlp)
+        self.head_loss.chunk_fn = chunk_function(chosen.loss)
+        self.compiled_trunk = torch.compile(self.trunk) if target.compiled else None
+        if target.device.type == "cuda" or target.compiled:
             log.info("kernels: %s", kernels.describe(chosen, self.config.family))
-        self.kernels, self.kernels_for = chosen, key
+        self.kernels, self.target = chosen, target
 
     def kernels_used(self) -> dict:
-        """What runs each part, with the settings that chose it (the run record); {} before the first forward."""
+        """What runs each part, with the settings that chose it (the run record)."""
         return {} if self.kernels is None else self.kernels.described(self.compute)
 
     def trunk(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
         residual: torch.dtype | None = None, out: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """Embeddings, blocks and the final norm: what ``compile_trunk`` compiles. ``residual``: the dtype of the
-        residual stream where it is not the embeddings'; ``out``: the final norm's output dtype."""
-        layout = DocumentLayout(positions, cu_seqlens)
+        """Embeddings, blocks and the final norm: what a compiled target compiles, as one graph, which lets inductor
+        fuse across block boundaries (the loss's kernels are its own). ``residual``: the dtype of the residual
+        stream where it is not the embeddings'; ``out``: the final norm's output dtype."""
+        rotary = None if self.rotary is None else self.rotary(positions, input_ids.shape[1])
+        layout = DocumentLayout(positions, cu_seqlens, rotary)
         x = self.embed(input_ids, layout)
         if residual is not None:
             x = x.to(residual)
@@ -262,12 +271,6 @@ class Decoder(nn.Module):
             else:
                 x = block(x, layout)
         return self.final_norm(x) if out is None else self.final_norm(x).to(out)
-
-    def compile_trunk(self) -> None:
-        """torch.compile the trunk for training, as one graph from the embeddings to the final norm, which lets
-        inductor fuse across block boundaries (the loss's kernels are its own). It compiles at the first training
-        forward, right after the kernels are chosen for it."""
-        self.compiled_trunk = torch.compile(self.trunk)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab_size]."""

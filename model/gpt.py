@@ -9,14 +9,16 @@ trunk, the loss) is ``model.decoder``'s.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.kernels import fused_mlp
-from model.kernels.attention import DocumentLayout, attend
+from model.kernels import attention
+from model.kernels.attention import DocumentLayout
 from model.decoder import Decoder, ModelConfig
-from model.kernels import ComputeConfig
+from model.kernels import ComputeConfig, Target
 
 
 class CausalSelfAttention(nn.Module):
@@ -25,12 +27,12 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
-        self.kernel = "sdpa"  # the attention family (compute.attention), which Decoder.use_kernels sets
+        self.attend = attention.kernel("sdpa")  # the attention kernel the model chose when it was built
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         b, t, d = x.shape
         qkv = self.qkv(x).view(b, t, 3 * self.n_head, d // self.n_head)  # q, k, v heads side by side, as split(d) gives
-        return self.proj(attend(qkv, self.n_head, layout, self.kernel).reshape(b, t, d))
+        return self.proj(self.attend(qkv, self.n_head, layout).reshape(b, t, d))
 
 
 class MLP(nn.Module):
@@ -38,13 +40,13 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
-        self.kernel = "torch"  # compiled training's kernel (model.kernels.fused_mlp), which Decoder.use_kernels sets
+        # The fused MLP the model chose when it was built (model.kernels.fused_mlp), or None: these modules
+        self.kernel: Callable | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # quack's kernels compile once per shape: only inside the compiled trunk, whose shapes are the training rows'
-        if self.kernel == "torch" or not torch.compiler.is_compiling():
+        if self.kernel is None:
             return self.proj(F.gelu(self.fc(x)))
-        return fused_mlp.gelu_mlp(x, self.fc.weight, self.proj.weight, self.kernel)
+        return self.kernel(x, self.fc.weight, self.proj.weight)
 
 
 class Block(nn.Module):
@@ -62,7 +64,7 @@ class Block(nn.Module):
 
 
 class GPT(Decoder):
-    def __init__(self, config: ModelConfig, compute: ComputeConfig | None = None) -> None:
+    def __init__(self, config: ModelConfig, compute: ComputeConfig | None = None, target: Target | None = None) -> None:
         if config.family != "gpt2":
             raise ValueError(f"GPT is built from model.family gpt2, not {config.family!r}")
         super().__init__(config, compute)
@@ -71,6 +73,7 @@ class GPT(Decoder):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
         self.reset_parameters()
+        self.use_target(target)
 
     def embed(self, input_ids: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         b, t = input_ids.shape

@@ -13,14 +13,17 @@ q_proj, k_proj and v_proj's rows in that order, ``gate_up`` gate_proj's then up_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from model import rope
-from model.kernels.attention import DocumentLayout, attend
+from model.kernels import attention
+from model.kernels.attention import DocumentLayout
 from model.decoder import Decoder, ModelConfig
-from model.kernels import ComputeConfig
+from model.kernels import ComputeConfig, Target
 
 
 class RMSNorm(nn.RMSNorm):
@@ -35,18 +38,17 @@ class GroupedQueryAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.n_head, self.kv_heads, self.head_dim = config.n_head, config.kv_heads, config.head_dim
-        self.rope_theta = config.rope_theta
         self.qkv = nn.Linear(config.n_embd, (self.n_head + 2 * self.kv_heads) * self.head_dim, bias=False)
         self.proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=False)
-        self.kernel = "sdpa"  # the attention family (compute.attention), which Decoder.use_kernels sets
+        self.attend = attention.kernel("sdpa")  # the attention kernel the model chose when it was built
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         b, t, _ = x.shape
         qkv = self.qkv(x).view(b, t, self.n_head + 2 * self.kv_heads, self.head_dim)
-        cos, sin = layout.rotary(b, t, self.head_dim, self.rope_theta, x.device)
+        cos, sin = layout.rotary
         turned = self.n_head + self.kv_heads  # q's and k's heads; v's are not turned
         qkv = torch.cat((rope.rotate(qkv[:, :, :turned], cos, sin), qkv[:, :, turned:]), dim=2)
-        return self.proj(attend(qkv, self.kv_heads, layout, self.kernel).reshape(b, t, self.n_head * self.head_dim))
+        return self.proj(self.attend(qkv, self.kv_heads, layout).reshape(b, t, self.n_head * self.head_dim))
 
 
 class SwiGLU(nn.Module):
@@ -54,10 +56,13 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate_up = nn.Linear(config.n_embd, 2 * config.mlp_width, bias=False)
         self.proj = nn.Linear(config.mlp_width, config.n_embd, bias=False)
-        # What model.kernels chose: "torch", the only kernel here (SiLU and product fused by inductor when compiled)
-        self.kernel = "torch"
+        # The fused MLP the model chose when it was built, or None: these modules (SiLU and product fused by inductor
+        # in the compiled trunk), the only kernel for now
+        self.kernel: Callable | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x, self.gate_up.weight, self.proj.weight)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.proj(F.silu(gate) * up)
 
@@ -77,15 +82,17 @@ class Block(nn.Module):
 
 
 class Llama(Decoder):
-    def __init__(self, config: ModelConfig, compute: ComputeConfig | None = None) -> None:
+    def __init__(self, config: ModelConfig, compute: ComputeConfig | None = None, target: Target | None = None) -> None:
         if config.family != "llama":
             raise ValueError(f"Llama is built from model.family llama, not {config.family!r}")
         super().__init__(config, compute)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.rotary = rope.RotaryTable(config.head_dim, config.rope_theta, config.max_seq_len)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.n_embd, eps=config.layer_norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.reset_parameters()
+        self.use_target(target)
 
     def embed(self, input_ids: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         return self.wte(input_ids)

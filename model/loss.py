@@ -5,9 +5,9 @@ vocabulary), so in training they never exist all at once: ``ChunkedLinearCrossEn
 one chunk of logits at a time, with the loss and its gradients in the forward pass, over a
 vocabulary padded to a multiple of ``VOCAB_ALIGNMENT``. Each chunk's logits, loss and logits
 gradient come from a chunk function (``chunk_function``; ``model.kernels`` chooses which, from
-``compute.loss``):
+``compute.loss``, when the model is built):
 
-- ``"eager"``: PyTorch (CPU runs, the probe, evaluation);
+- ``"eager"``: PyTorch (CPU runs, the probe, models the tools build);
 - ``"triton"``: cuBLAS's logits, then one Triton kernel that reads them twice and writes the
   gradient over them (``model.kernels.triton_cross_entropy``);
 - ``"quack"``: the logits with each row's log-sum-exp from quack's GEMM epilogue (``model.kernels.quack_lse``,
@@ -30,16 +30,17 @@ VOCAB_ALIGNMENT = 128  # padded vocabulary keeps the head's matmuls on the align
 
 
 class LMHeadLoss(nn.Module):
-    """The summed next-token loss of hidden states through the tied head, by its chunk function (``kernel``,
-    which ``model.kernels`` sets; a module without parameters: nothing of it is saved)."""
+    """The summed next-token loss of hidden states through the tied head, by its chunk function (``chunk_fn``, which
+    the model hands it when it is built: ``chunk_function`` of the kernel ``model.kernels`` chose; a module without
+    parameters: nothing of it is saved)."""
 
-    def __init__(self, chunk_tokens: int) -> None:
+    def __init__(self, chunk_tokens: int, chunk_fn: Callable | None = None) -> None:
         super().__init__()
         self.chunk_tokens = chunk_tokens
-        self.kernel = "eager"
+        self.chunk_fn = chunk_fn or chunk_function("eager")
 
     def forward(self, hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(hidden, head_weight, targets, self.chunk_tokens, self.kernel)
+        return token_loss_sum(hidden, head_weight, targets, self.chunk_tokens, self.chunk_fn)
 
 
 def padded_vocab_size(vocab_size: int) -> int:
@@ -48,18 +49,19 @@ def padded_vocab_size(vocab_size: int) -> int:
 
 
 def token_loss_sum(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 0,
-                   kernel: str = "eager") -> torch.Tensor:
+                   chunk_fn: Callable | None = None) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over targets != IGNORE_INDEX, in fp32.
 
     Returning the sum lets the caller divide by the whole optimizer update's target count. With
     ``chunk_tokens`` the full-vocabulary logits never exist at once (0: all at once, the plain path);
-    in training each chunk is computed by ``kernel``'s chunk function (``chunk_function``).
+    in training each chunk is computed by ``chunk_fn`` (``chunk_function``'s; None: PyTorch's).
     """
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if not chunk_tokens:
         return cross_entropy_sum(hidden, head_weight, targets)
     if torch.is_grad_enabled():  # a batch of at most chunk_tokens is one chunk: still no saved logits
-        return ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, chunk_tokens, chunk_function(kernel))
+        return ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, chunk_tokens,
+                                               chunk_fn or chunk_function("eager"))
     chunks = zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
     return sum(cross_entropy_sum(h, head_weight, t) for h, t in chunks)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from model.kernels import gpu
+from model.kernels import Target, gpu
 from runtime import hostmem
 from config import ConfigError, RunConfig
 from runfab.limits import CPU_CORES
@@ -65,6 +65,11 @@ def resolve_precision(cfg: RunConfig, accelerator: str) -> str:
     return cfg.trainer.precision or ("bf16-mixed" if accelerator == "gpu" else "32-true")
 
 
+# The dtype the model computes in under each precision: autocast's (mixed) or its weights' (true)
+COMPUTE_DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
+                  "16-mixed": torch.float16, "16-true": torch.float16, "64-true": torch.float64}
+
+
 def _no_advertisement(record: logging.LogRecord) -> bool:
     """Lightning's tip to install its hosted logger: the loggers here are chosen in observe.loggers."""
     return not record.getMessage().startswith("💡 Tip:")
@@ -108,11 +113,15 @@ def ddp_strategy(cfg: RunConfig, accelerator: str) -> L.pytorch.strategies.DDPSt
     )
 
 
-def build_module(cfg: RunConfig, device: torch.device | None) -> GPTTrainingModule:
-    """The LightningModule, its weights initialized on ``device``: on a GPU no full fp32 copy of the
-    model is ever made in host memory, and no core spends seconds drawing 127M random numbers."""
+def build_module(cfg: RunConfig, device: torch.device | None, compiled: bool = False) -> GPTTrainingModule:
+    """The LightningModule, its weights initialized on ``device`` (None: the CPU): on a GPU no full fp32 copy of
+    the model is ever made in host memory, and no core spends seconds drawing 127M random numbers. Its kernels are
+    chosen there, once (``model.kernels.Target``): for ``device``, the precision's compute dtype, and the compiled
+    trunk of training (``compiled``; the compile caches' place, ``prepare_compile``, comes first) or eager."""
+    accelerator = "gpu" if device is not None and device.type == "cuda" else "cpu"
+    target = Target(device or torch.device("cpu"), COMPUTE_DTYPES[resolve_precision(cfg, accelerator)], compiled)
     with torch.device(device) if device is not None else contextlib.nullcontext():
-        return GPTTrainingModule(cfg.model, cfg.optim, cfg.compute)
+        return GPTTrainingModule(cfg.model, cfg.optim, cfg.compute, target)
 
 
 def check_host_memory(cfg: RunConfig, world: int, microbatch: int) -> None:

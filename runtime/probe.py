@@ -116,9 +116,7 @@ def run_probe_local(cfg: RunConfig, microbatch: int, world: int, effective: int,
         cfg, accelerator, world, max_steps=len(kinds) * PROBE_PASSES // accumulation, accumulate_grad_batches=accumulation,
         limit_val_batches=0, enable_progress_bar=False, callbacks=[HostMemory()],
     )
-    module = build_module(cfg, device if accelerator == "gpu" else None)
-    if compiled:
-        module.model.compile_trunk()
+    module = build_module(cfg, device if accelerator == "gpu" else None, compiled=compiled)
     if accelerator == "gpu":
         torch.cuda.reset_peak_memory_stats()
     with contextlib.redirect_stdout(sys.stderr):

@@ -177,10 +177,10 @@ def fit(cfg: RunConfig, split: BatchSplit, source: TrainingInput, encoder: TextE
         logger=experiment_loggers(cfg, run_folder(cfg) / "logs") or False,
         **training_arguments(cfg, split) | (trainer_overrides or {}),
     )
+    if compiles(cfg, accelerator):
+        prepare_compile(compile_folder(cfg), split.ranks)
     module = build_training_module(cfg, accelerator)
     host_memory.stage("model built")
-    if compiles(cfg, accelerator):
-        compile_module(cfg, module, split.ranks)
     log.info("model: %s, %d parameters; %s on %s; microbatch %d x accumulation %d x %d device(s)",
              cfg.model.family, count_parameters(module.model), trainer.precision, accelerator,
              split.microbatch, split.accumulation, split.ranks)
@@ -356,14 +356,10 @@ def publish_with_model(record: RunRecord, history: History, trainer: L.Trainer, 
 
 
 def build_training_module(cfg: RunConfig, accelerator: str) -> L.LightningModule:
-    """The LightningModule, its weights initialized on this process's GPU when it trains on one."""
-    return build_module(cfg, torch.device("cuda", local_device()) if accelerator == "gpu" else None)
-
-
-def compile_module(cfg: RunConfig, module: L.LightningModule, world: int) -> None:
-    """The trunk compiled, its caches in the output's data/ folder (compile_folder)."""
-    prepare_compile(compile_folder(cfg), world)
-    module.model.compile_trunk()
+    """The LightningModule, its weights initialized on this process's GPU when it trains on one, its kernels
+    chosen for training there (compiled where ``compiles``; its caches are placed first, ``prepare_compile``)."""
+    device = torch.device("cuda", local_device()) if accelerator == "gpu" else None
+    return build_module(cfg, device, compiled=compiles(cfg, accelerator))
 
 
 def initial_model(cfg: RunConfig, device: torch.device):

@@ -219,6 +219,7 @@ def evaluate(folder: Path, data: Path, microbatch: int = 8, max_record_bytes: in
 
     from pipeline.fingerprints import ValidationDigest
     from callbacks.fixed_validation import cross_entropy
+    from model.kernels import Target
     from pipeline.records import StreamStats, file_documents
     from pipeline.tokenizer import TextEncoder
     from runfab.limits import RECORD_BYTES
@@ -227,6 +228,7 @@ def evaluate(folder: Path, data: Path, microbatch: int = 8, max_record_bytes: in
     chosen = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                           "cpu" if device == "auto" else device)
     model.to(chosen)
+    model.use_target(Target(chosen, torch.bfloat16 if chosen.type == "cuda" else torch.float32))  # as it runs below
     with warnings.catch_warnings():  # the export's tokenizer.json has a post-processor, which encoding leaves out
         warnings.filterwarnings("ignore", ".*slower HF tokenizers backend", RuntimeWarning)
         encoder = TextEncoder(folder / "tokenizer.json")

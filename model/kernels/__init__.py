@@ -1,11 +1,13 @@
 """How the model computes (the config's ``compute`` section), and which kernel runs each part.
 
-``choose_kernels`` is the one place a kernel is chosen: once for the device and dtype a model runs in
-(``model.decoder.Decoder`` asks again only when those change), before the compiled trunk is traced, so the graph sees each
-choice as a constant. Each part then runs its own: ``CausalSelfAttention`` its attention family,
-``MLP`` its GEMMs, ``LMHeadLoss`` its chunk function. ``pick`` is the one rule every optional kernel
-follows: "auto" takes it where it runs and falls back with one log line saying why not; asking for it
-by name where it cannot run is an error that says what to do.
+``choose_kernels`` is the one place a kernel is chosen, for the ``Target`` a model is built for (the device, the
+compute dtype, compiled training or eager): ``model.decoder.Decoder`` asks once, when it is built (or when it is
+moved to run elsewhere, by ``Decoder.use_target``), never in a forward, and hands each module its kernel as a
+callable: ``CausalSelfAttention`` and ``GroupedQueryAttention`` their attention (``attention.kernel``), GPT-2's
+``MLP`` its fused function where one is chosen (``fused_mlp.kernel``), ``LMHeadLoss`` its chunk function. The
+compiled trunk then sees each choice as a constant. ``pick`` is the one rule every optional kernel follows: "auto"
+takes it where it runs and falls back with one log line saying why not; asking for it by name where it cannot run
+is an error that says what to do.
 
 The package holds the kernels too: ``attention`` (causal attention within documents; ``flash4``: FlashAttention 4
 as custom ops), ``fused_mlp`` (GPT-2's MLP with its GELU in quack's GEMM epilogues; ``quack_gelu``: the exact
@@ -16,9 +18,9 @@ The optional kernels and what they need:
 
 - FlashAttention 4 (``model.kernels.flash4``; the ``flash-attn-4`` package): Hopper or Blackwell, half dtypes.
 - quack's GEMMs with the GELU in their epilogues (``model.kernels.fused_mlp``; ``quack-kernels``): GPT-2's MLP in
-  compiled training in half dtypes on Hopper or Blackwell; the last ``mlp_kept_derivatives`` blocks keep the
-  GELU's derivative on Hopper. Llama's SwiGLU MLP takes PyTorch's products, its elementwise work fused by
-  inductor.
+  a model built for compiled training in half dtypes on Hopper or Blackwell (and then also in its evaluation
+  forwards); the last ``mlp_kept_derivatives`` blocks keep the GELU's derivative on Hopper. Llama's SwiGLU MLP
+  takes PyTorch's products, its elementwise work fused by inductor.
 - quack's head logits with each row's log-sum-exp (``model.kernels.quack_lse``) and the one-pass Triton
   gradient (``model.kernels.triton_cross_entropy``): compiled training in bf16 on Hopper; elsewhere on CUDA the
   two-pass Triton kernel over cuBLAS's logits.
@@ -56,7 +58,7 @@ class ComputeConfig:
     """MLP kernel of compiled training in half dtypes: quack (gpt2's GELU inside the MLP's GEMM epilogues,
     quack-kernels; an error where it cannot run, and with llama, whose SwiGLU MLP it does not compute), torch (cuBLAS
     products and a separate activation); auto: quack for gpt2 where it imports and the GPU supports it, else torch.
-    Eager runs (the probe, evaluation) take torch"""
+    Models built eager (the probe, the tools) take torch"""
     mlp_kept_derivatives: int = 6
     """With quack's MLP on Hopper: in this many blocks, the last ones, fc's product also writes the GELU's derivative,
     which the backward keeps in place of the pre-activation, so that proj's input-gradient product only scales by it.
@@ -80,6 +82,17 @@ class ComputeConfig:
         """What the types do not say (config.choice_problems checks the choices of every section)."""
         return [f"compute.{name} must be >= 0, not {getattr(self, name)}"
                 for name in ("mlp_kept_derivatives", "loss_chunk_tokens") if getattr(self, name) < 0]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a model is built to run as, which its kernels are chosen for: the device, the dtype it computes in
+    (autocast's, or its weights'), and whether training runs the compiled trunk. The default is a CPU model in
+    fp32, eager."""
+
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    compiled: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,7 +148,8 @@ def attention_kernel(compute: ComputeConfig, device: torch.device, dtype: torch.
 
 def mlp_kernels(compute: ComputeConfig, device: torch.device, dtype: torch.dtype, compiled: bool, n_layer: int,
                 width: int, family: str = "gpt2") -> tuple[str, ...]:
-    """Each block's MLP kernel in compiled training (eager runs always take PyTorch's, ``model.gpt.MLP``)."""
+    """Each block's MLP kernel: a fused one only in a model built for compiled training (quack's GEMMs compile at
+    first use: the probe and the tools, which build eager models, stay within PyTorch's)."""
     if not compiled or compute.mlp == "torch":
         return ("torch",) * n_layer
     if family != "gpt2":  # where a field library's SwiGLU kernel would be chosen, once one measures faster
@@ -165,9 +179,9 @@ def loss_kernel(compute: ComputeConfig, device: torch.device, dtype: torch.dtype
     return pick("compute.loss", compute.loss, "quack", problem, "triton")
 
 
-def choose_kernels(compute: ComputeConfig, device: torch.device, dtype: torch.dtype, compiled: bool, shape) -> Kernels:
-    """Every part's kernel for a model of ``shape`` (model.decoder.ModelConfig) computing in ``dtype`` on ``device``,
-    compiled or eager."""
+def choose_kernels(compute: ComputeConfig, target: Target, shape) -> Kernels:
+    """Every part's kernel for a model of ``shape`` (model.decoder.ModelConfig) built for ``target``."""
+    device, dtype, compiled = target.device, target.dtype, target.compiled
     return Kernels(attention=attention_kernel(compute, device, dtype, shape.head_dim),
                    mlp=mlp_kernels(compute, device, dtype, compiled, shape.n_layer, shape.n_embd, shape.family),
                    loss=loss_kernel(compute, device, dtype, compiled, shape.n_embd))

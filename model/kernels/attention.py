@@ -12,12 +12,13 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from model import rope
 from model.kernels import flash4, gpu
 
 try:  # the flash-attention varlen kernel; absent from older PyTorch and CPU-only builds it can't use
@@ -50,19 +51,20 @@ def document_offsets(positions: torch.Tensor) -> torch.Tensor:
 
 
 class DocumentLayout:
-    """Where the documents of a batch of rows start, in the forms the kernels want.
+    """Where the documents of a batch of rows start, in the forms the kernels want, and the rotary angles of its
+    tokens where the family turns q and k (``model.rope``).
 
     Built once per forward and shared by every layer. ``cu_seqlens`` usually comes precomputed
-    with the batch (host side, no device sync); the mask and the rotary angles are only built if a
-    layer needs them.
+    with the batch (host side, no device sync); the mask is only built if a layer needs it.
     ``positions`` None means one document per row.
     """
 
-    def __init__(self, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None) -> None:
+    def __init__(self, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.positions = positions
         self.cu_seqlens = cu_seqlens
+        self.rotary = rotary  # cos and sin [B or 1, T, 1, head_dim] of every token, looked up once by the decoder
         self._mask: torch.Tensor | None = None
-        self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def mask(self) -> torch.Tensor | None:
         if self.positions is not None and self._mask is None:
@@ -73,17 +75,6 @@ class DocumentLayout:
         if self.cu_seqlens is None:
             self.cu_seqlens = document_offsets(self.positions)
         return self.cu_seqlens
-
-    def rotary(self, rows: int, length: int, head_dim: int, theta: float,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of the rotary angles of every token (``model.rope``), from its position in its document:
-        built by the first layer that asks, for the batch's ``rows`` x ``length`` tokens."""
-        if self._rotary is None:
-            positions = self.positions
-            if positions is None:
-                positions = torch.arange(length, device=device).expand(rows, length)
-            self._rotary = rope.rotary_cos_sin(positions, head_dim, theta)
-        return self._rotary
 
 
 def attend(qkv: torch.Tensor, kv_heads: int, layout: DocumentLayout, kernel: str = "sdpa") -> torch.Tensor:
@@ -120,6 +111,12 @@ def attend(qkv: torch.Tensor, kv_heads: int, layout: DocumentLayout, kernel: str
     else:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **grouped)
     return y.transpose(1, 2)
+
+
+def kernel(family: str) -> Callable[[torch.Tensor, int, DocumentLayout], torch.Tensor]:
+    """``attend`` by ``family`` ("fa4", "flash", "sdpa"), as a block holds it from its build: (qkv, kv_heads,
+    layout) -> [B, T, H, hd]."""
+    return functools.partial(attend, kernel=family)
 
 
 def describe(family: str, packed: bool) -> str:

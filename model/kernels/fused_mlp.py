@@ -13,9 +13,9 @@ In the last ``compute.mlp_kept_derivatives`` blocks (Hopper), fc's product also 
 the backward keeps with the activation in place of the pre-activation: proj's input-gradient product then only
 scales by it (``_KeptDerivativeMLP``), at 4 x width x 2 bytes more per token.
 
-Compiled CUDA training in bf16 or fp16 only: eager runs (the probe, evaluation, CPU) keep PyTorch's
-MLP, so quack's two kernels compile (once per shape; persisted under the output's compile cache)
-inside the first update alone. ``model.kernels`` chooses, outside the compiled graph; run_record.json
+Models built for compiled CUDA training in bf16 or fp16 only (their evaluation forwards too): models built
+eager (the probe, the tools, CPU) keep PyTorch's MLP, so quack's two kernels compile (persisted under the
+output's compile cache) in training alone. ``model.kernels`` chooses when the model is built; run_record.json
 says what ran.
 """
 
@@ -209,13 +209,10 @@ def block_kernels(kernel: str, n_layer: int, kept: int, device: torch.device) ->
     return (kernel,) * (n_layer - kept) + (KEPT_DERIVATIVE,) * kept
 
 
-def gelu_mlp(x: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor, kernel: str) -> torch.Tensor:
-    """proj(gelu(fc(x))) by ``kernel``, one of ``block_kernels``'."""
-    if kernel == "quack":
-        return quack_mlp(x, fc_weight, proj_weight)
-    if kernel == KEPT_DERIVATIVE:
-        return quack_kept_derivative_mlp(x, fc_weight, proj_weight)
-    return torch_mlp(x, fc_weight, proj_weight)
+def kernel(name: str):
+    """The function ``(x, fc_weight, proj_weight) -> proj(gelu(fc(x)))`` of a block's MLP kernel ``name`` (one of
+    ``block_kernels``'), or None for "torch": the block's own Linear modules and PyTorch's GELU."""
+    return {"torch": None, "quack": quack_mlp, KEPT_DERIVATIVE: quack_kept_derivative_mlp}[name]
 
 
 @lru_cache(maxsize=None)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -15,10 +14,12 @@ from model.kernels.attention import DocumentLayout, attend, document_offsets, va
 from model.decoder import ModelConfig
 from model.families import build_model
 from model.gpt import GPT
-from model.kernels import ComputeConfig
+from model.kernels import ComputeConfig, Target
 from model.loss import IGNORE_INDEX, token_loss_sum
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+EAGER = Target(torch.device("cuda"), torch.bfloat16)  # what models run under bf16 autocast here are built for
+COMPILED = Target(torch.device("cuda"), torch.bfloat16, compiled=True)  # training's: the trunk compiled
 FA4_MISSING = flash4.fa4_unavailable_reason(torch.device("cuda"), 64) if torch.cuda.is_available() else "no GPU"
 needs_fa4 = pytest.mark.skipif(FA4_MISSING is not None, reason=f"FlashAttention 4: {FA4_MISSING}")
 
@@ -45,13 +46,16 @@ def packed_batch(rows: int, seq_len: int, vocab: int, seed: int) -> dict:
     return {k: v.cuda() for k, v in batch.items()}
 
 
-def twin_models(n_layer: int = 2, fast: dict | None = None, plain: dict | None = None) -> tuple[GPT, GPT]:
-    """A fast model (PyTorch's varlen attention, chunked loss, unless ``fast`` says otherwise) and a plain one (SDPA
-    with the document mask, the whole loss at once, unless ``plain`` says otherwise) with the same weights."""
+def twin_models(n_layer: int = 2, fast: dict | None = None, plain: dict | None = None,
+                compiled: bool = False) -> tuple[GPT, GPT]:
+    """A fast model (PyTorch's varlen attention, chunked loss, unless ``fast`` says otherwise; built for compiled
+    training with ``compiled``) and a plain eager one (SDPA with the document mask, the whole loss at once, unless
+    ``plain`` says otherwise) with the same weights."""
     torch.manual_seed(0)
     shape = ModelConfig(vocab_size=512, n_layer=n_layer, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05)
-    fast = GPT(shape, ComputeConfig(**(dict(attention="varlen", loss_chunk_tokens=128) | (fast or {})))).cuda()
-    plain = GPT(shape, ComputeConfig(**(dict(attention="sdpa", loss_chunk_tokens=0) | (plain or {})))).cuda()
+    fast = GPT(shape, ComputeConfig(**(dict(attention="varlen", loss_chunk_tokens=128) | (fast or {}))),
+               COMPILED if compiled else EAGER).cuda()
+    plain = GPT(shape, ComputeConfig(**(dict(attention="sdpa", loss_chunk_tokens=0) | (plain or {}))), EAGER).cuda()
     plain.load_state_dict(fast.state_dict())
     return fast, plain
 
@@ -124,7 +128,6 @@ def test_one_document_rows_use_fused_causal_sdpa_and_match_the_varlen_kernel(mon
         fast.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             if path == "varlen":  # the several-document path, forced, with the bf16 stream and output as below
-                fast.use_kernels(tokens.device, torch.bfloat16)
                 hidden = fast.trunk(tokens, positions, cu_seqlens, torch.bfloat16, torch.bfloat16)
             else:
                 calls = []
@@ -143,8 +146,8 @@ def test_the_compiled_trunk_and_loss_match_eager_forward_and_backward():
 
     torch._dynamo.reset()
     counters.clear()
-    fast, eager = twin_models(n_layer=3, fast=dict(attention="auto"), plain=dict(attention="auto", loss_chunk_tokens=128))
-    fast.compile_trunk()
+    fast, eager = twin_models(n_layer=3, fast=dict(attention="auto"),
+                              plain=dict(attention="auto", loss_chunk_tokens=128), compiled=True)
     assert_same_loss_and_gradients(fast, eager, packed_batch(rows=4, seq_len=256, vocab=512, seed=5))
     assert counters["stats"]["unique_graphs"] <= 2  # the trunk, embeddings to final norm, and at most a kernel's own
     assert not counters["graph_break"]  # FA4's custom ops (when installed) trace into the graph
@@ -155,8 +158,7 @@ def test_the_compiled_trunk_and_loss_match_eager_forward_and_backward():
 def test_a_bf16_residual_stream_compiled_gives_the_fp32_stream_loss_and_gradients_within_bf16_tolerance():
     torch._dynamo.reset()
     fast, eager = twin_models(n_layer=3, fast=dict(attention="auto"),
-                              plain=dict(attention="auto", residual_in_fp32=True, loss_chunk_tokens=128))
-    fast.compile_trunk()
+                              plain=dict(attention="auto", residual_in_fp32=True, loss_chunk_tokens=128), compiled=True)
     batch = packed_batch(rows=4, seq_len=256, vocab=512, seed=6)
     assert_same_loss_and_gradients(fast, eager, batch)
     seen = set()
@@ -188,10 +190,10 @@ def test_the_triton_chunk_kernel_matches_pytorchs_at_the_trainers_vocabulary():
 def test_the_compiled_model_with_the_two_pass_triton_loss_takes_the_plain_step():
     torch.manual_seed(0)  # vocabulary 500: the head is padded to 512 columns inside the loss
     shape = ModelConfig(vocab_size=500, n_layer=3, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05)
-    triton_model = GPT(shape, ComputeConfig(attention="sdpa", loss_chunk_tokens=384, loss="triton")).cuda()
-    plain = GPT(shape, ComputeConfig(attention="sdpa", loss_chunk_tokens=0)).cuda()
+    # the chunk kernel is chosen for compiled training only
+    triton_model = GPT(shape, ComputeConfig(attention="sdpa", loss_chunk_tokens=384, loss="triton"), COMPILED).cuda()
+    plain = GPT(shape, ComputeConfig(attention="sdpa", loss_chunk_tokens=0), EAGER).cuda()
     plain.load_state_dict(triton_model.state_dict())
-    triton_model.compile_trunk()  # the chunk kernel is chosen in compiled training only
     assert_same_loss_and_gradients(triton_model, plain, packed_batch(rows=4, seq_len=256, vocab=500, seed=9))
     assert triton_model.kernels_used()["loss"]["ran"] == "triton" and plain.kernels_used()["loss"]["ran"] == "eager"
 
@@ -257,7 +259,7 @@ def test_fa4_matches_the_plain_path_forward_and_gradients_at_the_trainers_shapes
 def test_fa4_varlen_never_crosses_documents_and_agrees_with_fa4_dense():
     torch.manual_seed(0)
     base = dict(vocab_size=512, n_layer=2, n_head=2, n_embd=128, max_seq_len=256, init_std=0.05)  # head dim 64
-    fast = GPT(ModelConfig(**base), ComputeConfig(attention="fa4")).cuda()
+    fast = GPT(ModelConfig(**base), ComputeConfig(attention="fa4"), EAGER).cuda()
     assert_each_document_as_if_alone(fast, packed_batch(rows=2, seq_len=256, vocab=512, seed=2))
     ran = fast.kernels_used()["attention"]["ran"]
     assert ran["packed rows"].startswith("FlashAttention 4 varlen")
@@ -272,9 +274,8 @@ def test_the_compiled_trunk_runs_fa4_without_a_graph_break_and_matches_eager():
     counters.clear()
     torch.manual_seed(0)
     shape = ModelConfig(vocab_size=512, n_layer=3, n_head=2, n_embd=128, max_seq_len=256, init_std=0.05)
-    fast, eager = (GPT(shape, ComputeConfig(attention="fa4")).cuda() for _ in range(2))
+    fast, eager = (GPT(shape, ComputeConfig(attention="fa4"), target).cuda() for target in (COMPILED, EAGER))
     eager.load_state_dict(fast.state_dict())
-    fast.compile_trunk()
     for seed in (5, 6):  # two document counts: one graph (cu_seqlens is dynamic)
         assert_same_loss_and_gradients(fast, eager, packed_batch(rows=4, seq_len=256, vocab=512, seed=seed))
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -337,13 +338,16 @@ def document_positions(cu: torch.Tensor, rows: int, t: int) -> torch.Tensor:
     return (flat - starts[torch.searchsorted(starts, flat, right=True) - 1]).view(rows, t)
 
 
-def llama_twins(n_kv_head: int, fast: dict, plain: dict | None = None, n_layer: int = 2):
-    """Two Llamas of the same weights: ``fast`` and ``plain`` (SDPA with the mask, the whole loss at once)."""
+def llama_twins(n_kv_head: int, fast: dict, plain: dict | None = None, n_layer: int = 2, compiled: bool = False):
+    """Two Llamas of the same weights: ``fast`` (built for compiled training with ``compiled``) and ``plain`` (eager,
+    SDPA with the mask, the whole loss at once)."""
     torch.manual_seed(0)
     shape = ModelConfig(family="llama", vocab_size=512, n_layer=n_layer, n_head=4, n_kv_head=n_kv_head, n_embd=256,
                         max_seq_len=256, init_std=0.05)
-    fast_model = build_model(shape, ComputeConfig(**(dict(loss_chunk_tokens=128) | fast))).cuda()
-    plain_model = build_model(shape, ComputeConfig(**(dict(attention="sdpa", loss_chunk_tokens=0) | (plain or {}))))
+    fast_model = build_model(shape, ComputeConfig(**(dict(loss_chunk_tokens=128) | fast)),
+                             COMPILED if compiled else EAGER).cuda()
+    plain_model = build_model(shape, ComputeConfig(**(dict(attention="sdpa", loss_chunk_tokens=0) | (plain or {}))),
+                              EAGER)
     plain_model.cuda().load_state_dict(fast_model.state_dict())
     return fast_model, plain_model
 
@@ -365,8 +369,7 @@ def test_a_compiled_llama_matches_eager_without_a_graph_break(n_kv_head):
     torch._dynamo.reset()
     counters.clear()
     fast, eager = llama_twins(n_kv_head, dict(attention="auto"), dict(attention="auto", residual_in_fp32=True,
-                                                                      loss_chunk_tokens=128), n_layer=3)
-    fast.compile_trunk()
+                                                                      loss_chunk_tokens=128), n_layer=3, compiled=True)
     for seed in (14, 15):  # two document counts: one graph
         assert_same_loss_and_gradients(fast, eager, packed_batch(rows=4, seq_len=256, vocab=512, seed=seed))
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -397,7 +400,7 @@ def test_quacks_mlp_matches_pytorchs_forward_and_gradients_at_the_trainers_width
     expected = (reference, *torch.autograd.grad(reference, (x, fc, proj), dout.float()))
     results = {}
     for kernel in ("quack", fused_mlp.KEPT_DERIVATIVE, "torch"):
-        fn = functools.partial(fused_mlp.gelu_mlp, kernel=kernel)
+        fn = fused_mlp.kernel(kernel) or fused_mlp.torch_mlp
         fn = torch.compile(fn) if compiled else fn
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = fn(x, fc, proj)
@@ -448,8 +451,8 @@ def test_the_compiled_model_with_quacks_gemms_matches_the_plain_path_without_a_g
     torch._dynamo.reset()
     counters.clear()
     # the first two blocks recompute the activation, the last keeps gelu' (on Hopper)
-    fast, plain = twin_models(n_layer=3, fast=dict(mlp="quack", mlp_kept_derivatives=1), plain=dict(mlp="torch"))
-    fast.compile_trunk()
+    fast, plain = twin_models(n_layer=3, fast=dict(mlp="quack", mlp_kept_derivatives=1), plain=dict(mlp="torch"),
+                              compiled=True)
     for seed in (11, 12):
         assert_same_loss_and_gradients(fast, plain, packed_batch(rows=4, seq_len=256, vocab=512, seed=seed))
     hopper = torch.cuda.get_device_capability()[0] == kernels.LSE_COMPUTE_CAPABILITY
@@ -500,11 +503,9 @@ def test_the_compiled_model_takes_the_same_step_with_the_log_sum_exp_from_quacks
     then two), at a padded vocabulary."""
     torch.manual_seed(0)  # vocabulary 500: the head is padded to 512 columns inside the loss
     shape = ModelConfig(vocab_size=500, n_layer=3, n_head=4, n_embd=128, max_seq_len=256, init_std=0.05)
-    lse_model, triton_model = (GPT(shape, ComputeConfig(attention="sdpa", loss_chunk_tokens=384, loss=kernel)).cuda()
-                               for kernel in ("auto", "triton"))
+    lse_model, triton_model = (GPT(shape, ComputeConfig(attention="sdpa", loss_chunk_tokens=384, loss=kernel),
+                                   COMPILED).cuda() for kernel in ("auto", "triton"))
     triton_model.load_state_dict(lse_model.state_dict())
-    for model in (lse_model, triton_model):
-        model.compile_trunk()
     assert_same_loss_and_gradients(lse_model, triton_model, packed_batch(rows=4, seq_len=256, vocab=500, seed=10))
     hopper = torch.cuda.get_device_capability()[0] == kernels.LSE_COMPUTE_CAPABILITY
     ran = lse_model.kernels_used()["loss"]["ran"], triton_model.kernels_used()["loss"]["ran"]

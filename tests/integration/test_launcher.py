@@ -108,7 +108,7 @@ def test_end_of_input_at_any_record_count_ends_every_rank_without_a_hang(tmp_pat
 def test_a_worker_that_raises_fails_the_run_with_its_error(tmp_path):
     start = time.monotonic()
     # quack's MLP asked for by name in compiled CPU training passes the config's checks and fails where the
-    # kernels are chosen, at the first forward: in each worker.
+    # kernels are chosen, when each worker builds its model.
     result, out = run_train(tmp_path, "raises", ["--compute.mlp", "quack", "--trainer.compile", "true",
                                                  "--trainer.devices", "2", "--microbatch", "4"], sample_records(200),
                             timeout=120)

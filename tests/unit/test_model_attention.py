@@ -267,7 +267,7 @@ def test_the_compiled_trunk_with_fa4_is_one_graph_for_every_document_count(refer
     model, plain = build_model(config), build_model(config)
     plain.load_state_dict(model.state_dict())
     for block in model.blocks:
-        block.attn.kernel = "fa4"  # what Decoder.use_kernels hands each block on a GPU where FA4 runs
+        block.attn.attend = attention.kernel("fa4")  # what a model built for a GPU where FA4 runs holds
     trunk = torch.compile(model.trunk, backend="aot_eager")
     for split in (5, 11):
         positions = torch.cat([torch.arange(split), torch.arange(32 - split)]).expand(2, 32)

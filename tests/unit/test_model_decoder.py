@@ -11,7 +11,7 @@ from model.flops import count_parameters, training_flops
 from model.decoder import ModelConfig
 from model.families import build_model
 from model.gpt import GPT
-from model.kernels import ComputeConfig
+from model.kernels import ComputeConfig, Target
 
 
 def tiny_model(seed: int = 0, **compute) -> GPT:
@@ -127,9 +127,9 @@ def test_the_compiled_trunk_is_one_graph_and_matches_eager(family, keys):
     counters.clear()
     config = ModelConfig(family=family, vocab_size=128, n_layer=4, n_head=2, n_embd=32, max_seq_len=64, **keys)
     torch.manual_seed(0)
-    fast, eager = (build_model(config, ComputeConfig(loss_chunk_tokens=0)) for _ in range(2))
+    fast, eager = (build_model(config, ComputeConfig(loss_chunk_tokens=0), Target(compiled=compiled))
+                   for compiled in (True, False))
     eager.load_state_dict(fast.state_dict())
-    fast.compile_trunk()
     fast.train(), eager.train()
     positions = torch.cat([torch.arange(20), torch.arange(44)]).repeat(2, 1)
     batch = {"input_ids": torch.randint(0, 128, (2, 64)), "positions": positions,
@@ -185,11 +185,8 @@ def test_the_model_section_is_the_shape_and_the_compute_section_how_it_runs():
         load_config("conf/smoke.yaml", ["compute.loss_chunk_tokens=-1"])
 
 
-def test_the_model_says_what_ran_each_part_once_it_ran():
+def test_a_model_says_what_runs_each_part_from_its_build():
     model = tiny_model(loss_chunk_tokens=8)
-    assert model.kernels_used() == {}
-    model.train()
-    model.loss_sum({"input_ids": torch.zeros(2, 16, dtype=torch.long), "targets": torch.zeros(2, 16, dtype=torch.long)})
     assert model.kernels_used() == {
         "attention": {"requested": "auto", "ran": {"packed rows": "SDPA with a document mask",
                                                    "one-document rows": "SDPA is_causal"}},
@@ -259,27 +256,48 @@ def test_eager_every_product_of_the_blocks_goes_through_their_linear_layers(monk
     assert _RecordingLinear.calls == [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * model.config.n_layer
 
 
-def test_the_kernels_are_chosen_once_and_again_only_when_the_dtype_or_compilation_changes(monkeypatch):
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_model_built_for_the_cpu_holds_the_plain_kernels_and_no_forward_chooses_again(family, monkeypatch):
+    from model import kernels
+    from model.kernels import attention
+    from model.loss import chunk_loss_and_grad
+
+    llama = {"n_kv_head": 2} if family == "llama" else {}
+    model = build_model(ModelConfig(family=family, vocab_size=97, n_layer=2, n_head=4, n_embd=32, max_seq_len=32,
+                                    **llama), ComputeConfig(loss_chunk_tokens=8))
+    assert model.target == Target(torch.device("cpu"), torch.float32, compiled=False) and model.compiled_trunk is None
+    for block in model.blocks:  # before any forward: the plain kernels, as callables
+        assert block.attn.attend.func is attention.attend and block.attn.attend.keywords == {"kernel": "sdpa"}
+        assert block.mlp.kernel is None  # the block's own Linear modules
+    assert model.head_loss.chunk_fn.args == (chunk_loss_and_grad,)
+
+    def refused(*args):
+        raise AssertionError("a forward chose a kernel")
+
+    monkeypatch.setattr(kernels, "choose_kernels", refused)
+    row = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(8))
+    model.train()
+    model.loss_sum({"input_ids": row, "targets": row}).backward()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(row)
+    model.eval()
+    with torch.no_grad():
+        model(row)
+
+
+def test_a_compiled_target_compiles_the_trunk_and_chooses_for_its_device_and_dtype(monkeypatch):
     from model import kernels
 
     chosen = []
     real = kernels.choose_kernels
 
-    def counting(compute, device, dtype, compiled, *shape):
-        chosen.append((dtype, compiled))
-        return real(compute, device, dtype, compiled, *shape)
+    def recording(compute, target, shape):
+        chosen.append(target)
+        return real(compute, target, shape)
 
-    monkeypatch.setattr(kernels, "choose_kernels", counting)
-    model = tiny_model()
-    row = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(8))
-    with torch.no_grad():
-        for _ in range(3):
-            model(row)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            model(row)
-            model(row)
-    assert chosen == [(torch.float32, False), (torch.bfloat16, False)]
-    model.compile_trunk()
-    with torch.no_grad():
-        model(row)  # evaluation stays eager, but the choice is now for a compiled model
-    assert chosen[-1] == (torch.float32, True) and len(chosen) == 3
+    monkeypatch.setattr(kernels, "choose_kernels", recording)
+    target = Target(torch.device("cpu"), torch.bfloat16, compiled=True)
+    model = GPT(ModelConfig(vocab_size=97, n_layer=2, n_head=4, n_embd=32, max_seq_len=32), None, target)
+    assert chosen == [target] and model.target == target and model.compiled_trunk is not None
+    model.use_target()  # where the weights are, eager: what a tool that moves the model asks for
+    assert chosen[-1] == Target() and model.compiled_trunk is None

@@ -17,7 +17,7 @@ from model import kernels
 from model.kernels import fused_mlp, gpu
 from model.decoder import ModelConfig
 from model.gpt import GPT
-from model.kernels import ComputeConfig
+from model.kernels import ComputeConfig, Target
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
 
@@ -70,11 +70,13 @@ def test_the_config_names_the_mlp_choices():
 
 @pytest.fixture
 def compiled_on_the_cpu(monkeypatch):
-    """torch.compile through dynamo and AOTAutograd without inductor's code generation (seconds on a CPU), and the
-    model computing in bf16 as under CUDA autocast: what compiled CUDA training chooses its kernels for."""
+    """torch.compile through dynamo and AOTAutograd without inductor's code generation (seconds on a CPU)."""
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    monkeypatch.setattr(GPT, "compute_dtype", lambda self, device: torch.bfloat16)
     torch._dynamo.reset()
+
+
+# What compiled CUDA training in bf16 builds its model for, with the kernels' CPU stand-ins (quack_runs_here)
+COMPILED_BF16 = Target(torch.device("cpu"), torch.bfloat16, compiled=True)
 
 
 def recording_mlps(monkeypatch, calls: list) -> None:
@@ -87,15 +89,12 @@ def recording_mlps(monkeypatch, calls: list) -> None:
 
 
 def compiled_pair(kept: int) -> tuple[GPT, GPT]:
-    """A model compiled for training and a plain one with the same weights; fp32 stream: the compute dtype is
-    patched without autocast, so a bf16 stream would meet fp32 weights."""
+    """A model built for compiled bf16 training and a plain one with the same weights, both run in fp32 here."""
     torch.manual_seed(0)
     shape = ModelConfig(vocab_size=64, n_layer=3, n_head=2, n_embd=16, max_seq_len=8)
-    model = GPT(shape, ComputeConfig(residual_in_fp32=True, mlp_kept_derivatives=kept))
-    plain = GPT(shape, ComputeConfig(residual_in_fp32=True, mlp="torch"))
+    model = GPT(shape, ComputeConfig(mlp_kept_derivatives=kept), COMPILED_BF16)
+    plain = GPT(shape, ComputeConfig(mlp="torch"), COMPILED_BF16)
     plain.load_state_dict(model.state_dict())
-    model.compile_trunk()
-    plain.compile_trunk()
     return model.train(), plain.train()
 
 
@@ -111,8 +110,8 @@ def test_compiled_training_routes_every_block_through_the_chosen_kernel_and_reco
     assert plain.kernels_used()["mlp"]["ran"] == "torch" and len(calls) == 3
     model.eval()
     with torch.no_grad():
-        model.hidden_states(ids)  # evaluation is eager: PyTorch's MLP, and the record keeps what training ran
-    assert len(calls) == 3 and model.kernels_used()["mlp"]["ran"] == "quack"
+        model.hidden_states(ids)  # evaluation is eager, with the kernels the model was built with
+    assert calls == ["quack_mlp"] * 6 and model.kernels_used()["mlp"]["ran"] == "quack"
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -14,12 +14,12 @@ import torch
 
 from config import ConfigError, load_config
 from lit_module import GPTTrainingModule, OptimConfig
-from model import kernels
+from model import kernels, rope
 from model.kernels.attention import DocumentLayout, attend, document_offsets
 from model.decoder import ModelConfig
 from model.families import build_model
 from model.flops import count_parameters, matrix_parameters, training_flops
-from model.kernels import ComputeConfig
+from model.kernels import ComputeConfig, Target
 from model.llama import Llama
 from runtime import hostmem
 
@@ -28,10 +28,11 @@ from tests.helpers import ROOT
 CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
 
 
-def tiny_llama(seed: int = 0, n_kv_head: int | None = 2, tie_embeddings: bool = True, **compute) -> Llama:
+def tiny_llama(seed: int = 0, n_kv_head: int | None = 2, tie_embeddings: bool = True, rope_theta: float = 10000.0,
+               **compute) -> Llama:
     torch.manual_seed(seed)
     config = ModelConfig(family="llama", vocab_size=97, n_layer=2, n_head=4, n_kv_head=n_kv_head, n_embd=32,
-                         max_seq_len=32, init_std=0.1, tie_embeddings=tie_embeddings)
+                         max_seq_len=32, init_std=0.1, tie_embeddings=tie_embeddings, rope_theta=rope_theta)
     return build_model(config, ComputeConfig(**compute)).eval()
 
 
@@ -159,10 +160,53 @@ def test_the_mlp_of_compiled_llama_training_is_pytorchs_and_the_log_says_why(mon
     assert said.rstrip().endswith("torch instead")
 
 
-def test_the_model_says_what_ran_each_part_once_it_ran(caplog):
-    model = tiny_llama(loss_chunk_tokens=8).train()
+def test_a_model_built_for_compiled_training_says_what_runs_each_part(caplog):
     with caplog.at_level(logging.INFO, logger="model.decoder"):
-        model.loss_sum({"input_ids": torch.zeros(2, 16, dtype=torch.long),
-                        "targets": torch.zeros(2, 16, dtype=torch.long)})
+        model = build_model(tiny_llama().config, ComputeConfig(loss_chunk_tokens=8), Target(compiled=True))
     assert model.kernels_used()["mlp"] == {"requested": "auto", "ran": "torch", "blocks_keeping_the_gelu_derivative": 0}
     assert "mlp: PyTorch (cuBLAS products, SwiGLU and RMSNorm by inductor or eager)" in caplog.text
+
+
+def per_forward_angles(self, positions, length):
+    """The rotary angles as every forward computed them before the table: cos and sin of the batch's positions."""
+    if positions is None:
+        positions = torch.arange(length)[None]
+    return rope.rotary_cos_sin(positions, self.head_dim, self.theta)
+
+
+def test_the_rotary_table_gives_exactly_the_angles_computed_per_forward_and_the_same_logits(monkeypatch):
+    model = tiny_llama(rope_theta=500.0).train()
+    row = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(4))
+    packed = torch.cat([torch.arange(7), torch.arange(17)]).expand(2, 24)
+    for positions in (packed, None):
+        for looked_up, computed in zip(model.rotary(positions, 24), per_forward_angles(model.rotary, positions, 24)):
+            assert looked_up.dtype == torch.float32 and torch.equal(looked_up.expand_as(computed), computed)
+    logits = [model(row, positions) for positions in (packed, None)]
+    grads = torch.autograd.grad(sum(out.sum() for out in logits), list(model.parameters()))
+    monkeypatch.setattr(rope.RotaryTable, "forward", per_forward_angles)
+    before = [model(row, positions) for positions in (packed, None)]
+    assert all(torch.equal(a, b) for a, b in zip(logits, before))
+    for a, b in zip(grads, torch.autograd.grad(sum(out.sum() for out in before), list(model.parameters()))):
+        assert torch.equal(a, b)
+
+
+def test_a_forward_evaluates_no_cos_or_sin():
+    model = tiny_llama()
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        model(torch.zeros(2, 16, dtype=torch.long), torch.cat([torch.arange(6), torch.arange(10)]).expand(2, 16))
+        model(torch.zeros(2, 16, dtype=torch.long))
+    ran = {event.key for event in profile.key_averages()}
+    assert "aten::embedding" in ran and not ran & {"aten::cos", "aten::sin"}
+
+
+def test_the_rotary_table_stays_exact_through_casts_and_meta_builds_and_is_not_in_the_state_dict():
+    expected = tiny_llama().rotary
+    cast = tiny_llama().to(torch.bfloat16).rotary  # what a "bf16-true" precision does to the module
+    with torch.device("meta"):
+        on_meta = tiny_llama()
+    materialized = on_meta.to_empty(device="cpu").rotary
+    for table in (cast, materialized):
+        assert table.cos.dtype == table.sin.dtype == torch.float32
+        assert torch.equal(table.cos, expected.cos) and torch.equal(table.sin, expected.sin)
+    assert expected.cos.shape == (32, 8)
+    assert not [name for name in tiny_llama().state_dict() if "rotary" in name]

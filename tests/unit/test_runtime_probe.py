@@ -27,7 +27,7 @@ def varlen_available(monkeypatch):
 def test_the_eager_probe_builds_pytorchs_attention_where_training_chooses_automatically(monkeypatch, varlen_available):
     built = []
 
-    def build_module(cfg, device):
+    def build_module(cfg, device, compiled):
         built.append(cfg.compute.attention)
         raise Built
 

@@ -105,3 +105,29 @@ def test_kernel_packages_are_imported_only_in_model_kernels():
             if found:
                 outside.setdefault(rel, []).extend(found)
     assert not outside, f"kernel packages imported outside model/kernels/: {outside}"
+
+
+CHOOSERS = {"choose_kernels", "use_target", "use_kernels", "attention_kernel", "mlp_kernels", "loss_kernel"}
+FORWARDS = {"forward", "hidden_states", "trunk", "loss_sum", "embed"}
+
+
+def test_kernels_are_chosen_when_the_model_is_built_never_in_a_forward():
+    """A model takes its kernels when it is built (model.kernels.choose_kernels, through Decoder.use_target): no
+    module under model/ asks whether it is being compiled, and no forward calls the choice. Checked by
+    ``grep -rn is_compiling model/`` (nothing) and this walk over every forward's calls."""
+    found = []
+    for path in sorted((ROOT / "model").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        tree = ast.parse(path.read_text())
+        found += [f"{rel}:{node.lineno} is_compiling" for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute | ast.Name) and "is_compiling" in (getattr(node, "attr", None),
+                                                                                      getattr(node, "id", None))]
+        for function in ast.walk(tree):
+            if not isinstance(function, ast.FunctionDef) or function.name not in FORWARDS:
+                continue
+            for call in ast.walk(function):
+                if isinstance(call, ast.Call):
+                    name = getattr(call.func, "attr", None) or getattr(call.func, "id", None)
+                    if name in CHOOSERS:
+                        found.append(f"{rel}:{call.lineno} {function.name} calls {name}")
+    assert not found, f"kernels chosen at run time, not at build: {found}"

@@ -30,7 +30,6 @@ import train
 from runfab import memory
 from callbacks.runfab_metrics import peak_memory
 from config import ConfigError, RunConfig, load_config
-from lit_module import GPTTrainingModule
 from model.flops import training_flops
 from pipeline.feeder import UpdateFeeder
 from pipeline.validation_split import ValidationPool
@@ -285,8 +284,7 @@ def run_plain(layout: str, args) -> dict:
     split = BatchSplit(args.microbatch, accumulation, 1, train.EFFECTIVE_BATCH_SIZE)
     settings = training_run.stream_settings(cfg, encoder, split)
     feeder = UpdateFeeder(lambda: (records, records.name), settings, encoder.encode_batch_arrays, ValidationPool(0))
-    lit = device_policy.build_module(cfg, torch.device("cuda"))
-    lit.model.compile_trunk()
+    lit = device_policy.build_module(cfg, torch.device("cuda"), compiled=True)  # as training builds it
     optimizer = lit.configure_optimizers()["optimizer"]
     torch.cuda.reset_peak_memory_stats()
     try:  # the feeder's reader thread and nvidia-smi end however the loop does
@@ -314,9 +312,8 @@ def run_reference(args) -> dict:
     gradient clipping. Throughput counts every input token, as nanoGPT's does. Its attention is
     PyTorch's fused causal SDPA, as nanoGPT's, whatever compute.attention the other runs use."""
     cfg = config(args, "model.vocab_size=50304", forced=("compute.attention=varlen",))  # causal SDPA, one document a row
-    lit = GPTTrainingModule(cfg.model, cfg.optim, cfg.compute).cuda()
+    lit = device_policy.build_module(cfg, torch.device("cuda"))  # eager kernels: the whole step is compiled below
     model = lit.model
-    model.use_kernels(lit.device, torch.bfloat16)  # before torch.compile traces the forward, which chooses nothing
     optimizer = lit.configure_optimizers()["optimizer"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     tokens = torch.randint(0, cfg.model.vocab_size, (args.microbatch, 4097), device="cuda", generator=gen)
