@@ -170,7 +170,8 @@ def fingerprint(cfg, split, data_fingerprint: str, tokenizer_sha256: str, proces
         "model.n_head": cfg.model.n_head, "model.n_embd": cfg.model.n_embd,
         "model.max_seq_len": cfg.model.max_seq_len,
         **{f"model.{key}": getattr(cfg.model, key)
-           for key in ("family", "n_kv_head", "intermediate_size", "rope_theta", "tie_embeddings")},
+           for key in ("family", "n_kv_head", "intermediate_size", "rope_theta", "tie_embeddings",
+                       "qk_norm")},
         "data.path": cfg.data.path if shards.is_url(cfg.data.path) else os.path.abspath(cfg.data.path),
         "data.path contents (sha256 of its index)": data_fingerprint,
         "seed": cfg.seed, "trainer.global_batch_size (rows per update)": split.effective,

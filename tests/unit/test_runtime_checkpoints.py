@@ -97,6 +97,7 @@ def test_the_fingerprint_holds_every_optim_key_the_run_reads_and_the_process_cou
     values = checkpoints.fingerprint(cfg, SimpleNamespace(effective=8), "rows", "tok", 4)
     assert {f"optim.{field.name}" for field in dataclasses.fields(cfg.optim)} <= set(values)
     assert values["processes (trainer.devices x trainer.num_nodes)"] == 4
+    assert values["model.qk_norm"] is False  # another architecture: a resume cannot change it
     cfg.optim.name, cfg.optim.schedule = "adamw", "constant"  # no horizon and no Muon: training longer may resume
     values = checkpoints.fingerprint(cfg, SimpleNamespace(effective=8), "rows", "tok", 4)
     assert not {"optim.decay_steps", "optim.min_lr_ratio", "optim.muon_lr"} & set(values)
