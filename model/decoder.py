@@ -42,7 +42,7 @@ class ModelConfig:
     family: Family = "gpt2"
     """The architecture: gpt2 (LayerNorm, learned positions, GELU MLP of width 4 x n_embd, full multi-head attention,
     exported as GPT2LMHeadModel) or llama (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, no biases,
-    exported as LlamaForCausalLM)"""
+    exported as LlamaForCausalLM, or Qwen3ForCausalLM with qk_norm)"""
     vocab_size: int = 50257
     """Embedding rows; at least the tokenizer's vocabulary"""
     n_layer: int = 12
