@@ -26,9 +26,14 @@ class OptimConfig:
 
     name: OptimizerName = "adamw"
     """adamw: AdamW for every parameter. muon: torch.optim.Muon for the blocks' weight matrices (muon_lr), AdamW
-    (lr) for the embeddings, the LM head, norms and biases; the schedule scales both"""
+    (lr, embed_lr, head_lr) for the embeddings, the LM head, norms and biases; the schedule scales every rate"""
     lr: float = 6e-4
     """Peak learning rate of AdamW, reached at the end of warmup"""
+    embed_lr: float | None = None
+    """AdamW's peak learning rate for the token embedding (and gpt2's position embedding; a tied LM head is the
+    token embedding, so it takes this too); null: lr"""
+    head_lr: float | None = None
+    """AdamW's peak learning rate for an untied LM head (llama's model.tie_embeddings false); null: lr"""
     min_lr_ratio: float = 0.1
     """Where the cosine schedule ends, as a fraction of lr"""
     weight_decay: float = 0.1
@@ -64,7 +69,10 @@ class OptimConfig:
     def problems(self, max_steps: int) -> list[str]:
         """What makes the schedule impossible; ``max_steps`` (trainer.max_steps) is where decay_steps comes from by default."""
         ranges = [
-            ("optim.lr", self.lr > 0, "> 0"), ("optim.min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+            ("optim.lr", self.lr > 0, "> 0"),
+            ("optim.embed_lr", self.embed_lr is None or self.embed_lr > 0, "> 0, or null (optim.lr)"),
+            ("optim.head_lr", self.head_lr is None or self.head_lr > 0, "> 0, or null (optim.lr)"),
+            ("optim.min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
             ("optim.weight_decay", self.weight_decay >= 0, ">= 0"), ("optim.beta1", 0 <= self.beta1 < 1, "in [0, 1)"),
             ("optim.beta2", 0 <= self.beta2 < 1, "in [0, 1)"), ("optim.eps", self.eps > 0, "> 0"),
             ("optim.warmup_steps", self.warmup_steps >= 0, ">= 0"),
@@ -170,19 +178,32 @@ class GPTTrainingModule(L.LightningModule):
 
     def parameter_groups(self, params: list[torch.nn.Parameter] | None = None) -> list[dict]:
         """AdamW's groups: weight decay on matrices only; norms, biases and (by default) embeddings are left alone.
-        ``params``: the parameters AdamW holds (default: all)."""
+        The embeddings (optim.embed_lr) and an untied head (optim.head_lr) given a learning rate of their own are
+        a group each after those two, the rest at optim.lr. ``params``: the parameters AdamW holds (default: all)."""
+        cfg = self.optim_config
         embeddings = {id(p) for p in self.model.embeddings()}
-        decay, no_decay = [], []
+        head = self.model.lm_head_weight
+        own = {}  # parameter id -> the name of its own group
+        if cfg.embed_lr is not None:
+            own |= dict.fromkeys(embeddings, "embeddings")
+        if cfg.head_lr is not None and id(head) not in embeddings:
+            own[id(head)] = "head"
+        decay, no_decay, apart = [], [], {"embeddings": [], "head": []}
         for p in self.model.parameters() if params is None else params:
             is_embedding = id(p) in embeddings
-            if p.dim() >= 2 and (not is_embedding or self.optim_config.decay_embeddings):
+            if id(p) in own:
+                apart[own[id(p)]].append(p)
+            elif p.dim() >= 2 and (not is_embedding or cfg.decay_embeddings):
                 decay.append(p)
             else:
                 no_decay.append(p)
-        return [
-            {"params": decay, "weight_decay": self.optim_config.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if apart["embeddings"]:
+            groups.append({"params": apart["embeddings"], "lr": cfg.embed_lr,
+                           "weight_decay": cfg.weight_decay if cfg.decay_embeddings else 0.0})
+        if apart["head"]:  # a matrix of its own: it decays
+            groups.append({"params": apart["head"], "lr": cfg.head_lr, "weight_decay": cfg.weight_decay})
+        return groups
 
     def muon_parameters(self) -> list[torch.nn.Parameter]:
         """What Muon holds under optim.name muon: the blocks' weight matrices (not the embeddings nor the head)."""

@@ -2,7 +2,8 @@
 
 Each family is architecturally its Hugging Face model, so its weights map one to one (``model.hf``'s tables):
 gpt2 (pre-LN, learned positions, exact GELU, tied head) onto ``GPT2LMHeadModel``, llama (RMSNorm, rotate-half
-rotary positions, SwiGLU, grouped-query attention) onto ``LlamaForCausalLM``. Anyone can then load the result
+rotary positions, SwiGLU, grouped-query attention) onto ``LlamaForCausalLM``, or onto ``Qwen3ForCausalLM`` with
+``model.qk_norm`` (Qwen3 is that Llama with an RMSNorm over each head's query and key). Anyone can then load the result
 with ``AutoModelForCausalLM.from_pretrained(out_dir)`` and ``AutoTokenizer.from_pretrained(out_dir)``
 without this package.
 """
@@ -32,7 +33,7 @@ from model.llama import Llama
 log = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "model.safetensors"
-HF_NAMES = {"gpt2": "GPT-2", "llama": "Llama"}
+HF_NAMES = {"gpt2": "GPT-2", "llama": "Llama", "qwen3": "Qwen3"}
 # safetensors and tokenizers write in Rust and raise a plain error whose text carries the OS error's number.
 RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
@@ -81,10 +82,20 @@ def gpt2_config(config: ModelConfig, eos_id: int):
 
 
 def llama_config(config: ModelConfig, eos_id: int):
-    """A LlamaConfig that computes exactly what our Llama computes (no biases, no dropout, default rotary)."""
-    from transformers import LlamaConfig  # heavy import, only paid when exporting
+    """A LlamaConfig that computes exactly what our Llama computes (no biases, no dropout, default rotary); a
+    Qwen3Config, every layer full attention, for one with ``qk_norm``."""
+    from transformers import LlamaConfig, Qwen3Config  # heavy import, only paid when exporting
 
-    return LlamaConfig(
+    if config.qk_norm:
+        return Qwen3Config(**llama_settings(config, eos_id), use_sliding_window=False, sliding_window=None,
+                           max_window_layers=config.n_layer, layer_types=["full_attention"] * config.n_layer,
+                           architectures=["Qwen3ForCausalLM"])
+    return LlamaConfig(**llama_settings(config, eos_id), mlp_bias=False, architectures=["LlamaForCausalLM"])
+
+
+def llama_settings(config: ModelConfig, eos_id: int) -> dict:
+    """What LlamaConfig and Qwen3Config name alike."""
+    return dict(
         vocab_size=config.vocab_size,
         hidden_size=config.n_embd,
         intermediate_size=config.mlp_width,
@@ -98,13 +109,11 @@ def llama_config(config: ModelConfig, eos_id: int):
         rms_norm_eps=config.layer_norm_eps,
         rope_theta=config.rope_theta,
         attention_bias=False,
-        mlp_bias=False,
         attention_dropout=0.0,
         bos_token_id=eos_id,
         eos_token_id=eos_id,
         pad_token_id=eos_id,  # the tokenizer's and generation_config.json's pad token too
         tie_word_embeddings=config.tie_embeddings,
-        architectures=["LlamaForCausalLM"],
         dtype="float32",
     )
 
@@ -244,4 +253,6 @@ class ExportModel(pl.Callback):
                 f"writing the model to {self.out_dir} failed after {trainer.global_step} optimizer steps: "
                 f"{error.strerror or error}{where}; nothing was exported. Give the output root room and write "
                 "access (RUNFABRIC_OUTPUT or output.root), then train again") from error
-        log.info("exported Hugging Face %s model to %s", HF_NAMES[pl_module.model.config.family], self.out_dir)
+        config = pl_module.model.config
+        name = HF_NAMES["qwen3" if config.family == "llama" and config.qk_norm else config.family]
+        log.info("exported Hugging Face %s model to %s", name, self.out_dir)

@@ -44,7 +44,7 @@ class ModelConfig:
     family: Family = "gpt2"
     """The architecture: gpt2 (LayerNorm, learned positions, GELU MLP of width 4 x n_embd, full multi-head attention,
     exported as GPT2LMHeadModel) or llama (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, no biases,
-    exported as LlamaForCausalLM)"""
+    exported as LlamaForCausalLM, or Qwen3ForCausalLM with qk_norm)"""
     vocab_size: int = 50257
     """Embedding rows; at least the tokenizer's vocabulary"""
     n_layer: int = 12
@@ -69,6 +69,12 @@ class ModelConfig:
     """llama: base of the rotary position angles; positions restart at 0 with every document of a packed row"""
     tie_embeddings: bool = True
     """The LM head is the token embedding (true), or a matrix of its own (false, llama only: gpt2 always ties)"""
+    qk_norm: bool = False
+    """llama: an RMSNorm with its own weight over each head's query and key before the rotary turn, as Qwen3's;
+    exported as Qwen3ForCausalLM (model_type qwen3) in place of LlamaForCausalLM"""
+    zero_init_proj: bool = False
+    """Initialize the blocks' output projections (attention's and the MLP's last product) to zero, so that every
+    block starts as the identity; false: normal init scaled by 1/sqrt(2 x n_layer). Only the init changes"""
 
     def __post_init__(self) -> None:
         """A model built from a config it cannot run fails here; config.check_config reports all at once."""
@@ -128,6 +134,7 @@ GPT2_HAS = {
     "intermediate_size": "has a GELU MLP of width 4 x n_embd",
     "rope_theta": "has learned positions, not rotary ones",
     "tie_embeddings": "ties its LM head to the token embedding",
+    "qk_norm": "normalizes no query or key (its export, GPT2LMHeadModel, has no such norm)",
 }
 
 # Keys the model section had and has no more: what an old config file is told.
@@ -188,13 +195,16 @@ class Decoder(nn.Module):
 
     def reset_parameters(self) -> None:
         """Normal init of every matrix, residual output projections (``proj``) scaled by 1/sqrt(2 * n_layer), as
-        GPT-2's; norms to their identity."""
+        GPT-2's, or zero (``zero_init_proj``: drawn first all the same, so every other matrix is the one the normal
+        init gives); norms to their identity."""
         std = self.config.init_std
         for name, p in self.named_parameters():
             if p.dim() < 2:
                 continue
             scale = 1 / math.sqrt(2 * self.config.n_layer) if name.endswith("proj.weight") else 1.0
             nn.init.normal_(p, mean=0.0, std=std * scale)
+            if name.endswith("proj.weight") and self.config.zero_init_proj:
+                nn.init.zeros_(p)
         for module in self.modules():
             if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 module.reset_parameters()

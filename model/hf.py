@@ -1,5 +1,6 @@
 """The two-way map between each family's weights and its Hugging Face model's (``GPT2LMHeadModel``,
-``LlamaForCausalLM``): one table per family, our state-dict name to transformers' name(s).
+``LlamaForCausalLM``, or ``Qwen3ForCausalLM`` for a Llama with ``qk_norm``, whose names are Llama's plus q_norm
+and k_norm): one table per family, our state-dict name to transformers' name(s).
 
 ``to_hf`` gives a model's weights under Hugging Face's names (what the export writes and the history digests);
 ``load_hf`` puts such weights back into a model of the same shape (what ``tools evaluate`` scores). Where one of our
@@ -58,6 +59,8 @@ LLAMA = {
         tuple(f"model.layers.{{}}.self_attn.{p}_proj.weight" for p in "qkv"),
         rows=lambda c: (c.n_head * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim)),
     "blocks.{}.attn.proj.weight": _one("model.layers.{}.self_attn.o_proj.weight"),
+    "blocks.{}.attn.q_norm.weight": _one("model.layers.{}.self_attn.q_norm.weight"),  # qk_norm: Qwen3's names
+    "blocks.{}.attn.k_norm.weight": _one("model.layers.{}.self_attn.k_norm.weight"),
     "blocks.{}.mlp_norm.weight": _one("model.layers.{}.post_attention_layernorm.weight"),
     "blocks.{}.mlp.gate_up.weight": Entry(("model.layers.{}.mlp.gate_proj.weight", "model.layers.{}.mlp.up_proj.weight"),
                                           rows=lambda c: (c.mlp_width, c.mlp_width)),

@@ -4,11 +4,14 @@ Pre-norm blocks as GPT-2's, with RMSNorm (PyTorch's) in place of LayerNorm, no b
 positions: q and k turn by their token's position in its document (``model.rope``), which restarts at 0 with
 every document of a packed row, and attention never crosses documents (``model.kernels.attention``). ``n_kv_head``
 key/value heads each serve n_head / n_kv_head query heads, which every attention kernel takes as they are.
+With ``qk_norm`` each head's query and key pass an RMSNorm over the head dimension (one weight for q's heads, one
+for k's) before they turn, as Qwen3's attention does.
 The head is the token embedding (``tie_embeddings``) or a matrix of its own. Kernels, the compiled trunk and
 the loss are ``model.decoder``'s, as GPT-2's.
 
-The modules map one to one onto Hugging Face's ``LlamaForCausalLM`` (``model.hf``): ``qkv`` holds
-q_proj, k_proj and v_proj's rows in that order, ``gate_up`` gate_proj's then up_proj's.
+The modules map one to one onto Hugging Face's ``LlamaForCausalLM`` (``model.hf``), or ``Qwen3ForCausalLM`` with
+``qk_norm`` (Llama's modules plus q_norm and k_norm): ``qkv`` holds q_proj, k_proj and v_proj's rows in that order,
+``gate_up`` gate_proj's then up_proj's.
 """
 
 from __future__ import annotations
@@ -41,13 +44,18 @@ class GroupedQueryAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, (self.n_head + 2 * self.kv_heads) * self.head_dim, bias=False)
         self.proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=False)
         self.attend = attention.kernel("sdpa")  # the attention kernel the model chose when it was built
+        self.q_norm = RMSNorm(self.head_dim, eps=config.layer_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=config.layer_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         b, t, _ = x.shape
         qkv = self.qkv(x).view(b, t, self.n_head + 2 * self.kv_heads, self.head_dim)
         cos, sin = layout.rotary
         turned = self.n_head + self.kv_heads  # q's and k's heads; v's are not turned
-        qkv = torch.cat((rope.rotate(qkv[:, :, :turned], cos, sin), qkv[:, :, turned:]), dim=2)
+        qk = qkv[:, :, :turned]
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qkv[:, :, :self.n_head]), self.k_norm(qkv[:, :, self.n_head:turned])), dim=2)
+        qkv = torch.cat((rope.rotate(qk, cos, sin), qkv[:, :, turned:]), dim=2)
         return self.proj(self.attend(qkv, self.kv_heads, layout).reshape(b, t, self.n_head * self.head_dim))
 
 

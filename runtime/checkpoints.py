@@ -215,7 +215,8 @@ def fingerprint(cfg, split, input_identity: dict, tokenizer_sha256: str, process
         "model.n_head": cfg.model.n_head, "model.n_embd": cfg.model.n_embd,
         "model.max_seq_len": cfg.model.max_seq_len,
         **{f"model.{key}": getattr(cfg.model, key)
-           for key in ("family", "n_kv_head", "intermediate_size", "rope_theta", "tie_embeddings")},
+           for key in ("family", "n_kv_head", "intermediate_size", "rope_theta", "tie_embeddings",
+                       "qk_norm")},
         **input_identity,
         "seed": cfg.seed, "trainer.global_batch_size (rows per update)": split.effective,
         "tokens per update": split.effective * cfg.model.max_seq_len,

@@ -4,7 +4,8 @@ records, computed as training validates.
 The records go through the trainer's own rules (pipeline/records.py: what is accepted, what is
 rejected and why), the model's own tokenizer (MODEL/tokenizer.json, EOS after every document), are
 packed into rows of the model's length as validation packs them, and are scored by the trainer's
-decoder and loss (the export's weights loaded back into the trainer's model of its family, GPT-2 or Llama): the exact
+decoder and loss (the export's weights loaded back into the trainer's model of its family, GPT-2 or Llama, a Llama
+with model.qk_norm exported as Qwen3): the exact
 token-weighted mean, summed target-token loss over the target-token count, and its perplexity.
 On the run's own validation set (``run/validation.jsonl``, or ``validation.jsonl`` beside prepared
 shards) it gives the run's final validation cross-entropy (the run record's
@@ -33,6 +34,7 @@ class NotThisModel(ValueError):
 
 CONFIG_BYTES = 1 << 20  # a config.json is a few kilobytes
 FLOAT_DTYPES = {"F32", "F16", "BF16"}
+LLAMA_TYPES = ("llama", "qwen3")  # the model_type of a Llama's export: qwen3 where it has model.qk_norm
 MAX_POSITIONS = 1 << 17  # a Llama's positions are in no tensor: its rows' length is bounded here instead
 
 
@@ -63,7 +65,7 @@ def checked_export(folder: Path) -> dict:
     if not_float:
         raise NotThisModel(f"{weights_path}: tensor {not_float[0]} is {shapes[not_float[0]][0]}, expected floating "
                            f"point ({', '.join(sorted(FLOAT_DTYPES))}) as the export writes")
-    llama = config.get("model_type") == "llama"
+    llama = config.get("model_type") in LLAMA_TYPES
     expected = (expected_shapes_llama if llama else expected_shapes_gpt)(config, folder, len(shapes))
     for name, shape in expected.items():
         found = shapes.get(name, (None, None))[1]
@@ -132,11 +134,14 @@ def expected_shapes_llama(config: dict, folder: Path, tensors: int) -> dict[str,
         shapes |= {prefix + "self_attn.q_proj.weight": (width, width),
                    prefix + "self_attn.k_proj.weight": (kv_heads * head_dim, width),
                    prefix + "mlp.gate_proj.weight": (inner, width)}
+        if config.get("model_type") == "qwen3":
+            shapes |= {prefix + "self_attn.q_norm.weight": (head_dim,), prefix + "self_attn.k_norm.weight": (head_dim,)}
     return shapes
 
 
 def load_model(folder: Path):
-    """The exported folder as this trainer's decoder of its family (config.json's model_type: gpt2 or llama)."""
+    """The exported folder as this trainer's decoder of its family (config.json's model_type: gpt2, llama, or qwen3
+    for a Llama with qk_norm)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -147,7 +152,7 @@ def load_model(folder: Path):
         weights = load_file(str(folder / WEIGHTS_NAME))
     except (OSError, SafetensorError) as error:
         raise NotThisModel(f"{folder} is not an exported model ({error})") from None
-    if config.get("model_type") == "llama":
+    if config.get("model_type") in LLAMA_TYPES:
         return load_llama(folder, config, weights)
     return load_gpt(folder, config, weights)
 
@@ -173,7 +178,8 @@ def load_gpt(folder: Path, config: dict, weights: dict):
 
 
 def load_llama(folder: Path, config: dict, weights: dict):
-    """The exported Llama folder as this trainer's Llama: model.hf's table read backwards."""
+    """The exported Llama folder (a Qwen3 one: with qk_norm) as this trainer's Llama: model.hf's table read
+    backwards."""
     from model import hf
     from model.decoder import ModelConfig
     from model.families import build_model
@@ -184,7 +190,8 @@ def load_llama(folder: Path, config: dict, weights: dict):
         (f"activation {config.get('hidden_act')}", config.get("hidden_act") != "silu"),
         ("biases", config.get("attention_bias") or config.get("mlp_bias")),
         (f"rotary scaling {rope.get('rope_type')}", rope.get("rope_type", "default") != "default"),
-        (f"head dimension {config.get('head_dim')}", config.get("head_dim", width // heads) * heads != width))
+        (f"head dimension {config.get('head_dim')}", config.get("head_dim", width // heads) * heads != width),
+        ("sliding-window attention", config.get("use_sliding_window")))
         if differs]
     if unlike:
         raise NotThisModel(f"{folder} holds a Llama with {', '.join(unlike)}; this scores models this trainer "
@@ -194,7 +201,7 @@ def load_llama(folder: Path, config: dict, weights: dict):
         n_kv_head=config.get("num_key_value_heads") or heads, n_embd=width,
         max_seq_len=config["max_position_embeddings"], intermediate_size=config["intermediate_size"],
         layer_norm_eps=config["rms_norm_eps"], rope_theta=rope["rope_theta"],
-        tie_embeddings=config.get("tie_word_embeddings", False)))
+        tie_embeddings=config.get("tie_word_embeddings", False), qk_norm=config.get("model_type") == "qwen3"))
     try:
         hf.load_hf(model, weights)
     except (KeyError, RuntimeError) as error:  # a missing tensor, or one of another shape

@@ -316,3 +316,28 @@ def test_time_to_loss_races_a_candidate_against_the_reference_on_one_validation_
     validation = [json.loads((out / name / "model" / "run_record.json").read_text())["comparability"]["validation"]
                   for name in ("reference", "candidate-1")]
     assert validation[0]["sha256"] == validation[1]["sha256"] and validation[0]["documents"] > 0
+
+
+def test_time_to_loss_honours_a_candidates_shorter_schedule_and_goes_on_past_a_failed_run(tmp_path):
+    """A candidate's own --trainer.max_steps (fewer updates) is the one it trains, one beyond --steps is refused before
+    any run, and a candidate whose run fails is reported as failed while the next one still runs (exit 1)."""
+    job = [sys.executable, "-m", "tools", "bench", "time-to-loss", "--corpus", "data/sample.jsonl", "--steps", "4",
+           "--every", "2", "--microbatch", "8", "--config", "conf/smoke.yaml", "--model.max_seq_len", "64"]
+    refused = subprocess.run([*job, "--out", str(tmp_path / "refused"), "--candidate", "--trainer.max_steps 5"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "trainer.max_steps 5 must be from 1 to --steps (4)" in refused.stderr
+    assert not (tmp_path / "refused").exists()
+    out = tmp_path / "ttl"
+    proc = subprocess.run(
+        [*job, "--out", str(out), "--candidate", "--output.root /dev/null/nowhere",
+         "--candidate", "--config conf/fast-smoke.yaml --trainer.max_steps 2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    summary = json.loads((out / "time-to-loss.json").read_text())
+    assert [update for update, _ in summary["runs"]["reference"]["curve"]] == [0, 2, 4]
+    short = summary["runs"]["candidate-2"]
+    assert [update for update, _ in short["curve"]] == [0, 2] and short["cross_entropy_at_reference_updates"] is None
+    assert list(summary["failed"]) == ["candidate-1"] and "candidate-1-stderr.log" in summary["failed"]["candidate-1"][
+        "error"]
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [line["run"] for line in lines] == ["reference", "candidate-1", "candidate-2"] and "error" in lines[1]

@@ -27,11 +27,11 @@ def exports(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("exports")
     torch.manual_seed(0)
     found = {}
-    for family in ("gpt2", "llama"):
+    for name, family, qk_norm in (("gpt2", "gpt2", False), ("llama", "llama", False), ("qwen3", "llama", True)):
         model = build_model(ModelConfig(family=family, vocab_size=8192, n_layer=2, n_head=2, n_embd=16,
-                                        max_seq_len=POSITIONS))
-        export_model(model, ROOT / "conf" / "tokenizer.json", root / family)
-        found[family] = root / family
+                                        max_seq_len=POSITIONS, qk_norm=qk_norm))
+        export_model(model, ROOT / "conf" / "tokenizer.json", root / name)
+        found[name] = root / name
     data = root / "data.jsonl"
     data.write_bytes(records(20))
     found["data"] = data
@@ -93,6 +93,7 @@ BAD_FOLDERS = {
     "rope_theta NaN": ("llama", lambda f, to: with_config(f, to, rope_theta=math.nan), "rope_theta"),
     "llama positions of 10**12": ("llama", lambda f, to: with_config(f, to, max_position_embeddings=10**12),
                                   "max_position_embeddings"),
+    "a llama named qwen3": ("llama", lambda f, to: with_config(f, to, model_type="qwen3"), "self_attn.q_norm.weight"),
     "weights relabelled I32": ("gpt2", lambda f, to: relabelled(f, to, "F32", "I32"), "I32"),
     "a truncated weights file": ("gpt2", truncated, WEIGHTS_NAME),
     "a header size past the file": ("llama", bad_header, WEIGHTS_NAME),
@@ -115,7 +116,7 @@ def test_sample_refuses_the_same_folders_before_loading(exports, tmp_path, capsy
     assert named in one_error_line(capsys)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
 def test_evaluate_scores_an_untouched_export(exports, capsys, family):
     assert evaluate.main([str(exports[family]), "--data", str(exports["data"]), "--device", "cpu"]) == 0
     assert math.isfinite(json.loads(capsys.readouterr().out)["cross_entropy"])

@@ -246,12 +246,12 @@ def test_a_full_disk_at_any_write_of_the_export_is_one_line_and_nothing_is_left(
 # ----------------------------------------------------------------------------- the llama family
 
 
-def llama(tie_embeddings: bool) -> torch.nn.Module:
+def llama(tie_embeddings: bool, qk_norm: bool = False) -> torch.nn.Module:
     """A Llama with fewer key/value heads than query heads and a rotary base off the default, its norms moved off 1,
     so that a misplaced tensor, a wrong head grouping or a wrong rotary convention changes the logits."""
     torch.manual_seed(1)
     config = ModelConfig(family="llama", vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=64,
-                         init_std=0.1, rope_theta=500.0, tie_embeddings=tie_embeddings)
+                         init_std=0.1, rope_theta=500.0, tie_embeddings=tie_embeddings, qk_norm=qk_norm)
     model = build_model(config)
     with torch.no_grad():
         for module in model.modules():
@@ -281,6 +281,33 @@ def test_a_llama_loads_as_llama_for_causal_lm_with_the_trainers_logits(tied, tok
         positions = torch.cat([torch.arange(20), torch.arange(44)]).expand(3, 64)
         packed = model(input_ids, positions)[:, 20:]
         assert (hf_model(input_ids[:, 20:]).logits - packed).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_llama_with_qk_norm_loads_as_qwen3_for_causal_lm_with_the_trainers_logits(tied, tokenizer_path, tmp_path):
+    import json
+
+    from transformers import Qwen3ForCausalLM
+
+    model = llama(tie_embeddings=tied, qk_norm=True)  # q_norm and k_norm moved off 1 too, each its own
+    export_model(model, tokenizer_path, tmp_path / "hf")
+    settings = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert settings["model_type"] == "qwen3" and settings["architectures"] == ["Qwen3ForCausalLM"]
+    assert settings["rope_theta"] == 500.0 and not settings["use_sliding_window"]
+    hf_model, info = load(tmp_path / "hf")
+    assert type(hf_model) is Qwen3ForCausalLM
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert torch.equal(hf_model.model.layers[1].self_attn.k_norm.weight, model.blocks[1].attn.k_norm.weight)
+    input_ids = torch.randint(0, 300, (3, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (hf_model(input_ids).logits - model(input_ids)).abs().max().item() < 1e-5
+        positions = torch.cat([torch.arange(20), torch.arange(44)]).expand(3, 64)
+        packed = model(input_ids, positions)[:, 20:]
+        assert (hf_model(input_ids[:, 20:]).logits - packed).abs().max().item() < 1e-5
+        swapped = copy.deepcopy(model)
+        for block in swapped.blocks:
+            block.attn.q_norm.weight, block.attn.k_norm.weight = block.attn.k_norm.weight, block.attn.q_norm.weight
+        assert (hf_model(input_ids).logits - swapped(input_ids)).abs().max().item() > 1e-3
 
 
 def test_a_llama_export_names_its_rotary_base_for_transformers_4_and_5(tokenizer_path, tmp_path):

@@ -196,3 +196,46 @@ def test_the_schedule_scales_muon_and_adamw_alike():
     muon, adamw = optimizer.optimizers
     assert muon.param_groups[0]["lr"] == pytest.approx(0.02 * 2 / 4)
     assert adamw.param_groups[0]["lr"] == pytest.approx(6e-4 * 2 / 4)
+
+
+def llama_module(tie_embeddings: bool = False, **optim) -> GPTTrainingModule:
+    torch.manual_seed(0)
+    config = ModelConfig(family="llama", vocab_size=61, n_layer=2, n_head=2, n_embd=16, max_seq_len=SEQ_LEN,
+                         init_std=0.1, tie_embeddings=tie_embeddings)
+    return GPTTrainingModule(config, OptimConfig(warmup_steps=4, schedule="constant", **optim))
+
+
+def test_under_muon_an_untied_head_goes_to_adamw_and_decays_as_a_matrix():
+    lit = llama_module(name="muon")
+    muon, adamw = lit.configure_optimizers()["optimizer"].optimizers
+    head = lit.model.lm_head.weight
+    assert all(p is not head for g in muon.param_groups for p in g["params"])
+    decaying = [p for g in adamw.param_groups if g["weight_decay"] > 0 for p in g["params"]]
+    assert len(decaying) == 1 and decaying[0] is head
+    assert {id(p) for g in muon.param_groups for p in g["params"]} == {
+        id(p) for p in lit.model.blocks.parameters() if p.dim() == 2}
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_the_embedding_and_an_untied_head_take_their_own_lr_and_the_schedule_scales_every_group(name):
+    lit = llama_module(name=name, lr=1e-3, embed_lr=1e-2, head_lr=2e-4, decay_embeddings=True)
+    configured = lit.configure_optimizers()
+    optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    by_param = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    embedding, head = by_param[id(lit.model.wte.weight)], by_param[id(lit.model.lm_head.weight)]
+    norm = by_param[id(lit.model.norm.weight)]
+    assert (embedding["initial_lr"], embedding["weight_decay"]) == (1e-2, 0.1)
+    assert (head["initial_lr"], head["weight_decay"]) == (2e-4, 0.1)
+    assert (norm["initial_lr"], norm["weight_decay"]) == (1e-3, 0.0)
+    peaks = [g["initial_lr"] for g in optimizer.param_groups]
+    scheduler.step()  # warmup: every group at 2/4 of its own peak
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([lr * 2 / 4 for lr in peaks])
+    assert set(peaks) == {1e-3, 1e-2, 2e-4} | ({0.02} if name == "muon" else set())
+
+
+def test_without_their_own_lr_the_groups_are_the_two_of_before_and_a_tied_head_is_the_embeddings():
+    plain = llama_module(tie_embeddings=True).parameter_groups()
+    assert [(len(g["params"]), g["weight_decay"], "lr" in g) for g in plain] == [(8, 0.1, False), (6, 0.0, False)]
+    tied = llama_module(tie_embeddings=True, embed_lr=5e-3, head_lr=1e-4).parameter_groups()
+    assert len(tied) == 3 and tied[2]["lr"] == 5e-3 and tied[2]["params"] == [tied[2]["params"][0]]
+    assert OptimConfig(embed_lr=0.0).problems(100) == ["optim.embed_lr must be > 0, or null (optim.lr), not 0.0"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from config import ConfigError, load_config
-from model.kernels.attention import document_causal_mask, document_offsets
+from model.kernels.attention import DocumentLayout, document_causal_mask, document_offsets
 from model.flops import count_parameters, training_flops
 from model.decoder import ModelConfig
 from model.families import build_model
@@ -301,3 +301,25 @@ def test_a_compiled_target_compiles_the_trunk_and_chooses_for_its_device_and_dty
     assert chosen == [target] and model.target == target and model.compiled_trunk is not None
     model.use_target()  # where the weights are, eager: what a tool that moves the model asks for
     assert chosen[-1] == Target() and model.compiled_trunk is None
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_zero_init_proj_zeroes_the_output_projections_only_and_every_block_starts_as_the_identity(family):
+    def built(zero: bool):
+        torch.manual_seed(0)
+        return build_model(ModelConfig(family=family, vocab_size=97, n_layer=2, n_head=4, n_embd=32, max_seq_len=32,
+                                       init_std=0.1, zero_init_proj=zero))
+
+    normal, zeroed = built(False), built(True)
+    projections = {f"blocks.{i}.{part}.proj.weight" for i in range(2) for part in ("attn", "mlp")}
+    assert {n for n, p in zeroed.named_parameters() if p.dim() == 2 and not p.any()} == projections
+    assert all(normal.get_parameter(n).std() > 0 for n in projections)
+    for name, p in zeroed.named_parameters():  # the same draws as the normal init everywhere else
+        if name not in projections:
+            assert torch.equal(p, normal.get_parameter(name)), name
+    input_ids = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        skipped = zeroed.final_norm(zeroed.embed(input_ids, DocumentLayout(None, None)))
+        assert torch.allclose(zeroed.hidden_states(input_ids), skipped)
+    zeroed.loss_sum({"input_ids": input_ids, "targets": input_ids.roll(-1, 1)}).backward()
+    assert all(zeroed.get_parameter(n).grad.abs().sum() > 0 for n in projections)  # they learn from the first step

@@ -13,6 +13,8 @@ SHAPES = {
                          intermediate_size=48),
     "llama untied": ModelConfig(family="llama", vocab_size=50, n_layer=2, n_head=4, n_kv_head=1, n_embd=32,
                                 max_seq_len=16, tie_embeddings=False),
+    "llama qk_norm": ModelConfig(family="llama", vocab_size=50, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                                 max_seq_len=16, qk_norm=True),
 }
 
 

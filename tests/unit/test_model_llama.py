@@ -29,10 +29,11 @@ CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a G
 
 
 def tiny_llama(seed: int = 0, n_kv_head: int | None = 2, tie_embeddings: bool = True, rope_theta: float = 10000.0,
-               **compute) -> Llama:
+               qk_norm: bool = False, **compute) -> Llama:
     torch.manual_seed(seed)
     config = ModelConfig(family="llama", vocab_size=97, n_layer=2, n_head=4, n_kv_head=n_kv_head, n_embd=32,
-                         max_seq_len=32, init_std=0.1, tie_embeddings=tie_embeddings, rope_theta=rope_theta)
+                         max_seq_len=32, init_std=0.1, tie_embeddings=tie_embeddings, rope_theta=rope_theta,
+                         qk_norm=qk_norm)
     return build_model(config, ComputeConfig(**compute)).eval()
 
 
@@ -94,6 +95,29 @@ def test_an_untied_head_is_its_own_matrix_and_decays_while_the_embedding_does_no
     assert all(id(p) in kept for name, p in module.model.named_parameters() if name.endswith("norm.weight"))
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qk_norm_makes_attention_blind_to_the_scale_of_each_heads_query_and_key(qk_norm):
+    """RMSNorm over each head's q and k: scaling one head's query rows or one key head's rows changes nothing with
+    qk_norm (its weights are per position in the head, not per head), and changes the logits without it."""
+    model = tiny_llama(qk_norm=qk_norm)
+    input_ids = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        if qk_norm:
+            for norm in (model.blocks[0].attn.q_norm, model.blocks[0].attn.k_norm):
+                norm.weight.uniform_(0.5, 1.5)
+        before = model(input_ids)
+        qkv = model.blocks[0].attn.qkv.weight  # rows: 4 query heads, 2 key heads, 2 value heads of 8
+        qkv[8:16] *= 7.0  # query head 1
+        qkv[40:48] *= 3.0  # key head 1
+        after = model(input_ids)
+    if qk_norm:
+        assert {n for n, _ in model.named_parameters() if "_norm" in n and ".attn." in n} == {
+            f"blocks.{i}.attn.{w}_norm.weight" for i in (0, 1) for w in "qk"}
+        assert (after - before).abs().max().item() < 1e-4
+    else:
+        assert (after - before).abs().max().item() > 1e-2
+
+
 @pytest.mark.parametrize("override, says", [
     ("model.n_kv_head=3", "model.n_head (4) must be divisible by model.n_kv_head (3)"),
     ("model.n_embd=36", "the head dimension, 9) must be even"),
@@ -105,7 +129,7 @@ def test_a_llama_that_cannot_run_is_refused_naming_the_key(override, says):
 
 
 @pytest.mark.parametrize("override", ["model.n_kv_head=2", "model.intermediate_size=64", "model.rope_theta=500",
-                                      "model.tie_embeddings=false"])
+                                      "model.tie_embeddings=false", "model.qk_norm=true"])
 def test_gpt2_refuses_a_llama_key_away_from_its_default_naming_it(override):
     key = override.split("=")[0]
     with pytest.raises(ConfigError, match=re.escape(f"{key} is a llama key: gpt2 ")):

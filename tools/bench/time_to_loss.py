@@ -4,7 +4,7 @@ cross-entropy, trained on the same rows of real text in one job.
 The reference is the job's configuration (``--config FILE`` and ``--section.key VALUE``, conf/config.yaml by
 default); each ``--candidate "OPTIONS"`` is train.py's options over it (``--config conf/fast-150m.yaml`` or single
 keys). Every run is ``train.py`` fed the same records on stdin, as RunFab feeds ``train()``, for ``--steps`` updates
-of ``--microbatch`` rows, validating every ``--every`` updates on one validation file (``data.val_path``) held out of
+(a candidate's own ``--trainer.max_steps``, fewer, ends its schedule sooner) of ``--microbatch`` rows, validating every ``--every`` updates on one validation file (``data.val_path``) held out of
 the corpus, so every run is scored on the same documents.
 
 Training seconds run from the end of the first update (so compilation counts for no run) to the end of an update,
@@ -44,6 +44,10 @@ CORPORA = {
     "headers": lambda: ["/usr/include", "/usr/local/cuda/include", sysconfig.get_paths()["purelib"]],
 }
 SUFFIXES = {"python": (".py",), "headers": (".h", ".hpp", ".cuh")}
+class RunFailed(RuntimeError):
+    """A train.py run of the job exited with an error; the message names its log."""
+
+
 VALIDATION_SHARE = 200  # one document in this many (by a hash of its path) is held out for validation
 
 
@@ -53,8 +57,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--microbatch", type=int, default=32, help="rows per microbatch (default: 32)")
     parser.add_argument("--steps", type=int, default=150, help="optimizer updates of every run (default: 150)")
     parser.add_argument("--candidate", action="append", default=[], metavar='"--config FILE --section.key VALUE ..."',
-                        help="a recipe to race against the reference, train.py's options quoted as one argument; "
-                             "repeat for more")
+                        help="a recipe to race against the reference, train.py's options quoted as one argument "
+                             "(its own --trainer.max_steps, at most --steps, ends its schedule sooner); repeat for "
+                             "more. A candidate whose run fails is reported as failed and the others go on (exit 1)")
     parser.add_argument("--corpus", default="python",
                         help="python (the installed Python sources), headers (the C/C++ and CUDA headers of the system and the "
                              "installed packages), or a file of "
@@ -77,27 +82,44 @@ def main(argv: list[str]) -> int:
         return 2
     runs.prepare(args)
     train_path, val_path = write_corpus(args)
-    results = {"reference": train_run(args, "reference", (), train_path, val_path)}
-    for name, flags in candidates.items():
-        results[name] = train_run(args, name, flags, train_path, val_path)
-    summary = compare(results, {"reference": args.train_flags, **{n: list(f) for n, f in candidates.items()}})
-    created_files.write_text(args.out / "time-to-loss.json", json.dumps(summary, indent=2) + "\n")
+    flags = {"reference": args.train_flags, **{n: list(f) for n, f in candidates.items()}}
+    results, failed = {}, {}
+    for name, options in [("reference", ()), *candidates.items()]:
+        try:
+            results[name] = train_run(args, name, options, train_path, val_path)
+        except RunFailed as error:
+            if name == "reference":  # no target to race to
+                raise
+            failed[name] = {"flags": flags[name], "error": str(error)}
+            print(f"python -m tools bench time-to-loss: {name} failed, the others go on: {error}", file=sys.stderr)
+            print(json.dumps({"run": name, **failed[name]}), flush=True)
+            continue
+        # After every run, so that a job stopped early keeps the runs it finished.
+        summary = compare(results, flags) | {"failed": failed}
+        created_files.write_text(args.out / "time-to-loss.json", json.dumps(summary, indent=2) + "\n")
+        figures = summary["runs"][name]
+        print(json.dumps({"run": name, **{k: v for k, v in figures.items() if k != "curve"}}), flush=True)
+    created_files.write_text(args.out / "time-to-loss.json",
+                             json.dumps(compare(results, flags) | {"failed": failed}, indent=2) + "\n")
     plot(results, args.out / "time-to-loss.png")
-    for name, figures in summary["runs"].items():
-        print(json.dumps({"run": name, **{k: v for k, v in figures.items() if k != "curve"}}))
-    return 0
+    return 1 if failed else 0
 
 
 def candidate_flags(args, text: str) -> tuple[str, ...]:
     """A candidate's train.py options, checked as a --variant's (its own --config allowed); its tokenizer and
-    vocabulary must be the reference's, since every run reads the same token ids."""
+    vocabulary must be the reference's, since every run reads the same token ids. Its own ``--trainer.max_steps``
+    (a shorter schedule) may be at most ``--steps``, which the corpus is sized for."""
     flags = runs.variant_flags(args, text, option="--candidate", own_file=True)
     command = cli.parse(list(flags))
-    ours = load_config(command.config_path or args.config, [*args.overrides, *command.overrides])
+    ours = load_config(command.config_path or args.config,
+                       [*args.overrides, f"trainer.max_steps={args.steps}", *command.overrides])
     reference = runs.config(args)
     if (ours.data.tokenizer, ours.model.vocab_size) != (reference.data.tokenizer, reference.model.vocab_size):
         raise runs.VariantError(f"--candidate {text}: its tokenizer and vocabulary must be the reference's, since "
                                 "every run reads the same token ids")
+    if not 1 <= ours.trainer.max_steps <= args.steps:
+        raise runs.VariantError(f"--candidate {text}: trainer.max_steps {ours.trainer.max_steps} must be from 1 to "
+                                f"--steps ({args.steps}), the updates the corpus holds rows for")
     return flags
 
 
@@ -164,7 +186,8 @@ def train_run(args, name: str, flags: tuple[str, ...], train_path: Path, val_pat
     if "--config" in flags and "--config" in job:  # the candidate's file replaces the job's; the job's keys still apply
         at = job.index("--config")
         del job[at:at + 2]
-    options = ["--microbatch", str(args.microbatch), *job, *flags, "--trainer.max_steps", str(args.steps),
+    # --steps before the candidate's options: a candidate may train fewer updates (its schedule ends sooner)
+    options = ["--microbatch", str(args.microbatch), *job, "--trainer.max_steps", str(args.steps), *flags,
                "--trainer.val_every_steps", str(args.every), "--data.val_path", str(val_path.resolve())]
     env = dict(os.environ, RUNFABRIC_OUTPUT=str(output))
     with train_path.open("rb") as source:
@@ -173,7 +196,8 @@ def train_run(args, name: str, flags: tuple[str, ...], train_path: Path, val_pat
         stdout, stderr = process.communicate()
     created_files.write_text(args.out / f"{name}-stderr.log", stderr)
     if process.returncode:
-        raise RuntimeError(f"train.py {' '.join(options)} failed:\n{stderr[-4000:]}")
+        raise RunFailed(f"train.py {' '.join(options)} exited with {process.returncode} ({args.out}/{name}-stderr.log): "
+                        f"{stderr.strip().splitlines()[-1] if stderr.strip() else 'no message'}")
     record = json.loads((output / "model" / "run_record.json").read_text())
     history = read_history(output / "model" / "history.npz")
     validation = record["comparability"]["validation"]
