@@ -14,8 +14,9 @@
 #   + optim.muon_lr 0.03 with model.qk_norm; + optim.embed_lr at 10 x the preset's optim.lr; all of these at once;
 #   the preset with a third of the updates (trainer.max_steps STEPS/3, so its wsd decay ends sooner).
 # Environment: PYTHON (default python), PRESET (default conf/fast-150m.yaml), REFERENCE (default conf/config.yaml),
-# STEPS (default 150), CORPUS (default headers), and EXTRA: options for every run of the job (the CPU check:
-# PRESET=conf/fast-smoke.yaml REFERENCE=conf/smoke.yaml STEPS=12 EXTRA="--microbatch 8 --every 3 --val-tokens 20000").
+# STEPS (default 150), CORPUS (default headers), and EXTRA: options for every run of the job (default --every 5).
+# The same sweep on a CPU at tiny scale: PRESET=conf/fast-smoke.yaml REFERENCE=conf/smoke.yaml STEPS=6
+# EXTRA="--microbatch 8 --every 2 --model.max_seq_len 64 --optim.warmup_steps 1 --val-tokens 20000".
 set -euo pipefail
 out=${1:-bench-out/time-to-loss-sweep}
 part=${2:-all}
