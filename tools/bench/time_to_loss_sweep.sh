@@ -28,8 +28,10 @@ corpus=${CORPUS:-headers}
 read -r -a extra <<< "${EXTRA:---every 5}"
 
 lr=$("$python" -c "import sys; from config import load_config; print(load_config(sys.argv[1]).optim.lr)" "$preset")
-embed_lr=$("$python" -c "import sys; print(10 * float(sys.argv[1]))" "$lr")
+embed_lr=$("$python" -c "import sys; print(f'{10 * float(sys.argv[1]):.6g}')" "$lr")
 fast="--config $preset"
+all_at_once="--model.qk_norm true --model.zero_init_proj true --model.tie_embeddings false --optim.muon_lr 0.03"
+all_at_once+=" --optim.embed_lr $embed_lr"
 as_is="$fast"
 first=(
   "$fast --model.qk_norm true"
@@ -39,7 +41,7 @@ first=(
 second=(
   "$fast --model.qk_norm true --optim.muon_lr 0.03"
   "$fast --optim.embed_lr $embed_lr"
-  "$fast --model.qk_norm true --model.zero_init_proj true --model.tie_embeddings false --optim.muon_lr 0.03 --optim.embed_lr $embed_lr"
+  "$fast $all_at_once"
   "$fast --trainer.max_steps $((steps / 3))"
 )
 case $part in
