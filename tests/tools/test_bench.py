@@ -330,7 +330,7 @@ def test_time_to_loss_honours_a_candidates_shorter_schedule_and_goes_on_past_a_f
     out = tmp_path / "ttl"
     proc = subprocess.run(
         [*job, "--out", str(out), "--candidate", "--output.root /dev/null/nowhere",
-         "--candidate", "--config conf/fast-smoke.yaml --trainer.max_steps 2"],
+         "--candidate", "--config conf/fast-smoke.yaml --trainer.max_steps 2 --optim.warmup_steps 1"],
         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 1, proc.stderr[-3000:]
     summary = json.loads((out / "time-to-loss.json").read_text())

@@ -10,7 +10,7 @@
     time_to_loss.py       candidate recipes against the reference: training seconds to its final validation loss
     synthetic_records.py  NDJSON records of random tokens with heavy-tailed lengths, the experiments' input
     llama_speed.sh        the Llama preset against GPT-2's in one job (trainer, Llama variants), then a Llama trace
-    time_to_loss_sweep.sh conf/fast-150m.yaml's candidate ingredients, one at a time, in time-to-loss jobs on the headers
+    time_to_loss_sweep.sh conf/fast-150m.yaml's candidate ingredients, one at a time, in time-to-loss jobs
 
 May import the training modules and tools.processes. The trainer experiments and host-pipeline take
 the configuration as train.py does: ``--config FILE`` and ``--section.key VALUE``.

@@ -4,7 +4,8 @@ cross-entropy, trained on the same rows of real text in one job.
 The reference is the job's configuration (``--config FILE`` and ``--section.key VALUE``, conf/config.yaml by
 default); each ``--candidate "OPTIONS"`` is train.py's options over it (``--config conf/fast-150m.yaml`` or single
 keys). Every run is ``train.py`` fed the same records on stdin, as RunFab feeds ``train()``, for ``--steps`` updates
-(a candidate's own ``--trainer.max_steps``, fewer, ends its schedule sooner) of ``--microbatch`` rows, validating every ``--every`` updates on one validation file (``data.val_path``) held out of
+(a candidate's own ``--trainer.max_steps``, fewer, ends its schedule sooner) of ``--microbatch`` rows,
+validating every ``--every`` updates on one validation file (``data.val_path``) held out of
 the corpus, so every run is scored on the same documents.
 
 Training seconds run from the end of the first update (so compilation counts for no run) to the end of an update,
@@ -196,7 +197,8 @@ def train_run(args, name: str, flags: tuple[str, ...], train_path: Path, val_pat
         stdout, stderr = process.communicate()
     created_files.write_text(args.out / f"{name}-stderr.log", stderr)
     if process.returncode:
-        raise RunFailed(f"train.py {' '.join(options)} exited with {process.returncode} ({args.out}/{name}-stderr.log): "
+        raise RunFailed(f"train.py {' '.join(options)} exited with {process.returncode} "
+                        f"({args.out}/{name}-stderr.log): "
                         f"{stderr.strip().splitlines()[-1] if stderr.strip() else 'no message'}")
     record = json.loads((output / "model" / "run_record.json").read_text())
     history = read_history(output / "model" / "history.npz")

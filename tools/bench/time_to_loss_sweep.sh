@@ -15,8 +15,9 @@
 #   + optim.muon_lr 0.03 with model.qk_norm; + optim.embed_lr at 10 x the preset's optim.lr; all of these at once;
 #   the preset with a third of the updates (trainer.max_steps STEPS/3, so its wsd decay ends sooner).
 # Environment: PYTHON (default python), PRESET (default conf/fast-150m.yaml), REFERENCE (default conf/config.yaml),
-# STEPS (default 150), CORPUS (default headers), and EXTRA: options for every run of the job (the CPU check:
-# PRESET=conf/fast-smoke.yaml REFERENCE=conf/smoke.yaml STEPS=12 EXTRA="--microbatch 8 --every 3 --val-tokens 20000").
+# STEPS (default 150), CORPUS (default headers), and EXTRA: options for every run of the job (default --every 5).
+# The same sweep on a CPU at tiny scale: PRESET=conf/fast-smoke.yaml REFERENCE=conf/smoke.yaml STEPS=6
+# EXTRA="--microbatch 8 --every 2 --model.max_seq_len 64 --optim.warmup_steps 1 --val-tokens 20000".
 set -euo pipefail
 out=${1:-bench-out/time-to-loss-sweep}
 part=${2:-all}
@@ -28,8 +29,10 @@ corpus=${CORPUS:-headers}
 read -r -a extra <<< "${EXTRA:---every 5}"
 
 lr=$("$python" -c "import sys; from config import load_config; print(load_config(sys.argv[1]).optim.lr)" "$preset")
-embed_lr=$("$python" -c "import sys; print(10 * float(sys.argv[1]))" "$lr")
+embed_lr=$("$python" -c "import sys; print(f'{10 * float(sys.argv[1]):.6g}')" "$lr")
 fast="--config $preset"
+all_at_once="--model.qk_norm true --model.zero_init_proj true --model.tie_embeddings false --optim.muon_lr 0.03"
+all_at_once+=" --optim.embed_lr $embed_lr"
 as_is="$fast"
 first=(
   "$fast --model.qk_norm true"
@@ -39,7 +42,7 @@ first=(
 second=(
   "$fast --model.qk_norm true --optim.muon_lr 0.03"
   "$fast --optim.embed_lr $embed_lr"
-  "$fast --model.qk_norm true --model.zero_init_proj true --model.tie_embeddings false --optim.muon_lr 0.03 --optim.embed_lr $embed_lr"
+  "$fast $all_at_once"
   "$fast --trainer.max_steps $((steps / 3))"
 )
 all_of_them="$fast --model.qk_norm true --model.zero_init_proj true --model.tie_embeddings false"
