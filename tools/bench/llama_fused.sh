@@ -6,11 +6,10 @@
 #
 # Runs (realistic documents, the same records and compile cache): GPT-2 (conf/config.yaml, and the plain loop of
 # `bench trainer`), the Llama preset (the model section of conf/llama-150m.yaml) plain, with Liger's RMSNorm and
-# SwiGLU (compute.norm liger, compute.mlp liger; liger-kernel), and with quack's RMSNorm (compute.norm quack;
-# quack-kernels, Hopper or Blackwell): five runs, each compiling its own trunk. A library that cannot run here is
-# left out, with its reason on stderr (a kernel asked for by name must run, or train.py stops). Extra runs:
-# FUSED_VARIANTS, one a line, each train.py options added to the Llama preset's (FUSED_VARIANTS='--compute.norm
-# liger': Liger's norm alone).
+# SwiGLU (compute.norm liger, compute.mlp liger; liger-kernel), with Liger's RMSNorm alone, and with quack's
+# RMSNorm (compute.norm quack; quack-kernels, Hopper or Blackwell). A library that cannot run here is left out, with
+# its reason on stderr (a kernel asked for by name must run, or train.py stops). Extra runs: FUSED_VARIANTS, one a
+# line, each train.py options added to the Llama preset's.
 set -euo pipefail
 out=${1:-bench-out/llama-fused}
 mkdir -p "$out"
@@ -23,7 +22,7 @@ p = f.unavailable_reason('$1', torch.device('cuda'), torch.bfloat16); print(p or
 variants=("$llama")
 liger=$(problem liger)
 if [[ -z $liger ]]; then
-  variants+=("$llama --compute.norm liger --compute.mlp liger")
+  variants+=("$llama --compute.norm liger --compute.mlp liger" "$llama --compute.norm liger")
 else
   echo "liger left out: $liger" >&2
 fi
