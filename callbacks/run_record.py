@@ -30,7 +30,7 @@ from runfab.shipping import folder_bytes, shipped_files, source_commit
 log = logging.getLogger(__name__)
 
 LIBRARIES = ("torch", "lightning", "transformers", "tokenizers", "tiktoken", "safetensors", "torchmetrics", "omegaconf",
-             "numpy", "flash-attn-4", "quack-kernels", "nvidia-cutlass-dsl", "liger-kernel")
+             "numpy", "flash-attn-4", "quack-kernels", "nvidia-cutlass-dsl")
 
 
 def library_versions() -> dict[str, str | None]:

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from model import kernels
-from model.kernels import ComputeConfig, Kernels, Target, attention, llama_fused
+from model.kernels import ComputeConfig, Kernels, Target, attention, fused_mlp
 from model.kernels.attention import DocumentLayout
 from model.loss import LMHeadLoss, chunk_function
 from model.rope import RotaryTable
@@ -156,7 +156,7 @@ REMOVED_KEYS = {
 class Decoder(nn.Module):
     """A decoder-only LM: ``wte`` (the token embedding), ``blocks`` (each ``Block.forward(x, layout)``, with an
     ``attn`` holding its attention kernel as ``attend`` and an ``mlp`` holding its fused kernel, if any, as
-    ``kernel``; llama's RMSNorms hold theirs as ``kernel`` too), a final norm, and the LM head's loss.
+    ``kernel``), a final norm, and the LM head's loss.
 
     A family defines ``embed``, ``final_norm`` and ``lm_head_weight``, builds its modules after
     ``Decoder.__init__``, then calls ``reset_parameters`` and ``use_target``.
@@ -252,11 +252,7 @@ class Decoder(nn.Module):
         chosen = kernels.choose_kernels(self.compute, target, self.config)
         for block, mlp in zip(self.blocks, chosen.mlp, strict=True):
             block.attn.attend = attention.kernel(chosen.attention)
-            block.mlp.kernel = kernels.mlp_function(mlp)
-        norm = llama_fused.norm_kernel(chosen.norm)
-        for module in self.modules():
-            if isinstance(module, nn.RMSNorm):  # llama's norms (GPT-2's are LayerNorms)
-                module.kernel = norm
+            block.mlp.kernel = fused_mlp.kernel(mlp)
         self.head_loss.chunk_fn = chunk_function(chosen.loss)
         self.compiled_trunk = torch.compile(self.trunk) if target.compiled else None
         if target.device.type == "cuda" or target.compiled:

@@ -31,16 +31,9 @@ from model.kernels import ComputeConfig, Target
 
 class RMSNorm(nn.RMSNorm):
     """PyTorch's RMSNorm, its weight in the input's dtype: its fused kernel takes one dtype (and computes in fp32
-    inside), as autocast gives a product its weight in the compute dtype. ``kernel``: a library's RMSNorm
-    ``(x, weight, eps)`` the model chose when it was built (``model.kernels.llama_fused``), or None: PyTorch's."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.kernel: Callable | None = None
+    inside), as autocast gives a product its weight in the compute dtype."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return self.kernel(x, self.weight, self.eps)
         return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
 
 
@@ -71,13 +64,13 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate_up = nn.Linear(config.n_embd, 2 * config.mlp_width, bias=False)
         self.proj = nn.Linear(config.mlp_width, config.n_embd, bias=False)
-        # The SwiGLU kernel (gate_up) -> silu(gate) * up the model chose when it was built (model.kernels.llama_fused),
-        # or None: PyTorch's SiLU and product (fused by inductor in the compiled trunk)
+        # The fused MLP the model chose when it was built, or None: these modules (SiLU and product fused by inductor
+        # in the compiled trunk), the only kernel for now
         self.kernel: Callable | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            return self.proj(self.kernel(self.gate_up(x)))
+            return self.kernel(x, self.gate_up.weight, self.proj.weight)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.proj(F.silu(gate) * up)
 

@@ -29,19 +29,17 @@ The optional kernels and what they need:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
 
-from model.kernels import attention, flash4, fused_mlp, gpu, llama_fused
+from model.kernels import attention, flash4, fused_mlp, gpu
 
 log = logging.getLogger(__name__)
 
 Attention = Literal["auto", "fa4", "varlen", "sdpa"]
-MLPKernel = Literal["auto", "quack", "liger", "torch"]
-NormKernel = Literal["auto", "liger", "quack", "torch"]
+MLPKernel = Literal["auto", "quack", "torch"]
 LossKernel = Literal["auto", "quack", "triton"]
 MLP_CHOICES, LOSS_CHOICES = get_args(MLPKernel), get_args(LossKernel)
 LSE_COMPUTE_CAPABILITY = 9  # Hopper: quack hands its epilogue functions single fp32 values (model.kernels.quack_lse)
@@ -58,18 +56,13 @@ class ComputeConfig:
     where it is installed and the GPU supports it, else varlen"""
     mlp: MLPKernel = "auto"
     """MLP kernel of compiled training in half dtypes: quack (gpt2's GELU inside the MLP's GEMM epilogues,
-    quack-kernels; an error where it cannot run, and with llama, whose SwiGLU MLP it does not compute), liger (llama:
-    Liger's SwiGLU kernel over the gate and up product, liger-kernel; an error where it cannot run, and with gpt2),
-    torch (cuBLAS products and a separate activation, fused by inductor); auto: quack for gpt2 where it imports and
-    the GPU supports it, else torch. Models built eager (the probe, the tools) take torch"""
+    quack-kernels; an error where it cannot run, and with llama, whose SwiGLU MLP it does not compute), torch (cuBLAS
+    products and a separate activation); auto: quack for gpt2 where it imports and the GPU supports it, else torch.
+    Models built eager (the probe, the tools) take torch"""
     mlp_kept_derivatives: int = 6
     """With quack's MLP on Hopper: in this many blocks, the last ones, fc's product also writes the GELU's derivative,
     which the backward keeps in place of the pre-activation, so that proj's input-gradient product only scales by it.
     Each such block keeps 4 x n_embd x 2 bytes more per token; 0: none"""
-    norm: NormKernel = "auto"
-    """llama's RMSNorm kernel in compiled CUDA training in half dtypes: liger (liger-kernel) or quack (quack-kernels,
-    Hopper or Blackwell), an error where it cannot run and with gpt2, whose LayerNorms stay PyTorch's; torch and
-    auto: PyTorch's, fused by inductor"""
     loss: LossKernel = "auto"
     """Chunk kernel of the LM head's loss in compiled CUDA training: quack (the logits with each row's log-sum-exp
     from quack's GEMM epilogue, then one Triton pass writing the gradient; bf16 on Hopper, an error elsewhere), triton
@@ -104,20 +97,15 @@ class Target:
 
 @dataclass(frozen=True)
 class Kernels:
-    """What runs each part: the attention family ("fa4", "flash", "sdpa"), each block's MLP ("torch", "quack",
-    ``fused_mlp.KEPT_DERIVATIVE``, "liger"), the loss's chunk function ("eager", "triton", "quack") and llama's
-    RMSNorm ("torch", "liger", "quack")."""
+    """What runs each part: the attention family ("fa4", "flash", "sdpa"), each block's MLP in compiled training
+    ("torch", "quack", ``fused_mlp.KEPT_DERIVATIVE``) and the loss's chunk function ("eager", "triton", "quack")."""
 
     attention: str
     mlp: tuple[str, ...]
     loss: str
-    norm: str = "torch"
 
     def mlp_family(self) -> str:
-        """"quack" where any block runs quack's MLP (keeping the derivative or not), "liger" where the blocks run
-        Liger's SwiGLU, else "torch"."""
-        if "liger" in self.mlp:
-            return "liger"
+        """"quack" where any block runs quack's MLP (keeping the derivative or not), else "torch"."""
         return "torch" if all(kernel == "torch" for kernel in self.mlp) else "quack"
 
     def described(self, compute: ComputeConfig) -> dict:
@@ -129,7 +117,6 @@ class Kernels:
                                   for kind, packed in (("packed rows", True), ("one-document rows", False))}},
             "mlp": {"requested": compute.mlp, "ran": self.mlp_family(), "blocks_keeping_the_gelu_derivative": kept},
             "loss": {"requested": compute.loss, "ran": self.loss},
-            "norm": {"requested": compute.norm, "ran": self.norm},
         }
 
 
@@ -165,14 +152,8 @@ def mlp_kernels(compute: ComputeConfig, device: torch.device, dtype: torch.dtype
     first use: the probe and the tools, which build eager models, stay within PyTorch's)."""
     if not compiled or compute.mlp == "torch":
         return ("torch",) * n_layer
-    if family != "gpt2":  # llama: Liger's SwiGLU by name; auto keeps inductor's until a library's measures faster
-        if compute.mlp == "liger":
-            return (pick("compute.mlp", "liger", "liger", llama_fused.unavailable_reason("liger", device, dtype),
-                         "torch"),) * n_layer
+    if family != "gpt2":  # where a field library's SwiGLU kernel would be chosen, once one measures faster
         return (pick("compute.mlp", compute.mlp, "quack", SWIGLU_WITHOUT_QUACK, "torch"),) * n_layer
-    if compute.mlp == "liger":
-        pick("compute.mlp", "liger", "liger", "Liger's kernel is llama's SwiGLU; gpt2's GELU MLP takes quack or torch",
-             "torch")
     kernel = pick("compute.mlp", compute.mlp, "quack", fused_mlp.quack_unavailable_reason(device, dtype, width), "torch")
     return fused_mlp.block_kernels(kernel, n_layer, compute.mlp_kept_derivatives, device)
 
@@ -180,23 +161,7 @@ def mlp_kernels(compute: ComputeConfig, device: torch.device, dtype: torch.dtype
 # Why llama's MLP runs PyTorch's products: quack's epilogue holds GPT-2's GELU, and inductor fuses SwiGLU's SiLU and
 # product (and RMSNorm) into the compiled trunk's own kernels.
 SWIGLU_WITHOUT_QUACK = ("quack's MLP has GPT-2's GELU in its epilogues, not SwiGLU; llama's SwiGLU and RMSNorm run "
-                        "as PyTorch's products with the elementwise work fused by inductor in the compiled trunk "
-                        "(compute.mlp liger: Liger's SwiGLU kernel)")
-
-
-def norm_kernel(compute: ComputeConfig, device: torch.device, dtype: torch.dtype, compiled: bool, family: str) -> str:
-    """llama's RMSNorm kernel: a library's by name in a model built for compiled training, else PyTorch's."""
-    if compute.norm in ("auto", "torch") or not compiled:
-        return "torch"
-    problem = ("gpt2's norms are LayerNorms, which stay PyTorch's" if family != "llama"
-               else llama_fused.unavailable_reason(compute.norm, device, dtype))
-    return pick("compute.norm", compute.norm, compute.norm, problem, "torch")
-
-
-def mlp_function(kernel: str) -> Callable | None:
-    """What a block's MLP module runs for ``kernel`` (one of ``mlp_kernels``'), or None for its own modules:
-    GPT-2's whole MLP ``(x, fc_weight, proj_weight)`` for quack's, llama's activation ``(gate_up)`` for liger."""
-    return llama_fused.liger_swiglu if kernel == "liger" else fused_mlp.kernel(kernel)
+                        "as PyTorch's products with the elementwise work fused by inductor in the compiled trunk")
 
 
 def loss_kernel(compute: ComputeConfig, device: torch.device, dtype: torch.dtype, compiled: bool, width: int) -> str:
@@ -219,18 +184,13 @@ def choose_kernels(compute: ComputeConfig, target: Target, shape) -> Kernels:
     device, dtype, compiled = target.device, target.dtype, target.compiled
     return Kernels(attention=attention_kernel(compute, device, dtype, shape.head_dim),
                    mlp=mlp_kernels(compute, device, dtype, compiled, shape.n_layer, shape.n_embd, shape.family),
-                   loss=loss_kernel(compute, device, dtype, compiled, shape.n_embd),
-                   norm=norm_kernel(compute, device, dtype, compiled, shape.family))
+                   loss=loss_kernel(compute, device, dtype, compiled, shape.n_embd))
 
 
 def describe(kernels: Kernels, family: str = "gpt2") -> str:
     """One log line of what runs."""
     kept = kernels.mlp.count(fused_mlp.KEPT_DERIVATIVE)
-    if family == "gpt2":
-        mlp = fused_mlp.describe(kernels.mlp_family())
-    else:
-        mlp = SWIGLU_DESCRIPTION if kernels.mlp[0] == "torch" else llama_fused.describe(kernels.mlp[0], "swiglu")
-        mlp += f"; norm: {llama_fused.describe(kernels.norm, 'norm')}"
+    mlp = fused_mlp.describe(kernels.mlp_family()) if family == "gpt2" else SWIGLU_DESCRIPTION
     return (f"attention: {attention.describe(kernels.attention, True)} for packed rows, "
             f"{attention.describe(kernels.attention, False)} for one-document rows; mlp: {mlp}"
             f"{f', the last {kept} blocks keeping the GELU derivative' if kept else ''}; loss chunks: "

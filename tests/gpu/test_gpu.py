@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from model import kernels
-from model.kernels import flash4, fused_mlp, llama_fused
+from model.kernels import flash4, fused_mlp
 from model.kernels.attention import DocumentLayout, attend, document_offsets, varlen_attn
 from model.decoder import ModelConfig
 from model.families import build_model
@@ -375,83 +375,6 @@ def test_a_compiled_llama_matches_eager_without_a_graph_break(n_kv_head):
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] <= 2
     assert fast.kernels_used()["mlp"]["ran"] == "torch"
-
-
-# ----------------------------------------------------------------------------- Llama's fused RMSNorm and SwiGLU
-
-LIBRARY_MISSING = {library: llama_fused.unavailable_reason(library, torch.device("cuda"), torch.bfloat16)
-                   if torch.cuda.is_available() else "no GPU" for library in llama_fused.LIBRARIES}
-LIBRARIES = [pytest.param(library, marks=pytest.mark.skipif(LIBRARY_MISSING[library] is not None,
-                                                            reason=f"{library}: {LIBRARY_MISSING[library]}"))
-             for library in llama_fused.LIBRARIES]
-
-
-def plain_rms_norm(x, weight, eps):
-    """The Llama's RMSNorm as its module computes it without a kernel."""
-    return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
-
-
-@pytest.mark.parametrize("library", LIBRARIES)
-def test_a_librarys_rms_norm_gives_pytorchs_output_and_gradients_at_the_trainers_width(library):
-    """8,192 tokens of width 768, the bf16 residual stream and the fp32 weight: the library's output and both
-    gradients against an fp32 reference are as close as PyTorch's bf16 path's are (within 1.5x of its error), and
-    agree with it within bf16 rounding; also compiled, where the kernel is one operator of the graph."""
-    gen = torch.Generator(device="cuda").manual_seed(41)
-    x = (3 * torch.randn(4, 2048, 768, device="cuda", generator=gen)).bfloat16().requires_grad_()
-    weight = (1 + 0.1 * torch.randn(768, device="cuda", generator=gen)).requires_grad_()
-    dout = torch.randn(4, 2048, 768, device="cuda", generator=gen).bfloat16()
-    reference = plain_rms_norm(x.float(), weight, 1e-5)
-    exact = (reference, *torch.autograd.grad(reference, (x, weight), dout.float()))
-    plain_out = plain_rms_norm(x, weight, 1e-5)
-    plain = (plain_out, *torch.autograd.grad(plain_out, (x, weight), dout))
-    kernel = llama_fused.norm_kernel(library)
-    for fn in (kernel, torch.compile(kernel, fullgraph=True)):
-        out = fn(x, weight, 1e-5)
-        got = (out, *torch.autograd.grad(out, (x, weight), dout))
-        for what, a, b, c in zip(("out", "dx", "dweight"), got, plain, exact):
-            assert a.shape == b.shape and a.dtype == b.dtype, what
-            assert relative_error(a, c) <= 1.5 * relative_error(b, c) + 1e-4, what
-            assert relative_error(a, b) < 1e-2, what
-
-
-@pytest.mark.skipif(LIBRARY_MISSING["liger"] is not None, reason=f"liger: {LIBRARY_MISSING['liger']}")
-def test_ligers_swiglu_gives_pytorchs_output_and_gradient_at_the_presets_width():
-    gen = torch.Generator(device="cuda").manual_seed(42)
-    gate_up = (2 * torch.randn(4, 2048, 2 * 2048, device="cuda", generator=gen)).bfloat16().requires_grad_()
-    dout = torch.randn(4, 2048, 2048, device="cuda", generator=gen).bfloat16()
-
-    def plain_swiglu(y):
-        gate, up = y.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    reference = plain_swiglu(gate_up.float())
-    exact = (reference, *torch.autograd.grad(reference, gate_up, dout.float()))
-    plain_out = plain_swiglu(gate_up)
-    plain = (plain_out, *torch.autograd.grad(plain_out, gate_up, dout))
-    for fn in (llama_fused.liger_swiglu, torch.compile(llama_fused.liger_swiglu, fullgraph=True)):
-        out = fn(gate_up)
-        got = (out, *torch.autograd.grad(out, gate_up, dout))
-        for what, a, b, c in zip(("out", "dgate_up"), got, plain, exact):
-            assert a.shape == b.shape and a.dtype == b.dtype, what
-            assert relative_error(a, c) <= 1.5 * relative_error(b, c) + 1e-4, what
-            assert relative_error(a, b) < 1e-2, what
-
-
-@pytest.mark.parametrize("library", LIBRARIES)
-def test_a_compiled_llama_with_a_librarys_kernels_takes_the_plain_step_in_one_graph(library):
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    mlp = "liger" if library == "liger" else "torch"
-    fast, plain = llama_twins(2, dict(attention="varlen", norm=library, mlp=mlp), dict(attention="varlen"),
-                              n_layer=3, compiled=True)
-    for seed in (16, 17):  # two document counts: one graph
-        assert_same_loss_and_gradients(fast, plain, packed_batch(rows=4, seq_len=256, vocab=512, seed=seed))
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] <= 2
-    used = fast.kernels_used()
-    assert used["norm"]["ran"] == library and used["mlp"]["ran"] == mlp
 
 
 # ----------------------------------------------------------------------------- quack's fused GELU GEMMs

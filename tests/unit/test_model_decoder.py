@@ -192,7 +192,6 @@ def test_a_model_says_what_runs_each_part_from_its_build():
                                                    "one-document rows": "SDPA is_causal"}},
         "mlp": {"requested": "auto", "ran": "torch", "blocks_keeping_the_gelu_derivative": 0},
         "loss": {"requested": "auto", "ran": "eager"},
-        "norm": {"requested": "auto", "ran": "torch"},
     }
 
 

@@ -64,7 +64,7 @@ def test_a_cute_dsl_outside_site_packages_is_named_as_the_reason_quack_cannot_ru
 
 def test_the_config_names_the_mlp_choices():
     assert load_config("conf/smoke.yaml").compute.mlp in kernels.MLP_CHOICES
-    with pytest.raises(ConfigError, match="compute.mlp must be one of auto, quack, liger, torch, not 'cutlass'"):
+    with pytest.raises(ConfigError, match="compute.mlp must be one of auto, quack, torch, not 'cutlass'"):
         load_config("conf/smoke.yaml", ["compute.mlp=cutlass"])
 
 

@@ -3,7 +3,6 @@ config's refusals, its FLOPs and host-memory counts from its real shapes, and it
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import re
@@ -12,7 +11,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from config import ConfigError, load_config
 from lit_module import GPTTrainingModule, OptimConfig
@@ -21,7 +19,7 @@ from model.kernels.attention import DocumentLayout, attend, document_offsets
 from model.decoder import ModelConfig
 from model.families import build_model
 from model.flops import count_parameters, matrix_parameters, training_flops
-from model.kernels import ComputeConfig, Target, llama_fused
+from model.kernels import ComputeConfig, Target
 from model.llama import Llama
 from runtime import hostmem
 
@@ -236,106 +234,3 @@ def test_the_rotary_table_stays_exact_through_casts_and_meta_builds_and_is_not_i
         assert torch.equal(table.cos, expected.cos) and torch.equal(table.sin, expected.sin)
     assert expected.cos.shape == (32, 8)
     assert not [name for name in tiny_llama().state_dict() if "rotary" in name]
-
-
-@pytest.fixture
-def liger_stand_in(monkeypatch):
-    """Liger's kernel functions replaced by what they compute (PyTorch, on the CPU), so that the custom operators and
-    autograd formulas around them are checked here; tests/gpu runs Liger's own."""
-    import types
-
-    def wide(t):  # at least fp32, as Liger's kernels compute
-        return t.to(torch.promote_types(t.dtype, torch.float32))
-
-    def rms_norm_forward(x, weight, eps, offset, casting, row_mode):
-        assert (offset, casting, row_mode) == (0.0, "gemma", None)
-        rows = x.view(-1, x.shape[-1])
-        rstd = torch.rsqrt(wide(rows).pow(2).mean(-1) + eps)
-        return (wide(rows) * rstd[:, None] * wide(weight)).to(x.dtype).view(x.shape), rows, rstd, 0, 0, 1
-
-    def rms_norm_backward(dy, x, weight, rstd, offset, casting, block, warps, in_place, row_mode, needs_dw):
-        assert (casting, in_place, needs_dw) == (1, False, True)
-        dy = wide(dy.view(-1, x.shape[-1]))
-        normed = wide(x) * rstd[:, None]
-        dnormed = dy * wide(weight)
-        dx = rstd[:, None] * (dnormed - normed * (dnormed * normed).mean(-1, keepdim=True))
-        return dx.to(x.dtype), (dy * normed).sum(0).to(weight.dtype)
-
-    def swiglu_forward(y):
-        gate, up = y.view(-1, y.shape[-1]).chunk(2, dim=-1)
-        return y, (F.silu(gate) * up).view(*y.shape[:-1], y.shape[-1] // 2)
-
-    def swiglu_backward(y, dout, in_place):
-        assert not in_place
-        gate, up = y.view(-1, y.shape[-1]).chunk(2, dim=-1)
-        dout = dout.view(gate.shape)
-        sigmoid = torch.sigmoid(gate)
-        return torch.cat((dout * up * sigmoid * (1 + gate * (1 - sigmoid)), dout * F.silu(gate)), dim=-1)
-
-    modules = {"liger_kernel": {}, "liger_kernel.ops": {},
-               "liger_kernel.ops.rms_norm": dict(rms_norm_forward=rms_norm_forward, rms_norm_backward=rms_norm_backward,
-                                                 _str_to_casting_mode={"gemma": 1}),
-               "liger_kernel.ops.utils": dict(calculate_settings=lambda n: (n, 4)),
-               "liger_kernel.ops.swiglu": dict(swiglu_fused_gate_up_forward=swiglu_forward,
-                                               swiglu_fused_gate_up_backward=swiglu_backward)}
-    for name, attributes in modules.items():
-        module = types.ModuleType(name)
-        module.__dict__.update(attributes)
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(llama_fused, "unavailable_reason", lambda library, device, dtype: None)  # as on a GPU
-
-
-@pytest.mark.parametrize("compiled", [False, True])
-def test_a_llama_built_with_ligers_kernels_takes_the_plain_step(liger_stand_in, monkeypatch, compiled):
-    """Liger's RMSNorm and SwiGLU chosen at build hold every norm and MLP, and the model's loss and gradients are
-    the plain model's (the stand-ins compute the same function, in fp64); compiled, they are operators of one graph."""
-    from torch._dynamo.utils import counters
-
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    torch._dynamo.reset()
-    counters.clear()
-    target = Target(compiled=True)  # the choice a GPU's compiled training makes; run here in fp64
-    fast = build_model(tiny_llama().config, ComputeConfig(norm="liger", mlp="liger", loss_chunk_tokens=0), target)
-    plain = tiny_llama()
-    fast.load_state_dict(plain.state_dict())
-    assert fast.blocks[0].mlp.kernel is llama_fused.liger_swiglu and fast.norm.kernel is llama_fused.liger_rms_norm
-    assert fast.kernels_used()["norm"]["ran"] == fast.kernels_used()["mlp"]["ran"] == "liger"
-    if not compiled:
-        fast.compiled_trunk = None  # the same model's eager path
-    row = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(9))
-    positions = torch.cat([torch.arange(6), torch.arange(10)]).expand(2, 16)
-    losses = []
-    for model in (fast.double().train(), plain.double().train()):
-        loss = model.loss_sum({"input_ids": row, "positions": positions, "targets": row.roll(-1, 1)})
-        loss.backward()
-        losses.append(loss.detach())
-    torch.testing.assert_close(losses[0], losses[1])
-    for (name, a), b in zip(fast.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, msg=name)
-    if compiled:
-        assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
-
-
-def test_a_librarys_norm_and_swiglu_are_taken_by_name_in_compiled_cuda_training_only(monkeypatch):
-    monkeypatch.setattr(llama_fused, "unavailable_reason", lambda library, device, dtype: None)  # as on a GPU
-    shape = tiny_llama().config
-    for library in llama_fused.LIBRARIES:
-        compute = ComputeConfig(norm=library)
-        assert kernels.norm_kernel(compute, CUDA, torch.bfloat16, True, "llama") == library
-        assert kernels.norm_kernel(compute, CUDA, torch.bfloat16, False, "llama") == "torch"  # the probe, the tools
-        with pytest.raises(RuntimeError, match=f"compute.norm is '{library}' but it cannot run: gpt2's norms are"):
-            kernels.norm_kernel(compute, CUDA, torch.bfloat16, True, "gpt2")
-    others = dict(attention="varlen", loss="triton")  # no GPU to ask about FA4 and quack's GEMMs here
-    for compute in (ComputeConfig(**others), ComputeConfig(norm="torch", mlp="torch", **others)):  # auto: inductor's
-        chosen = kernels.choose_kernels(compute, Target(CUDA, torch.bfloat16, True), shape)
-        assert (chosen.norm, chosen.mlp) == ("torch", ("torch", "torch"))
-    compute = ComputeConfig(norm="quack", mlp="liger", **others)
-    chosen = kernels.choose_kernels(compute, Target(CUDA, torch.bfloat16, True), shape)
-    assert (chosen.norm, chosen.mlp) == ("quack", ("liger", "liger"))
-    said = kernels.describe(chosen, "llama")
-    assert "mlp: liger's SwiGLU (liger-kernel" in said and "norm: quack's RMSNorm (quack-kernels" in said
-    with pytest.raises(RuntimeError, match="compute.mlp is 'liger' but it cannot run: Liger's kernel is llama's"):
-        kernels.mlp_kernels(ComputeConfig(mlp="liger"), CUDA, torch.bfloat16, True, 2, 32, "gpt2")
-    monkeypatch.undo()
-    problem = llama_fused.unavailable_reason("liger", torch.device("cpu"), torch.bfloat16)
-    assert problem == "it needs a CUDA device, not cpu"

@@ -88,7 +88,7 @@ def test_no_tool_module_imports_one_that_imports_it_back():
     assert not mutual, f"tool modules that import each other: {mutual}"
 
 
-KERNEL_PACKAGES = {"triton", "quack", "flash_attn", "cutlass", "liger_kernel"}
+KERNEL_PACKAGES = {"triton", "quack", "flash_attn", "cutlass"}
 
 
 def test_kernel_packages_are_imported_only_in_model_kernels():
