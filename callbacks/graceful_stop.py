@@ -25,7 +25,8 @@ class GracefulStop(L.Callback):
 
     ``end_input(name)`` ends the input at the next update boundary; Lightning then finishes the
     update, exports and writes the record as at any end of input. A second signal stops at once,
-    right after ``before_exit()``, which removes what must not outlive the process (a half-written export).
+    right after ``before_exit()``, which removes what must not outlive the process (a half-written export,
+    the output folder's lock).
     """
 
     def __init__(self, end_input: Callable[[str], None], before_exit: Callable[[], None] = lambda: None) -> None:

@@ -74,6 +74,7 @@ def claimed_output(root: Path, keep: tuple[str, ...] = ()):
         lock.truncate(0)
         lock.write(f"{os.getpid()}\n")
         lock.flush()
+        _held[root] = lock_file
         try:
             moves = [move for name in RUN_FOLDERS if name not in keep for move in _set_aside_plan(root, name)]
             remove_unfinished_exports(root)
@@ -84,10 +85,27 @@ def claimed_output(root: Path, keep: tuple[str, ...] = ()):
                             ", ".join(f"{source} -> {target}" for source, target in moves))
             yield
         finally:
-            remove_unfinished_exports(root)
-            if created_files.is_same_file(root / LOCK_NAME, lock_file):  # never what replaced it meanwhile
-                (root / LOCK_NAME).unlink()
+            _held.pop(root, None)
+            _release(root, lock_file)
             remove_if_empty(made)
+
+
+# The output roots this process holds, with their lock file: what a process that must end at once releases.
+_held: dict[Path, os.stat_result] = {}
+
+
+def release_now() -> None:
+    """For a process about to end at once (a second stop signal), with no ``finally`` to run: remove
+    the half-written export and the lock of every output folder it holds, so that neither stays."""
+    for root, lock_file in list(_held.items()):
+        _release(root, lock_file)
+
+
+def _release(root: Path, lock_file: os.stat_result) -> None:
+    remove_unfinished_exports(root)
+    if created_files.is_same_file(root / LOCK_NAME, lock_file):  # never what replaced it meanwhile
+        with contextlib.suppress(FileNotFoundError):  # released already, by release_now
+            (root / LOCK_NAME).unlink()
 
 
 def remove_if_empty(folders: list[Path]) -> None:

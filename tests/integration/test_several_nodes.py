@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -39,7 +40,7 @@ from pipeline import shards
 from pipeline.packing import collate_rows
 from tools.data import prepare as prepare_tool
 
-from tests.helpers import ROOT, as_yaml, records, tiny
+from tests.helpers import ROOT, as_yaml, records, tiny, write_slow_export_script
 
 SEQ_LEN = 32
 GLOBAL_BATCH = 8  # rows per update, over all ranks
@@ -256,3 +257,32 @@ def test_slurms_signal_to_every_process_of_the_step_stops_at_a_checkpoint_and_re
     losses, module = accumulate_same_rows(config, rank_rows(prepared, 2, GLOBAL_BATCH // 2, seed=5), steps)
     assert [line["loss"] for line in seen + lines] == pytest.approx(losses, rel=1e-5)
     assert_same_weights(tmp_path / "output" / "model", module)
+
+
+def test_a_second_sigterm_during_the_export_leaves_neither_the_staging_folder_nor_the_lock(prepared, tmp_path):
+    """One process from the prepared rows (Lightning's DDP path, no torchrun): SIGTERM, then SIGTERM again
+    while the export writes. The second ends the process at once, as the signal's default does, and
+    what a finished run would have removed (the export's staging folder, the output folder's lock) is
+    removed first."""
+    config = write_config(tmp_path, 2)
+    script = write_slow_export_script(tmp_path / "slow_export.py")
+    command = [sys.executable, str(script), "fit", "--config", str(config), "--data.source", "litdata",
+               "--data.path", str(prepared), "--microbatch", "2"]
+    output = tmp_path / "output"
+    with (tmp_path / "run.log").open("w") as stderr:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + CHILD_TIMEOUT
+        while not list(output.glob(".model.tmp-*/model.safetensors")):
+            assert time.monotonic() < deadline and process.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        process.send_signal(signal.SIGTERM)
+        returncode = process.wait(timeout=60)
+    finally:
+        process.kill()
+    assert returncode == -signal.SIGTERM, (tmp_path / "run.log").read_text()[-3000:]
+    assert sorted(p.name for p in output.iterdir() if p.name.startswith(".")) == []
+    assert not (output / "model").exists()
