@@ -60,8 +60,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return training_run.run_worker()
     import cli
+    from runtime.launcher import raise_on_signals
 
-    return cli.main(argv, EFFECTIVE_BATCH_SIZE)
+    # Until a run's own handlers take over (and after they hand back), a stop signal unwinds: the output
+    # folder's lock and the temporary folders are removed on the way out, and the error is one line.
+    restore = raise_on_signals(stopping="stopped while the run was starting or finishing")
+    try:
+        return cli.main(argv, EFFECTIVE_BATCH_SIZE)
+    finally:
+        restore()
 
 
 if __name__ == "__main__":

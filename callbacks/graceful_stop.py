@@ -52,9 +52,9 @@ class GracefulStop(L.Callback):
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if self.signal_name is not None:  # asked twice: stop now, as without this callback
+        if self.signal_name is not None:  # asked twice: stop now, as the signal's default does
             self.before_exit()
-            self._restore()
+            on_stop_signals(signal.SIG_DFL)  # not the handler from before, which may raise and be caught
             signal.raise_signal(signum)
             return
         self.signal_name = name

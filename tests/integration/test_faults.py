@@ -859,3 +859,44 @@ def test_log_level_sets_what_stderr_tells_and_the_memory_trace_is_debug(tmp_path
 def test_an_unknown_log_level_is_refused_naming_the_choices():
     with pytest.raises(ConfigError, match="log_level must be one of debug, info, warning, not 'loud'"):
         load_config("conf/smoke.yaml", ["log_level=loud"])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_run_starts_removes_its_lock_and_the_folders_it_made(tmp_path, sig):
+    """A stop signal after the output folder was claimed and before training's own handlers are in place
+    (here: while the tokenizer loads) ends the run with one line and status 2, and the run takes back
+    what it made: the lock, and the output folder it created."""
+    script = tmp_path / "slow_start.py"
+    script.write_text(textwrap.dedent(f"""
+        import pathlib, sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from runtime import training_run
+        load = training_run.load_encoder
+        def slow_load(cfg):
+            pathlib.Path({str(tmp_path / "loading")!r}).touch()
+            time.sleep(60)
+            return load(cfg)
+        training_run.load_encoder = slow_load
+        import train
+        sys.exit(train.main(sys.argv[1:]))
+    """))
+    out = tmp_path / "runs" / "out"
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(out), CUDA_VISIBLE_DEVICES="")
+    process = subprocess.Popen([sys.executable, str(script), *ARGS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "loading").exists():
+            assert time.monotonic() < deadline and process.poll() is None, process.stderr.read().decode()[-3000:]
+            time.sleep(0.05)
+        assert (out / output_folder.LOCK_NAME).is_file()
+        process.send_signal(sig)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+        process.stdin.close()
+    message = stderr.decode()
+    assert process.returncode == 2, message[-3000:]
+    assert f"error: received {signal.Signals(sig).name}; stopped while the run was starting" in message
+    assert "Traceback" not in message and stdout == b""
+    assert not (tmp_path / "runs").exists()
