@@ -20,6 +20,7 @@ from callbacks import owned_folders
 from callbacks.export import unfinished_exports
 from config import BUNDLE_ROOT, ConfigError, RunConfig, bundle_path
 from runfab import created_files
+from runfab.limits import GIB, MIB
 from runtime import hostmem
 
 log = logging.getLogger("train")
@@ -178,7 +179,7 @@ def _move_aside(source: Path, target: Path) -> None:
                           "remove it yourself, or set RUNFABRIC_OUTPUT (or output.root) to another folder") from None
 
 
-SMALL_FILES_BYTES = 16 << 20  # beside the weights: configs, the run record, metric lines, the lock
+SMALL_FILES_BYTES = 16 * MIB  # beside the weights: configs, the run record, metric lines, the lock
 
 
 def check_output_space(cfg: RunConfig, root: Path) -> None:
@@ -190,7 +191,7 @@ def check_output_space(cfg: RunConfig, root: Path) -> None:
     free = shutil.disk_usage(root).free
     if free < need:
         raise ConfigError(
-            f"the output root {root} has {free / 2**30:.2f} GiB free but this run writes about {need / 2**30:.2f} GiB "
+            f"the output root {root} has {free / GIB:.2f} GiB free but this run writes about {need / GIB:.2f} GiB "
             f"there (the model export{', two checkpoints' if cfg.trainer.checkpoint_every_steps > 0 else ''}"
             f"{', observation files' if observed else ''}); free some space, or set RUNFABRIC_OUTPUT (or "
             "output.root) to a folder with room")
@@ -201,9 +202,9 @@ def check_output_budget(cfg: RunConfig) -> None:
     need, observed = hostmem.output_bytes(cfg), hostmem.observation_bytes(cfg)
     if need + observed > cfg.output.budget_bytes:
         raise ConfigError(
-            f"the output would need about {(need + observed) / 2**30:.2f} GiB (model export"
+            f"the output would need about {(need + observed) / GIB:.2f} GiB (model export"
             f"{', two checkpoints' if cfg.trainer.checkpoint_every_steps > 0 else ''}"
             f"{', observation files' if observed else ''}) but output.budget_bytes allows "
-            f"{cfg.output.budget_bytes / 2**30:.2f} GiB; disable trainer.checkpoint_every_steps, profile fewer "
+            f"{cfg.output.budget_bytes / GIB:.2f} GiB; disable trainer.checkpoint_every_steps, profile fewer "
             "updates (observe.profile_updates) or shrink the model"
         )
