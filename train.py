@@ -12,18 +12,14 @@ runtime/training_run.py (data parallelism through runtime/launcher.py).
 
 from __future__ import annotations
 
-import atexit
-import os
-import shutil
 import sys
-import tempfile
 
 EFFECTIVE_BATCH_SIZE = 32
 
 
 def probe_batch(microbatch: int) -> None:
     """Fit ``microbatch`` worst-case rows with the real model and optimizer; CUDA OOM propagates."""
-    private_library_caches()
+    import_libraries()
     from config import load_config
     from runtime.probe import run_probe
 
@@ -32,7 +28,7 @@ def probe_batch(microbatch: int) -> None:
 
 def train(microbatch: int, accumulation: int) -> dict:
     """Train on stdin with RunFab's choice of batch split, then export."""
-    private_library_caches()
+    import_libraries()
     from config import ConfigError, load_config
     from runtime import training_run
     from runtime.batch_split import BatchSplit
@@ -46,28 +42,33 @@ def train(microbatch: int, accumulation: int) -> dict:
     return training_run.run_training(cfg, BatchSplit(microbatch, accumulation, world_size(cfg), EFFECTIVE_BATCH_SIZE))
 
 
-def private_library_caches() -> None:
-    """Lightning imports torchmetrics, which imports matplotlib where it is installed (RunFab's image
-    has it), and matplotlib writes a font cache into HOME. A probe writes nothing and a run writes
-    only under its output, so that cache goes to a folder of this process tree, removed at exit."""
-    if "MPLCONFIGDIR" not in os.environ:
-        folder = tempfile.mkdtemp(prefix="trainer-matplotlib-")
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        os.environ["MPLCONFIGDIR"] = folder
+def import_libraries() -> None:
+    """Import Lightning so that nothing its import writes stays behind (runfab/library_import.py): a probe
+    writes nothing and a run writes only under its output."""
+    from runfab.library_import import import_lightning
+
+    import_lightning()
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python train.py``: a data-parallel worker (``train.py worker``, started by the launcher), else
     the local command line, cli.py, whose jsonargparse RunFab's hooks and the workers never import."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    private_library_caches()
+    import_libraries()
     if argv[:1] == ["worker"]:
         from runtime import training_run
 
         return training_run.run_worker()
     import cli
+    from runtime.launcher import raise_on_signals
 
-    return cli.main(argv, EFFECTIVE_BATCH_SIZE)
+    # Until a run's own handlers take over (and after they hand back), a stop signal unwinds: the output
+    # folder's lock and the temporary folders are removed on the way out, and the error is one line.
+    restore = raise_on_signals(stopping="stopped while the run was starting or finishing")
+    try:
+        return cli.main(argv, EFFECTIVE_BATCH_SIZE)
+    finally:
+        restore()
 
 
 if __name__ == "__main__":

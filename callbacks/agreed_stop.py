@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,14 +21,16 @@ log = logging.getLogger(__name__)
 
 class StopAtAgreedUpdate(L.Callback):
     """SIGTERM or SIGINT on any rank: every rank finishes the same update, the checkpoint is written,
-    and training ends; a second signal ends the process at once.
+    and training ends; a second signal ends the process at once, right after ``before_exit()``, which
+    removes what must not outlive the process (a half-written export, the output folder's lock).
 
     Installed when training starts, over Lightning's handler (which would end fit between
     microbatches, without a checkpoint) and over GracefulStop's (which ends a single process's
     stream without one)."""
 
-    def __init__(self, agreement: UpdateAgreement, checkpoint: Path) -> None:
-        self.agreement, self.checkpoint = agreement, checkpoint
+    def __init__(self, agreement: UpdateAgreement, checkpoint: Path,
+                 before_exit: Callable[[], None] = lambda: None) -> None:
+        self.agreement, self.checkpoint, self.before_exit = agreement, checkpoint, before_exit
         self.saved: str | None = None
         self._restore = lambda: None
 
@@ -37,6 +40,7 @@ class StopAtAgreedUpdate(L.Callback):
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.agreement.stop_signal is not None:  # asked twice: stop now, as the signal's default does
+            self.before_exit()
             on_stop_signals(signal.SIG_DFL)
             signal.raise_signal(signum)
             return

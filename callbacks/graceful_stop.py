@@ -25,7 +25,8 @@ class GracefulStop(L.Callback):
 
     ``end_input(name)`` ends the input at the next update boundary; Lightning then finishes the
     update, exports and writes the record as at any end of input. A second signal stops at once,
-    right after ``before_exit()``, which removes what must not outlive the process (a half-written export).
+    right after ``before_exit()``, which removes what must not outlive the process (a half-written export,
+    the output folder's lock).
     """
 
     def __init__(self, end_input: Callable[[str], None], before_exit: Callable[[], None] = lambda: None) -> None:
@@ -51,9 +52,9 @@ class GracefulStop(L.Callback):
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if self.signal_name is not None:  # asked twice: stop now, as without this callback
+        if self.signal_name is not None:  # asked twice: stop now, as the signal's default does
             self.before_exit()
-            self._restore()
+            on_stop_signals(signal.SIG_DFL)  # not the handler from before, which may raise and be caught
             signal.raise_signal(signum)
             return
         self.signal_name = name

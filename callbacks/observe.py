@@ -20,6 +20,8 @@ from typing import Literal
 import lightning as L
 import torch
 
+from runfab.limits import MIB
+
 log = logging.getLogger(__name__)
 
 LoggerName = Literal["csv", "tensorboard", "wandb"]
@@ -101,7 +103,7 @@ class ObservationWindows(L.Callback):
             if trainer.is_global_zero:
                 self._written(path)
             else:
-                log.info("observation written: %s (%.1f MiB)", path, path.stat().st_size / 2**20)
+                log.info("observation written: %s (%.1f MiB)", path, path.stat().st_size / MIB)
         if self._recording_memory and finished == self.config.memory_update:
             path = self.run_dir / "memory" / f"snapshot-update-{finished}.pickle"
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,4 +123,4 @@ class ObservationWindows(L.Callback):
 
     def _written(self, path: Path) -> None:
         self.files.append(path.relative_to(self.run_dir).as_posix())
-        log.info("observation written: %s (%.1f MiB)", path, path.stat().st_size / 2**20)
+        log.info("observation written: %s (%.1f MiB)", path, path.stat().st_size / MIB)

@@ -25,6 +25,7 @@ from callbacks.observe import ObservationWindows
 from callbacks.runfab_metrics import RunFabMetrics
 from model.flops import count_parameters
 from runfab import created_files
+from runfab.limits import MIB
 from runfab.shipping import folder_bytes, shipped_files, source_commit
 
 log = logging.getLogger(__name__)
@@ -178,7 +179,7 @@ class RunRecord:
         for name, folder in folders.items():
             if folder is not None and folder.is_dir():
                 usage[name] = {"path": str(folder), "bytes": folder_bytes(folder)}
-                log.info("%s compile cache: %.1f MiB in %s", name, usage[name]["bytes"] / 2**20, folder)
+                log.info("%s compile cache: %.1f MiB in %s", name, usage[name]["bytes"] / MIB, folder)
         return usage
 
     def write(self, trainer: L.Trainer, pl_module: L.LightningModule, folder: Path) -> Path:

@@ -22,7 +22,7 @@ import lightning as L
 import torch
 
 from runfab import created_files
-from runfab.limits import METRIC_LINE_CHARS
+from runfab.limits import GIB, METRIC_LINE_CHARS
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,8 @@ def peak_memory(device: torch.device) -> dict[str, float]:
     """Peak allocated and reserved memory of a CUDA device so far, in GiB; nothing elsewhere."""
     if device.type != "cuda":
         return {}
-    return {"peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+    return {"peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB}
 
 
 class NonFiniteLossError(FloatingPointError):

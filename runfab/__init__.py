@@ -5,6 +5,7 @@ hooks.py          the contract's interface: the batch-size name and the hooks tr
 lifetime.py       how a process ends: the one installer of SIGTERM/SIGINT handlers, and ending with its parent
 shipping.py       which files make up the upload bundle
 created_files.py  creating a file without following a link someone planted where it goes
+library_import.py importing Lightning in a hook's process without leaving what the import writes
 
 Training, the pipeline, the callbacks and the tools import these; these import only the standard library.
 """

@@ -21,7 +21,7 @@ import torch
 from model.kernels import Target, gpu
 from runtime import hostmem
 from config import ConfigError, RunConfig
-from runfab.limits import CPU_CORES
+from runfab.limits import CPU_CORES, GIB
 from lit_module import GPTTrainingModule
 
 log = logging.getLogger("train")
@@ -246,16 +246,16 @@ def limit_gpu_memory(cfg: RunConfig, device: int, platform_fraction: float | Non
     """Cap this process's allocator on ``device`` at its memory less the headroom (and at the
     platform's fraction), less ``margin_gib`` more for the probe."""
     total = torch.cuda.get_device_properties(device).total_memory
-    fraction = 1.0 - cfg.trainer.memory_headroom_gib * 2**30 / total
+    fraction = 1.0 - cfg.trainer.memory_headroom_gib * GIB / total
     if platform_fraction is not None:
         fraction = min(fraction, platform_fraction)
-    fraction -= margin_gib * 2**30 / total
+    fraction -= margin_gib * GIB / total
     if fraction <= 0:
         raise ConfigError(f"trainer.memory_headroom_gib ({cfg.trainer.memory_headroom_gib}) leaves no memory on "
-                          f"a {total / 2**30:.1f} GiB GPU")
+                          f"a {total / GIB:.1f} GiB GPU")
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     log.info("GPU %d: allocator capped at %.1f of %.1f GiB (headroom %.1f GiB, margin %.1f GiB, platform fraction %s, "
-             "%s=%s)", device, fraction * total / 2**30, total / 2**30, cfg.trainer.memory_headroom_gib, margin_gib,
+             "%s=%s)", device, fraction * total / GIB, total / GIB, cfg.trainer.memory_headroom_gib, margin_gib,
              platform_fraction, ALLOC_CONF_ENV, os.environ.get(ALLOC_CONF_ENV))
     return fraction
 

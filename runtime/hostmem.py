@@ -23,7 +23,7 @@ from model.families import build_model
 from model.flops import count_parameters, matrix_parameters
 from model.kernels import ComputeConfig
 from model.loss import padded_vocab_size
-from runfab.limits import GIB
+from runfab.limits import GIB, MIB, RAM_BYTES, TMP_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 ONE_GPU_GIB = 3.06
 PER_ADDED_GPU_GIB = 0.68
 COMPILE_CACHE_GIB_PER_GPU = 0.02  # inductor, Triton and FA4 caches under the output's data/
-TMP_GIB = 0.25  # RunFab's /tmp may hold 256 MiB; the trainer writes nothing there, others may
 MARGIN_GIB = 0.25  # what a sampler every 0.5 s can miss, and the spread between runs
 
 # ----------------------------------------------------------------------------- budget
@@ -48,7 +47,7 @@ class HostBudget:
     gpus: int
     processes: float
     output: float
-    tmp: float = TMP_GIB
+    tmp: float = TMP_BYTES / GIB  # RunFab's /tmp: the trainer writes nothing there, others may
     margin: float = MARGIN_GIB
 
     @property
@@ -78,7 +77,7 @@ def output_bytes(cfg) -> int:
 def observation_bytes(cfg) -> int:
     """What the observation files of a run take in the output folder: 8x what the reference model's
     took on an H200 (a profiler trace per profiled update, a memory snapshot)."""
-    return len(cfg.observe.profiled()) * (16 << 20) + ((8 << 20) if cfg.observe.memory_update > 0 else 0)
+    return len(cfg.observe.profiled()) * (16 * MIB) + ((8 * MIB) if cfg.observe.memory_update > 0 else 0)
 
 
 def host_budget_problem(budget_gib: float, gpus: int, output_bytes: float) -> str | None:
@@ -92,7 +91,7 @@ def host_budget_problem(budget_gib: float, gpus: int, output_bytes: float) -> st
     advice = f"Use at most {fits} GPU(s): --trainer.devices {fits}, or fewer GPUs on RunFab's slider" if fits else (
         "Not even one GPU fits: shrink the model's export or raise the budget")
     return (f"{need.line(budget_gib)}: over the job's budget (trainer.host_memory_budget_gib; RunFab grants "
-            f"8 GiB whatever the GPU count, output folder and /tmp included). {advice}")
+            f"{RAM_BYTES / GIB:g} GiB whatever the GPU count, output folder and /tmp included). {advice}")
 
 
 # A CPU run keeps its activations in host memory too, and the reference model at microbatch 8

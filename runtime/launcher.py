@@ -69,10 +69,11 @@ class InputFailed(RuntimeError):
     """The input failed after training started; the model trained so far was exported."""
 
 
-def raise_on_signals(first=None):
+def raise_on_signals(first=None, stopping: str = "stopping the workers"):
     """SIGTERM/SIGINT: ``first(name)`` on the first one when given (a graceful stop: every rank ends
-    at the same update and rank 0 exports), else and on any later one Interrupted, so ``finally``
-    blocks stop the workers at once. Returns a restore function."""
+    at the same update and rank 0 exports), else and on any later one Interrupted ("received NAME;
+    ``stopping``"), so ``finally`` blocks stop the workers, release the output folder and remove
+    temporary folders at once. Returns a restore function."""
     received: list[str] = []
 
     def interrupt(signum, frame):
@@ -83,7 +84,7 @@ def raise_on_signals(first=None):
                         "exported; send it again to stop at once", name)
             first(name)
             return
-        raise Interrupted(f"received {name}; stopping the workers")
+        raise Interrupted(f"received {name}; {stopping}")
 
     return on_stop_signals(interrupt)
 

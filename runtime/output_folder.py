@@ -20,6 +20,7 @@ from callbacks import owned_folders
 from callbacks.export import unfinished_exports
 from config import BUNDLE_ROOT, ConfigError, RunConfig, bundle_path
 from runfab import created_files
+from runfab.limits import GIB, MIB
 from runtime import hostmem
 
 log = logging.getLogger("train")
@@ -74,6 +75,7 @@ def claimed_output(root: Path, keep: tuple[str, ...] = ()):
         lock.truncate(0)
         lock.write(f"{os.getpid()}\n")
         lock.flush()
+        _held[root] = lock_file
         try:
             moves = [move for name in RUN_FOLDERS if name not in keep for move in _set_aside_plan(root, name)]
             remove_unfinished_exports(root)
@@ -84,10 +86,27 @@ def claimed_output(root: Path, keep: tuple[str, ...] = ()):
                             ", ".join(f"{source} -> {target}" for source, target in moves))
             yield
         finally:
-            remove_unfinished_exports(root)
-            if created_files.is_same_file(root / LOCK_NAME, lock_file):  # never what replaced it meanwhile
-                (root / LOCK_NAME).unlink()
+            _held.pop(root, None)
+            _release(root, lock_file)
             remove_if_empty(made)
+
+
+# The output roots this process holds, with their lock file: what a process that must end at once releases.
+_held: dict[Path, os.stat_result] = {}
+
+
+def release_now() -> None:
+    """For a process about to end at once (a second stop signal), with no ``finally`` to run: remove
+    the half-written export and the lock of every output folder it holds, so that neither stays."""
+    for root, lock_file in list(_held.items()):
+        _release(root, lock_file)
+
+
+def _release(root: Path, lock_file: os.stat_result) -> None:
+    remove_unfinished_exports(root)
+    if created_files.is_same_file(root / LOCK_NAME, lock_file):  # never what replaced it meanwhile
+        with contextlib.suppress(FileNotFoundError):  # released already, by release_now
+            (root / LOCK_NAME).unlink()
 
 
 def remove_if_empty(folders: list[Path]) -> None:
@@ -160,7 +179,7 @@ def _move_aside(source: Path, target: Path) -> None:
                           "remove it yourself, or set RUNFABRIC_OUTPUT (or output.root) to another folder") from None
 
 
-SMALL_FILES_BYTES = 16 << 20  # beside the weights: configs, the run record, metric lines, the lock
+SMALL_FILES_BYTES = 16 * MIB  # beside the weights: configs, the run record, metric lines, the lock
 
 
 def check_output_space(cfg: RunConfig, root: Path) -> None:
@@ -172,7 +191,7 @@ def check_output_space(cfg: RunConfig, root: Path) -> None:
     free = shutil.disk_usage(root).free
     if free < need:
         raise ConfigError(
-            f"the output root {root} has {free / 2**30:.2f} GiB free but this run writes about {need / 2**30:.2f} GiB "
+            f"the output root {root} has {free / GIB:.2f} GiB free but this run writes about {need / GIB:.2f} GiB "
             f"there (the model export{', two checkpoints' if cfg.trainer.checkpoint_every_steps > 0 else ''}"
             f"{', observation files' if observed else ''}); free some space, or set RUNFABRIC_OUTPUT (or "
             "output.root) to a folder with room")
@@ -183,9 +202,9 @@ def check_output_budget(cfg: RunConfig) -> None:
     need, observed = hostmem.output_bytes(cfg), hostmem.observation_bytes(cfg)
     if need + observed > cfg.output.budget_bytes:
         raise ConfigError(
-            f"the output would need about {(need + observed) / 2**30:.2f} GiB (model export"
+            f"the output would need about {(need + observed) / GIB:.2f} GiB (model export"
             f"{', two checkpoints' if cfg.trainer.checkpoint_every_steps > 0 else ''}"
             f"{', observation files' if observed else ''}) but output.budget_bytes allows "
-            f"{cfg.output.budget_bytes / 2**30:.2f} GiB; disable trainer.checkpoint_every_steps, profile fewer "
+            f"{cfg.output.budget_bytes / GIB:.2f} GiB; disable trainer.checkpoint_every_steps, profile fewer "
             "updates (observe.profile_updates) or shrink the model"
         )

@@ -36,7 +36,7 @@ from pipeline.validation_split import PREPARED, ValidationPool
 from runtime import checkpoints, launcher
 from runtime.batch_split import BatchSplit
 from runtime.device_policy import resolve_accelerator, setup_process, use_allocator_settings, world_size
-from runtime.output_folder import claimed_output
+from runtime.output_folder import claimed_output, release_now
 from runtime.training_run import TrainingInput, fit, load_encoder, validation_pool
 
 log = logging.getLogger("train")
@@ -120,7 +120,7 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
             cfg.data.loader_workers, agreement, pin_memory=resolve_accelerator(cfg) == "gpu",
             token_digests=cfg.data.token_digests)
         held_out = prepared_validation(cfg, meta, encoder)
-        stop = StopAtAgreedUpdate(agreement, root / "checkpoints" / checkpoints.STOP_CHECKPOINT)
+        stop = StopAtAgreedUpdate(agreement, root / "checkpoints" / checkpoints.STOP_CHECKPOINT, before_exit=release_now)
         overrides: dict = {"devices": per_node, "num_nodes": nodes, "plugins": [checkpoints.DurableCheckpointIO()]}
         if SLURMEnvironment.detect():  # its requeue handler checkpoints between microbatches: not exact
             overrides["plugins"].append(SLURMEnvironment(auto_requeue=False))

@@ -55,7 +55,7 @@ from runtime.device_policy import (
     build_module, check_host_memory, compiles, limit_gpu_memory, local_device, platform_memory_fraction,
     preload_worker_modules, prepare_compile, resolve_accelerator, setup_process, use_allocator_settings,
 )
-from runtime.output_folder import check_output_budget, check_output_space, claimed_output, remove_unfinished_exports
+from runtime.output_folder import check_output_budget, check_output_space, claimed_output, release_now
 from runtime.trainer import build_trainer, shows_progress, training_arguments, validates
 from model.flops import count_parameters, training_flops
 from runtime.probe import run_probe_local
@@ -311,7 +311,7 @@ def build_callbacks(cfg: RunConfig, accelerator: str, split: BatchSplit, descrip
         fixed_validation,  # before the export: the record carries its result
         ExportModel(model_folder(cfg), bundle_path(cfg.data.tokenizer),
                     published_with=functools.partial(publish_with_model, record, history)),
-        GracefulStop(source.end, before_exit=functools.partial(remove_unfinished_exports, Path(cfg.output.root))),
+        GracefulStop(source.end, before_exit=release_now),
         host_memory,
     ]
     if shows_progress(cfg):

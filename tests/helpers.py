@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -65,6 +66,28 @@ def as_yaml(values: Mapping[str, object]) -> str:
             node = node.setdefault(section, {})
         node[leaf] = value
     return yaml.safe_dump(nested, sort_keys=False)
+
+
+def write_slow_export_script(path: Path) -> Path:
+    """A script that runs ``train.main`` with an export that writes the weights and then never finishes,
+    deaf to Python's exceptions, as a write stuck in the kernel: what a second stop signal must end."""
+    path.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        import callbacks.export as export
+        write = export.save_file
+        def save_file(*args, **kwargs):  # the weights are written, the rest of the export never comes
+            write(*args, **kwargs)
+            while True:
+                try:
+                    time.sleep(120)
+                except BaseException:
+                    pass
+        export.save_file = save_file
+        import train
+        sys.exit(train.main(sys.argv[1:]))
+    """))
+    return path
 
 
 class Stdin(io.BufferedReader):

@@ -33,6 +33,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import EngFormatter
 
 from runfab import created_files
+from runfab.limits import GIB, MIB
 
 METRICS_FILE = Path("run/metrics.jsonl")
 RUN_RECORD_FILE = Path("model/run_record.json")
@@ -158,7 +159,7 @@ def with_prefix(value: float, digits: int = 3) -> str:
 
 
 def file_size(size: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
         if size >= scale:
             return f"{size / scale:.1f} {unit}"
     return f"{size} B"

@@ -13,6 +13,7 @@ from model.kernels import flash4, fused_mlp
 from model.kernels.attention import DocumentLayout, attend, document_offsets, varlen_attn
 from model.decoder import ModelConfig
 from model.families import build_model
+from runfab.limits import GIB
 from model.gpt import GPT
 from model.kernels import ComputeConfig, Target
 from model.loss import IGNORE_INDEX, token_loss_sum
@@ -565,13 +566,13 @@ def test_the_allocator_cap_keeps_the_headroom_and_any_smaller_platform_fraction(
     total = torch.cuda.get_device_properties(0).total_memory
     try:
         own = device_policy.limit_gpu_memory(cfg, 0, device_policy.platform_memory_fraction())
-        assert own == pytest.approx(1 - 4 * 2**30 / total)
+        assert own == pytest.approx(1 - 4 * GIB / total)
         torch.cuda.set_per_process_memory_fraction(0.25, 0)  # as a platform would, before calling a hook
         assert device_policy.platform_memory_fraction() == pytest.approx(0.25)
         assert device_policy.limit_gpu_memory(cfg, 0, device_policy.platform_memory_fraction()) == pytest.approx(0.25)
         with pytest.raises(torch.OutOfMemoryError):
             torch.empty(int(0.3 * total), dtype=torch.uint8, device="cuda")
-        assert device_policy.limit_gpu_memory(cfg, 0, None, margin_gib=1.0) == pytest.approx(1 - 5 * 2**30 / total)  # probe
+        assert device_policy.limit_gpu_memory(cfg, 0, None, margin_gib=1.0) == pytest.approx(1 - 5 * GIB / total)  # probe
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
 

@@ -23,7 +23,7 @@ from config import ConfigError
 from runtime import output_folder, training_run
 from config import load_config
 
-from tests.helpers import ROOT, BrokenAfter, as_args, as_dotlist, tiny
+from tests.helpers import ROOT, BrokenAfter, as_args, as_dotlist, tiny, write_slow_export_script
 
 # The tiny model, training until stopped (the faults below stop it) at a constant rate.
 RUN = tiny({"trainer.max_steps": 100000, "optim.schedule": "constant", "metrics.interval_seconds": 0.2,
@@ -676,26 +676,10 @@ def test_an_export_killed_while_writing_is_removed_by_the_next_run(tmp_path):
 
 @pytest.mark.parametrize("devices", [1, 2])
 def test_a_second_signal_during_the_export_leaves_no_half_written_model(tmp_path, devices):
-    """SIGTERM, then SIGTERM again while the export writes: the run stops at once, and the staging
-    folder it was writing does not stay behind in the output root (with several devices the rank that
-    exports is killed once trainer.stop_grace_seconds have passed)."""
-    slow_export = tmp_path / "slow_export.py"
-    slow_export.write_text(textwrap.dedent(f"""
-        import sys, time
-        sys.path.insert(0, {str(ROOT)!r})
-        import callbacks.export as export
-        write = export.save_file
-        def save_file(*args, **kwargs):  # the weights are written, the rest of the export never comes
-            write(*args, **kwargs)
-            while True:
-                try:
-                    time.sleep(120)
-                except BaseException:  # as a write stuck in the kernel, deaf to Python's exceptions
-                    pass
-        export.save_file = save_file
-        import train
-        sys.exit(train.main(sys.argv[1:]))
-    """))
+    """SIGTERM, then SIGTERM again while the export writes: the run stops at once, and neither the staging
+    folder it was writing nor the output folder's lock stays behind in the output root (with several
+    devices the rank that exports is killed once trainer.stop_grace_seconds have passed)."""
+    slow_export = write_slow_export_script(tmp_path / "slow_export.py")
     env = dict(os.environ, RUNFABRIC_OUTPUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
     process = subprocess.Popen(
         [sys.executable, str(slow_export), *ARGS, "--trainer.max_steps", "2", "--trainer.devices", str(devices),
@@ -717,7 +701,7 @@ def test_a_second_signal_during_the_export_leaves_no_half_written_model(tmp_path
         process.kill()
     stderr.thread.join(timeout=10)
     assert returncode != 0, b"".join(stderr.lines).decode()[-3000:]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".model")) == []
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".")) == []  # the lock too
     assert not (tmp_path / "out" / "model").exists()
 
 
@@ -750,8 +734,8 @@ def test_a_stop_while_the_run_record_is_made_leaves_no_model_without_its_record(
     assert done.returncode != 0, done.stderr.decode()[-3000:]
     out = tmp_path / "out"
     assert not (out / "model").exists(), sorted(p.name for p in (out / "model").iterdir())
-    if stop == "a second SIGTERM":  # a stop it sees removes the staging folder itself
-        assert not list(out.glob(".model*"))
+    if stop == "a second SIGTERM":  # a stop it sees removes the staging folder and its lock itself
+        assert not list(out.glob(".model*")) and not (out / output_folder.LOCK_NAME).exists()
 
 
 def test_an_output_filesystem_without_room_is_refused_before_the_input_is_read(tmp_path, monkeypatch, capsys):
@@ -875,3 +859,44 @@ def test_log_level_sets_what_stderr_tells_and_the_memory_trace_is_debug(tmp_path
 def test_an_unknown_log_level_is_refused_naming_the_choices():
     with pytest.raises(ConfigError, match="log_level must be one of debug, info, warning, not 'loud'"):
         load_config("conf/smoke.yaml", ["log_level=loud"])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_run_starts_removes_its_lock_and_the_folders_it_made(tmp_path, sig):
+    """A stop signal after the output folder was claimed and before training's own handlers are in place
+    (here: while the tokenizer loads) ends the run with one line and status 2, and the run takes back
+    what it made: the lock, and the output folder it created."""
+    script = tmp_path / "slow_start.py"
+    script.write_text(textwrap.dedent(f"""
+        import pathlib, sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from runtime import training_run
+        load = training_run.load_encoder
+        def slow_load(cfg):
+            pathlib.Path({str(tmp_path / "loading")!r}).touch()
+            time.sleep(60)
+            return load(cfg)
+        training_run.load_encoder = slow_load
+        import train
+        sys.exit(train.main(sys.argv[1:]))
+    """))
+    out = tmp_path / "runs" / "out"
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(out), CUDA_VISIBLE_DEVICES="")
+    process = subprocess.Popen([sys.executable, str(script), *ARGS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "loading").exists():
+            assert time.monotonic() < deadline and process.poll() is None, process.stderr.read().decode()[-3000:]
+            time.sleep(0.05)
+        assert (out / output_folder.LOCK_NAME).is_file()
+        process.send_signal(sig)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+        process.stdin.close()
+    message = stderr.decode()
+    assert process.returncode == 2, message[-3000:]
+    assert f"error: received {signal.Signals(sig).name}; stopped while the run was starting" in message
+    assert "Traceback" not in message and stdout == b""
+    assert not (tmp_path / "runs").exists()

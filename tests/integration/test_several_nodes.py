@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -39,7 +40,7 @@ from pipeline import shards
 from pipeline.packing import collate_rows
 from tools.data import prepare as prepare_tool
 
-from tests.helpers import ROOT, as_yaml, records, tiny
+from tests.helpers import ROOT, as_yaml, records, tiny, write_slow_export_script
 
 SEQ_LEN = 32
 GLOBAL_BATCH = 8  # rows per update, over all ranks
@@ -81,8 +82,9 @@ def free_port() -> int:
 
 
 def torchrun(launch: list[str], config: Path, rows: Path, microbatch: int, log: Path, *extra: str) -> subprocess.Popen:
-    """train.py under torchrun; stdout (the metric lines) is piped, stderr goes to ``log``."""
-    command = [sys.executable, "-m", "torch.distributed.run", *launch, "train.py", "fit", "--config", str(config),
+    """train.py under torchrun, through runtime.torchrun as docs/several-nodes.md starts it; stdout (the
+    metric lines) is piped, stderr goes to ``log``."""
+    command = [sys.executable, "-m", "runtime.torchrun", *launch, "train.py", "fit", "--config", str(config),
                "--data.source", "litdata", "--data.path", str(rows), "--microbatch", str(microbatch), *extra]
     with log.open("w") as stderr:
         return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
@@ -174,8 +176,8 @@ def test_two_nodes_of_two_processes_train_like_one_process_accumulating_the_same
 def test_a_run_stopped_by_sigterm_resumes_from_its_checkpoint_to_the_same_weights(prepared, tmp_path):
     """SIGTERM to torchrun: its agent signals each rank's whole process group (the loader workers of
     the default data.loader_workers: 1 included, which leave the stop to their rank), waits, then
-    exits 1 by its own SignalException. The ranks agree on one update to finish, write the checkpoint
-    and stop, each with the stop's line. The same command with --ckpt_path last ends where an
+    ends: one line and 128 + SIGTERM, no traceback. The ranks agree on one update to finish, write the
+    checkpoint and stop, each with the stop's line. The same command with --ckpt_path last ends where an
     uninterrupted run ends, and only the newest checkpoint stays."""
     steps = 60
     default_workers = load_config(ROOT / "conf" / "config.yaml").data.loader_workers
@@ -194,7 +196,8 @@ def test_a_run_stopped_by_sigterm_resumes_from_its_checkpoint_to_the_same_weight
     stopped_at = seen[-1]["step"]
     err = log.read_text()
     assert "is killed by signal" not in err, err[-3000:]
-    assert first.returncode == 1, err[-3000:]  # torchrun's own status after a signal (docs/several-nodes.md)
+    assert first.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "torchrun: stopped by SIGTERM" in err and "Traceback" not in err, err[-3000:]
     assert f"error: stopped by SIGTERM after optimizer step {stopped_at}; checkpoint " in err, err[-3000:]
     assert 2 <= stopped_at < steps
     assert (tmp_path / "output" / "checkpoints" / "stopped.ckpt").is_file()
@@ -256,3 +259,32 @@ def test_slurms_signal_to_every_process_of_the_step_stops_at_a_checkpoint_and_re
     losses, module = accumulate_same_rows(config, rank_rows(prepared, 2, GLOBAL_BATCH // 2, seed=5), steps)
     assert [line["loss"] for line in seen + lines] == pytest.approx(losses, rel=1e-5)
     assert_same_weights(tmp_path / "output" / "model", module)
+
+
+def test_a_second_sigterm_during_the_export_leaves_neither_the_staging_folder_nor_the_lock(prepared, tmp_path):
+    """One process from the prepared rows (Lightning's DDP path, no torchrun): SIGTERM, then SIGTERM again
+    while the export writes. The second ends the process at once, as the signal's default does, and
+    what a finished run would have removed (the export's staging folder, the output folder's lock) is
+    removed first."""
+    config = write_config(tmp_path, 2)
+    script = write_slow_export_script(tmp_path / "slow_export.py")
+    command = [sys.executable, str(script), "fit", "--config", str(config), "--data.source", "litdata",
+               "--data.path", str(prepared), "--microbatch", "2"]
+    output = tmp_path / "output"
+    with (tmp_path / "run.log").open("w") as stderr:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + CHILD_TIMEOUT
+        while not list(output.glob(".model.tmp-*/model.safetensors")):
+            assert time.monotonic() < deadline and process.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        process.send_signal(signal.SIGTERM)
+        returncode = process.wait(timeout=60)
+    finally:
+        process.kill()
+    assert returncode == -signal.SIGTERM, (tmp_path / "run.log").read_text()[-3000:]
+    assert sorted(p.name for p in output.iterdir() if p.name.startswith(".")) == []
+    assert not (output / "model").exists()

@@ -156,14 +156,11 @@ class Sandbox(CheckerSandbox):
         assert not added and not changed, f"the run wrote into the read-only bundle: added {added}, changed {changed}"
 
     def assert_no_stray_files(self) -> None:
-        """Nothing in the working directory or HOME; no files in TMPDIR.
-
-        Importing torch._dynamo (pulled in by Lightning) creates an empty TMPDIR/torchinductor_<user>
-        folder; that is a library's doing and holds nothing, so only files count in TMPDIR.
-        """
+        """Nothing in the working directory, HOME or TMPDIR, not even an empty folder (importing Lightning
+        makes TMPDIR/torchinductor_<user>, and matplotlib's font cache needs a folder: neither stays)."""
         assert sorted(os.listdir(self.cwd)) == [], "the run wrote into its working directory"
         assert files_under(self.home) == [], "the run wrote into HOME"
-        assert files_under(self.tmp) == [], "the run left files in TMPDIR"
+        assert sorted(os.listdir(self.tmp)) == [], "the run left something in TMPDIR"
         self.assert_bundle_untouched()
 
 
@@ -327,6 +324,7 @@ def test_probe_is_real_and_leaves_nothing_behind(sandbox):
         register_module_forward_pre_hook(
             lambda m, inp: shapes.add(tuple(inp[0].shape)) if isinstance(m, torch.nn.Embedding) else None)
         report["returned"] = repr(train.probe_batch({MICROBATCH}))
+        report["tmp_after_probe"] = sorted(os.listdir(os.environ["TMPDIR"]))  # before the interpreter's exit
         report["state_before_step"] = state_before_step
         report["embedding_input_shapes"] = sorted(shapes)
         report["children"] = [p.pid for p in psutil.Process().children(recursive=True)]
@@ -345,6 +343,7 @@ def test_probe_is_real_and_leaves_nothing_behind(sandbox):
     # worst case: full microbatch of full-length rows through the real embedding
     assert [MICROBATCH, SEQ_LEN] in report["embedding_input_shapes"], report["embedding_input_shapes"]
     assert os.listdir(sandbox.output) == [], f"the probe wrote into the output root: {files_under(sandbox.output)}"
+    assert report["tmp_after_probe"] == [], "the probe left folders in TMPDIR for the interpreter's exit to remove"
     sandbox.assert_no_stray_files()
 
 

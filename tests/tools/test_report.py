@@ -25,6 +25,7 @@ import pytest
 
 from tests.helpers import CHROMIUM, run_chromium
 
+from runfab.limits import MIB
 from tools import report
 
 WARMUP_LINES, OBSERVED_LINES, VALIDATION_EVERY = 5, (18, 19), 10
@@ -110,7 +111,7 @@ def write_output_root(root: Path, lines: list[dict], record: dict | None = RUN_R
 def gpu_run(tmp_path) -> Path:
     root = write_output_root(tmp_path / "output", metric_lines())
     (root / "run/profile").mkdir()
-    (root / "run/profile/trace-updates-121-122.json").write_bytes(b"{" * 3 * 2**20)
+    (root / "run/profile/trace-updates-121-122.json").write_bytes(b"{" * 3 * MIB)
     (root / "run/memory").mkdir()
     (root / "run/memory/snapshot-update-123.pickle").write_bytes(b"not a pickle: must never be loaded")
     return root

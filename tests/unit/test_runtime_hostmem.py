@@ -11,6 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from runfab import memory
+from runfab.limits import GIB, TMP_BYTES
 from runtime import hostmem
 import train
 from runtime.batch_split import BatchSplit
@@ -60,8 +61,8 @@ def test_the_host_budget_counts_processes_output_and_tmp_and_admits_what_fits():
     assert written == 4 * 126_716_160  # the fp32 export of the lab's model
     one, two = hostmem.host_budget(1, written), hostmem.host_budget(2, written)
     assert two.processes - one.processes == pytest.approx(hostmem.PER_ADDED_GPU_GIB)
-    assert one.output == pytest.approx(written / 2**30 + hostmem.COMPILE_CACHE_GIB_PER_GPU)
-    assert one.total == pytest.approx(one.processes + one.output + hostmem.TMP_GIB + hostmem.MARGIN_GIB)
+    assert one.output == pytest.approx(written / GIB + hostmem.COMPILE_CACHE_GIB_PER_GPU)
+    assert one.total == pytest.approx(one.processes + one.output + TMP_BYTES / GIB + hostmem.MARGIN_GIB)
     fitting = [n for n in range(1, 9) if hostmem.host_budget_problem(8.0, n, written) is None]
     assert fitting == [n for n in range(1, 9) if hostmem.host_budget(n, written).total <= 8.0]
     assert 4 in fitting and 8 not in fitting

@@ -1,10 +1,14 @@
-"""The shape of the code: the training modules form no import cycle, and none imports the tools."""
+"""The shape of the code: the training modules form no import cycle, and none imports the tools; RunFab's
+facts and the packages' versions are written once."""
 
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import tomllib
 
-from runfab import shipping
+from runfab import limits, shipping
 
 from tests.helpers import ROOT
 
@@ -131,3 +135,88 @@ def test_kernels_are_chosen_when_the_model_is_built_never_in_a_forward():
                     if name in CHOOSERS:
                         found.append(f"{rel}:{call.lineno} {function.name} calls {name}")
     assert not found, f"kernels chosen at run time, not at build: {found}"
+
+
+# 2**30, 2**20, 1 << 30: RunFab's units are runfab/limits.py's GIB and MIB, spelled there once.
+UNIT_LITERALS = {(ast.Pow, 2, 30), (ast.Pow, 2, 20), (ast.LShift, 1, 30)}
+# RunFab's figures as a message would spell them (docstrings may describe the platform in words).
+RUNFAB_FIGURES = re.compile(r"\b(8|3) GiB\b|\b256 MiB\b")
+
+
+def python_files() -> list[str]:
+    """Every Python file of the checkout that git knows of (shipped or not, tests included)."""
+    listed = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    return [rel for rel in listed.stdout.split() if (ROOT / rel).is_file()]
+
+
+def docstrings(tree: ast.AST) -> set[int]:
+    nodes = [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))]
+    return {id(n.body[0].value) for n in nodes if n.body and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant) and isinstance(n.body[0].value.value, str)}
+
+
+def test_runfabs_facts_are_defined_once_in_runfab_limits():
+    """No GiB or MiB spelled as a power of two outside runfab/limits.py, and no message that writes one of
+    RunFab's figures (its RAM, output or /tmp) as text instead of from the limit it states."""
+    spelled, figures = [], []
+    for rel in python_files():
+        if rel == "runfab/limits.py":
+            continue
+        tree = ast.parse((ROOT / rel).read_text())
+        prose = docstrings(tree)
+        for node in ast.walk(tree):
+            operands = (node.left, node.right) if isinstance(node, ast.BinOp) else ()
+            if (all(isinstance(operand, ast.Constant) for operand in operands) and operands
+                    and (type(node.op), node.left.value, node.right.value) in UNIT_LITERALS):
+                spelled.append(f"{rel}:{node.lineno}")
+            elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose
+                  and RUNFAB_FIGURES.search(node.value)):
+                figures.append(f"{rel}:{node.lineno}")
+    assert not spelled, f"use runfab.limits.GIB / MIB: {spelled}"
+    assert not figures, f"messages that spell RunFab's figures instead of reading runfab.limits: {figures}"
+
+
+UNIT_SUFFIXES = ("_BYTES", "_GIB", "_MIB", "_SECONDS", "_CHARS")
+
+
+def limit_stem(name: str) -> str:
+    for suffix in UNIT_SUFFIXES:
+        name = name.removesuffix(suffix)
+    return name
+
+
+def test_no_module_defines_a_runfab_limit_again_in_another_unit():
+    """``TMP_GIB`` beside runfab.limits' ``TMP_BYTES`` is one fact written twice: a module-level constant whose
+    name is a limit's, in any unit, is defined only in runfab/limits.py (the others import it)."""
+    stems = {limit_stem(name) for name in vars(limits) if name.isupper() and name not in ("GIB", "MIB")}
+    again = []
+    for rel in python_files():
+        if rel == "runfab/limits.py":
+            continue
+        for node in ast.parse((ROOT / rel).read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) else []
+            again += [f"{rel}: {t.id}" for t in targets if isinstance(t, ast.Name) and limit_stem(t.id) in stems]
+    assert not again, f"RunFab's limits defined again (import them from runfab.limits): {again}"
+
+
+def requirement_pins(lines: list[str]) -> dict[str, str]:
+    """name -> version specifier of each ``name==x`` / ``name>=x`` requirement in ``lines``."""
+    found = {}
+    for line in lines:
+        for token in line.replace('"', " ").replace(",", " ").split():
+            if match := re.fullmatch(r"([A-Za-z0-9_.-]+)((?:==|>=|<=|~=)[^\s]+)", token):
+                found[match[1].lower()] = match[2]
+    return found
+
+
+def test_pyproject_and_requirements_name_the_same_versions():
+    """A package pinned in both pyproject.toml's extras and requirements.txt (its comments too) has one version."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = [spec for specs in project.get("optional-dependencies", {}).values() for spec in specs]
+    pinned = requirement_pins(extras + project.get("dependencies", []))
+    listed = requirement_pins([line.lstrip("# ") for line in (ROOT / "requirements.txt").read_text().splitlines()])
+    differ = {name: (pinned[name], listed[name]) for name in sorted(pinned.keys() & listed.keys())
+              if pinned[name] != listed[name]}
+    assert "quack-kernels" in pinned and "quack-kernels" in listed
+    assert not differ, f"pyproject.toml and requirements.txt disagree (pyproject, requirements): {differ}"

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from runfab.limits import MIB
+
 
 def worker(rank: int, world: int, port: int, parameters: int, repeats: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -40,7 +42,7 @@ def worker(rank: int, world: int, port: int, parameters: int, repeats: int) -> N
         size = buffer.numel() * buffer.element_size()
         if rank == 0:
             bus = 2 * (world - 1) / world * size / seconds / 1e9
-            print(f"all-reduce {size / 2**20:.0f} MiB {str(dtype).removeprefix('torch.')} over {world} GPUs: "
+            print(f"all-reduce {size / MIB:.0f} MiB {str(dtype).removeprefix('torch.')} over {world} GPUs: "
                   f"{seconds * 1e3:.2f} ms median, bus bandwidth {bus:.1f} GB/s", flush=True)
     dist.destroy_process_group()
 

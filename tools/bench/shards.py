@@ -1,13 +1,13 @@
 """How fast one rank reads prepared rows, on one core, against what a GPU consumes.
 
-``python -m tools bench shards [--path DIR] [--seconds 10] [--microbatch 32]``
+``python -m tools bench shards [--path DIR] [--seconds 10] [--microbatch 32] [--gpu-tokens-per-second N]``
 
 A rank of a run from prepared shards does this work for every update (pipeline/shards.py): LitData
 reads its rows from the chunks, and GroupCollate turns them into microbatches (positions, targets,
 document offsets, target-token counts). This measures that work alone, in this process pinned to
 one core with one torch thread and no loader workers, so the figure is what one core gives one
-rank. One H200 trains the reference model at about 500,000 target tokens/s (docs/PERFORMANCE.md);
-the reading must keep well ahead of that.
+rank. The reading must keep well ahead of what the rank's GPU trains: given that rate
+(``--gpu-tokens-per-second``, from a run's metric lines or ``bench training``), the headroom is printed.
 
 Without ``--path``, the bundled sample (real text) is repeated into a corpus of about ``--rows``
 rows and prepared with ``python -m tools prepare`` and the reference configuration (rows of 4,096
@@ -29,7 +29,6 @@ from pathlib import Path
 
 from runfab import created_files
 
-GPU_TOKENS_PER_SECOND = 500_000  # one H200, reference model, realistic packed documents (docs/PERFORMANCE.md)
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -82,8 +81,7 @@ def read_rows(path: str, seq_len: int, microbatch: int, seconds: float, seed: in
     elapsed = time.perf_counter() - started
     rate = target_tokens / elapsed
     return {"updates": updates, "rows": updates * microbatch, "target_tokens": target_tokens,
-            "seconds": round(elapsed, 3), "target_tokens_per_second": round(rate),
-            "gpu_target_tokens_per_second": GPU_TOKENS_PER_SECOND, "headroom": round(rate / GPU_TOKENS_PER_SECOND, 2)}
+            "seconds": round(elapsed, 3), "target_tokens_per_second": round(rate)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=2000, help="rows to prepare when --path is not given")
     parser.add_argument("--microbatch", type=int, default=32, help="rows per update on the rank")
     parser.add_argument("--seconds", type=float, default=10.0, help="how long to read at most")
+    parser.add_argument("--gpu-tokens-per-second", type=float,
+                        help="target tokens/s the rank's GPU trains (a run's tokens_per_second): prints the headroom")
     args = parser.parse_args(argv)
     from config import load_config
 
@@ -111,9 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         result["path"] = path
         result["read"] = read_rows(path, seq_len, args.microbatch, args.seconds, cfg.seed)
     read = result["read"]
+    headroom = ""
+    if args.gpu_tokens_per_second:
+        read["gpu_target_tokens_per_second"] = args.gpu_tokens_per_second
+        read["headroom"] = round(read["target_tokens_per_second"] / args.gpu_tokens_per_second, 2)
+        headroom = f", {read['headroom']}x the {args.gpu_tokens_per_second:g} tokens/s the GPU trains"
     print(f"read: {read['target_tokens_per_second']} target tokens/s on one core ({read['updates']} updates of "
-          f"{args.microbatch} x {seq_len}), {read['headroom']}x the {GPU_TOKENS_PER_SECOND} tokens/s one H200 "
-          "consumes", file=sys.stderr)
+          f"{args.microbatch} x {seq_len}){headroom}", file=sys.stderr)
     print(json.dumps(result))
     return 0
 

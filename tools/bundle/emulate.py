@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TextIO
 
 from runfab import created_files, limits as runfab_limits
+from runfab.limits import GIB, MIB
 from runfab.shipping import folder_bytes
 from tools import processes
 from tools import report as run_report
@@ -93,8 +94,8 @@ def probe(sandbox: Sandbox, microbatch: int, cuda: bool, limit: float) -> dict:
     sampler.join()
     return {"microbatch": microbatch, "fits": ok, "seconds": round(time.monotonic() - start, 1),
             "reason": None if ok else (reason[0] if reason else "failed"),
-            "peak_host_pss_gib": round(sampler.peak_pss / 2**30, 2),
-            "peak_host_rss_gib": round(sampler.peak_rss / 2**30, 2), **measured}
+            "peak_host_pss_gib": round(sampler.peak_pss / GIB, 2),
+            "peak_host_rss_gib": round(sampler.peak_rss / GIB, 2), **measured}
 
 
 def probe_figures(stderr: list[str]) -> dict:
@@ -127,7 +128,7 @@ def enforce_budgets(process: subprocess.Popen, sandbox: Sandbox, usage: Usage) -
                 ("output", OUTPUT_BUDGET, "peak_output_bytes", size(sandbox.output))):
             setattr(usage, attribute, max(getattr(usage, attribute), value))
             if value > limit and usage.exceeded is None:
-                usage.exceeded = f"{name}: {value / 2**20:.0f} MiB > {limit / 2**20:.0f} MiB"
+                usage.exceeded = f"{name}: {value / MIB:.0f} MiB > {limit / MIB:.0f} MiB"
                 processes.kill_group(process.pid)
 
     return check_sample
@@ -251,9 +252,9 @@ def emulate(bundle: Path, report: Path, cuda: bool, gpus: int | None, microbatch
     created_files.write_text(report / "summary.json", json.dumps(summary, indent=2) + "\n")
     u = result.usage
     print(f"emulate: exit {code} after {result.train_seconds} s, {lines} metric lines; peaks: RAM "
-          f"{u.peak_pss_bytes / 2**30:.2f} GiB PSS ({u.peak_rss_bytes / 2**30:.2f} GiB RSS), "
-          f"/tmp {u.peak_tmp_bytes / 2**20:.1f} MiB, output "
-          f"{u.peak_output_bytes / 2**20:.1f} MiB{'; STOPPED: ' + u.exceeded if u.exceeded else ''}; "
+          f"{u.peak_pss_bytes / GIB:.2f} GiB PSS ({u.peak_rss_bytes / GIB:.2f} GiB RSS), "
+          f"/tmp {u.peak_tmp_bytes / MIB:.1f} MiB, output "
+          f"{u.peak_output_bytes / MIB:.1f} MiB{'; STOPPED: ' + u.exceeded if u.exceeded else ''}; "
           f"report {page}, summary and plots in {report}", file=log)
     return result
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runfab.hooks import BATCH_MAX, BATCH_MIN, BATCH_NAME, HOOKS
-from runfab.limits import EXPANDED_BYTES as EXPANDED_LIMIT, ZIP_BYTES as ZIP_LIMIT
+from runfab.limits import EXPANDED_BYTES as EXPANDED_LIMIT, MIB, ZIP_BYTES as ZIP_LIMIT
 
 if TYPE_CHECKING:
     from tools.bundle.sandbox import BundleSource, ChildRun
@@ -183,7 +183,7 @@ def ast_parameters(args: ast.arguments) -> list[str]:
 
 
 def size_text(size: int) -> str:
-    return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"
+    return f"{size / MIB:.1f} MiB" if size >= MIB else f"{size / 1024:.1f} KiB"
 
 
 def listing(items: list[str], limit: int = 5) -> str:

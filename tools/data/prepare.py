@@ -50,6 +50,7 @@ import numpy as np
 
 from runfab import created_files
 from runfab.lifetime import STOP_SIGNALS, exit_with_parent, on_stop_signals
+from runfab.limits import MIB
 
 DEFAULT_RANGE_MIB = 64
 CHUNK_BYTES = "64MB"  # LitData's chunk size: large reads from object stores, few files
@@ -487,7 +488,7 @@ def prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     folder = None if shards.is_url(output) else PreparedFolder(Path(output), own_names)
     if folder is not None and (problem := folder.problem(args.overwrite)):
         return refuse(problem)
-    ranges = byte_ranges(paths, max(1, int(args.range_mib * 2**20)))
+    ranges = byte_ranges(paths, max(1, int(args.range_mib * MIB)))
     if not ranges:
         return refuse(f"the input files are empty: {', '.join(paths)}")
     workers = min(args.workers or len(os.sched_getaffinity(0)), len(ranges))
@@ -532,7 +533,7 @@ def prepare(args: argparse.Namespace, overrides: list[str]) -> int:
                     "inputs": paths, "settings": {k: v for k, v in asdict(settings).items() if k != "stats_dir"},
                     "summary": summary, "validation": validation}
             meta["fingerprint"] = fingerprint(meta, input_digests(stats_dir, len(ranges)),
-                                              max(1, int(args.range_mib * 2**20)))
+                                              max(1, int(args.range_mib * MIB)))
             shards.write_meta(output, meta)
         except PrepareFailed as failed:
             if folder is not None:
