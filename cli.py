@@ -2,9 +2,9 @@
 
 Built on jsonargparse, the library under Lightning's own CLI, so it behaves the way people coming from
 Lightning expect: subcommands, one typed ``--section.key`` option per configuration key, a ``--help``
-that lists them all, and ``--print_config``. It only reads the command line. The YAML file and the
-overrides are merged by ``config.load_config``, the path RunFab's hooks take too, so the values are
-checked once, the same way, and the hooks never import jsonargparse (RunFab's image does not have it).
+that lists them all, and ``--print_config``. It only reads the command line, into typed values by dotted
+key; ``config.load_config`` merges them over the YAML file, the path RunFab's hooks take too, so the
+values are checked once, the same way, and the hooks never import jsonargparse (RunFab's image lacks it).
 
 The help of a key is the docstring under its field in the dataclass that defines it, read by
 jsonargparse (with docstring-parser), so a key's meaning is written once, beside its default. Any other
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import re
 import sys
 import typing
@@ -64,7 +63,7 @@ class Command:
 
     name: str
     config_path: str | None
-    overrides: list[str]  # omegaconf dotlist ("model.n_layer=2"), only for keys given on the command line
+    overrides: list[tuple[str, object]]  # (dotted key, typed value), only for keys given on the command line
     microbatch: int | None
     accumulation: int | None
     print_config: bool
@@ -161,7 +160,7 @@ def parse(argv: list[str]) -> Command:
     return Command(
         name=name,
         config_path=config_from_here(options["config"]),
-        overrides=[f"{key}={json.dumps(value)}" for key, value in given.items()],
+        overrides=list(given.items()),
         microbatch=options["microbatch"],
         accumulation=options["accumulation"],
         print_config=print_config,
@@ -240,7 +239,7 @@ def given_value(argv: list[str], key: str) -> str | None:
 def known_options() -> list[str]:
     """Every option of ``fit``: its own, one per configuration key, and the Trainer's that pass through."""
     own = ["--config", "--microbatch", "--accumulation", "--ckpt_path", PRINT_CONFIG]
-    keys = [f"--{key}" for key in config_keys(RunConfig) if key != PASSED_TO_LIGHTNING]
+    keys = [f"--{key}" for key in config_keys(RunConfig)]
     passed = [f"--trainer.{name}" for name in lightning_trainer_arguments()
               if name not in LIGHTNING_REFUSED and f"--trainer.{name}" not in keys]
     return own + keys + passed
@@ -269,7 +268,7 @@ def build_parser(config_path: str | None = None) -> ArgumentParser:
             parser = subcommand_parser(name, summary)
         else:  # a parser of its own: the shared one keeps the dataclasses' defaults
             parser = new_subcommand_parser(name, summary)
-            parser.set_defaults({key: values[key] for key in config_keys(RunConfig) if key != PASSED_TO_LIGHTNING})
+            parser.set_defaults(values)
         subcommands.add_subcommand(name, parser, help=summary)
     return root
 
@@ -310,15 +309,12 @@ def new_subcommand_parser(name: str, summary: str = "") -> ArgumentParser:
                                  "process count must be unchanged")
     parser.add_argument(PRINT_CONFIG, action="store_true",
                         help="print the merged configuration as YAML on stdout and exit without training")
-    hints = typing.get_type_hints(RunConfig)
-    for item in fields(RunConfig):
-        if item.name in fit_sections():
-            skip = {PASSED_TO_LIGHTNING.split(".")[1]} if item.name == PASSED_TO_LIGHTNING.split(".")[0] else None
-            parser.add_class_arguments(hints[item.name], item.name, skip=skip, sub_configs=False)
-            section_file_help(parser, item.name)
-        else:
-            parser.add_argument(f"--{item.name}", type=hints[item.name], default=item.default,
-                                help=run_config_help()[item.name])
+    parser.add_class_arguments(RunConfig, sub_configs=False)
+    for action in parser._actions:  # the --SECTION FILE option jsonargparse adds for every section
+        if action.option_strings and action.option_strings[0][2:] in fit_sections():
+            action.metavar = "FILE"
+            action.help = (f"a YAML file of {action.dest} keys (e.g. the {action.dest}: part of a config, without "
+                           "that line), applied where it stands among the overrides")
     add_lightning_options(parser)
     return parser
 
@@ -328,22 +324,6 @@ def fit_sections() -> tuple[str, ...]:
     """The sections of the config (model, data, ...): each has a --SECTION.key option per key and --SECTION FILE."""
     hints = typing.get_type_hints(RunConfig)
     return tuple(item.name for item in fields(RunConfig) if is_dataclass(hints[item.name]))
-
-
-def section_file_help(parser: ArgumentParser, section: str) -> None:
-    """The help of ``--SECTION FILE``, which jsonargparse adds for every section, says what the file holds."""
-    for action in parser._actions:
-        if action.option_strings == [f"--{section}"]:
-            action.metavar = "FILE"
-            action.help = (f"a YAML file of {section} keys (e.g. the {section}: part of a config, without that line), "
-                           "applied where it stands among the overrides")
-
-
-@cache
-def run_config_help() -> dict[str, str]:
-    """The help of RunConfig's own keys (seed), from the docstrings under its fields."""
-    return {param.arg_name: " ".join((param.description or "").split())
-            for param in docstring_parser.parse_from_object(RunConfig).params}
 
 
 def add_lightning_options(parser: ArgumentParser) -> None:

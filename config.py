@@ -12,6 +12,7 @@ import math
 import os
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, is_dataclass
 from datetime import timedelta
 from functools import cache
@@ -263,8 +264,9 @@ def bundle_path(path: str | Path) -> Path:
     return path if path.is_absolute() else BUNDLE_ROOT / path
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Schema defaults <- YAML file <- dotted overrides ("model.n_layer=2"), then checked."""
+def load_config(path: str | Path | None = None, overrides: Iterable[str | tuple[str, Any]] = ()) -> RunConfig:
+    """Schema defaults <- YAML file <- overrides, then checked. An override is a typed value by its dotted key
+    (``("model.n_layer", 2)``, what the command line's parser gives), or omegaconf's ``"model.n_layer=2"``."""
     path = bundle_path(path) if path is not None else default_config_path()
     if not path.is_file():
         what = "is a folder" if path.is_dir() else "is not a regular file" if path.exists() else "was not found"
@@ -277,7 +279,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path} must hold a mapping of sections (model:, data:, ...), not a "
                               f"{type(values).__name__.removesuffix('Config').lower()}")
         values = lightning_arguments_apart(values)
-        given = lightning_arguments_apart(OmegaConf.from_dotlist(overrides or []))
+        given = lightning_arguments_apart(overrides_config(overrides))
         refuse_old_model_keys(values, path)
         refuse_old_model_keys(given, "the command line")
         config = built(RunConfig, OmegaConf.merge(OmegaConf.structured(schema(RunConfig)), values, given))
@@ -290,6 +292,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     resolve_defaults(config)
     check_config(config)
     return config
+
+
+def overrides_config(overrides: Iterable[str | tuple[str, Any]]) -> DictConfig:
+    given = OmegaConf.create()
+    for item in overrides:
+        if isinstance(item, str):
+            given = OmegaConf.merge(given, OmegaConf.from_dotlist([item]))
+        else:
+            OmegaConf.update(given, item[0], item[1], force_add=True)
+    return given
 
 
 def refuse_old_model_keys(values: DictConfig, source: object) -> None:

@@ -293,7 +293,7 @@ def test_a_list_key_given_one_bare_value_is_told_it_needs_a_list_not_that_the_va
     with pytest.raises(cli.CommandLineError) as caught:
         cli.parse(["--observe.loggers", "csv"])
     assert "list" in str(caught.value) and "must be one of" not in str(caught.value)
-    assert cli.parse(["--observe.loggers", "[csv]"]).overrides == ['observe.loggers=["csv"]']
+    assert cli.parse(["--observe.loggers", "[csv]"]).overrides == [("observe.loggers", ["csv"])]
 
 
 @pytest.mark.parametrize("typed, meant", [("--model.n_layr", "--model.n_layer"), ("--trainer.max_stps", "--trainer.max_steps"),
@@ -392,6 +392,10 @@ def test_every_section_file_that_fit_help_offers_sets_its_keys(tmp_path):
         assert getattr(getattr(load_config(None, command.overrides), section), key) == value, section
         command = cli.parse(["fit", f"--{section}", str(path), f"--{section}.{key}", str(value * 2)])
         assert getattr(getattr(load_config(None, command.overrides), section), key) == value * 2, section
+    path = tmp_path / "trainer.yaml"  # the trainer: part of a config, Lightning's arguments included
+    path.write_text("max_steps: 900\nlog_every_n_steps: 3\nlightning:\n  detect_anomaly: true\n")
+    cfg = load_config(None, cli.parse(["fit", "--trainer", str(path)]).overrides)
+    assert cfg.trainer.max_steps == 900 and cfg.trainer.lightning == {"detect_anomaly": True, "log_every_n_steps": 3}
 
 
 def test_the_fast_dev_run_refusal_gives_advice_that_is_accepted():
