@@ -34,8 +34,9 @@ from runtime import training_run
 from runtime.batch_split import BatchSplit, command_line_microbatch
 from callbacks.export import ExportFailed
 from callbacks.runfab_metrics import NonFiniteLossError
-from config import (CONFIG_ENV, DEFAULT_CONFIG, LIGHTNING_REFUSED, ConfigError, RunConfig, TrainerConfig, as_dict,
-                    lightning_argument_problems, lightning_trainer_arguments, literal_choices, load_config, nullable)
+from config import (CONFIG_ENV, DEFAULT_CONFIG, KEY_RANGES, LIGHTNING_REFUSED, ConfigError, RunConfig, TrainerConfig, as_dict,
+                    lightning_argument_problems, lightning_trainer_arguments, literal_choices, load_config, nullable,
+                    range_text)
 from runtime.device_policy import world_size
 from runtime.probe import run_probe
 from pipeline.shards import ShardsError
@@ -310,8 +311,10 @@ def new_subcommand_parser(name: str, summary: str = "") -> ArgumentParser:
     parser.add_argument(PRINT_CONFIG, action="store_true",
                         help="print the merged configuration as YAML on stdout and exit without training")
     parser.add_class_arguments(RunConfig, sub_configs=False)
-    for action in parser._actions:  # the --SECTION FILE option jsonargparse adds for every section
-        if action.option_strings and action.option_strings[0][2:] in fit_sections():
+    for action in parser._actions:
+        if action.dest in KEY_RANGES:
+            action.help = f"{action.help} (range: {range_text(action.dest)})"
+        if action.option_strings and action.option_strings[0][2:] in fit_sections():  # jsonargparse's --SECTION FILE
             action.metavar = "FILE"
             action.help = (f"a YAML file of {action.dest} keys (e.g. the {action.dest}: part of a config, without "
                            "that line), applied where it stands among the overrides")
