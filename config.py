@@ -27,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from callbacks.observe import ObserveConfig
 from pipeline.config import DataConfig
 from lit_module import OptimConfig
-from model.decoder import MOVED_KEYS, REMOVED_KEYS, ModelConfig
+from model.decoder import ModelConfig
 from model.kernels import ComputeConfig
 from runfab.limits import GIB, OUTPUT_BYTES, RAM_BYTES
 
@@ -330,8 +330,6 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str | tuple[
                               f"{type(values).__name__.removesuffix('Config').lower()}")
         values = lightning_arguments_apart(values)
         given = lightning_arguments_apart(overrides_config(overrides))
-        refuse_old_model_keys(values, path)
-        refuse_old_model_keys(given, "the command line")
         config = built(RunConfig, OmegaConf.merge(OmegaConf.structured(schema(RunConfig)), values, given))
     except ConfigError:
         raise
@@ -352,20 +350,6 @@ def overrides_config(overrides: Iterable[str | tuple[str, Any]]) -> DictConfig:
         else:
             OmegaConf.update(given, item[0], item[1], force_add=True)
     return given
-
-
-def refuse_old_model_keys(values: DictConfig, source: object) -> None:
-    """A key the model section no longer has, named with where it went or why it is gone."""
-    model = values.get("model")
-    found = []
-    for name in model if isinstance(model, DictConfig) else ():
-        key = f"model.{name}"
-        if key in MOVED_KEYS:
-            found.append(f"{key} is now {MOVED_KEYS[key]}")
-        elif key in REMOVED_KEYS:
-            found.append(f"{key} was removed: {REMOVED_KEYS[key]}")
-    if found:
-        raise ConfigError(f"{source}: " + "; ".join(found))
 
 
 def lightning_arguments_apart(values: DictConfig) -> DictConfig:
