@@ -141,7 +141,7 @@ def parse(argv: list[str]) -> Command:
     # configuration), so the flag is taken out before it parses; the option is declared only for --help.
     print_config = PRINT_CONFIG in argv
     argv = [token for token in argv if token != PRINT_CONFIG]
-    configs = config_files(argv)
+    configs = given_values(argv, "config")
     if len(configs) > 1:  # the parser would keep the last one silently
         raise CommandLineError(f"--config is given {len(configs)} times; give one file, and change single keys "
                                "with --section.key VALUE")
@@ -169,26 +169,15 @@ def parse(argv: list[str]) -> Command:
     )
 
 
-def config_files(argv: list[str]) -> list[str]:
-    """The values of every --config in ``argv`` (``--config FILE`` or ``--config=FILE``)."""
-    found = []
-    for index, token in enumerate(argv):
-        if token.startswith("--config="):
-            found.append(token.split("=", 1)[1])
-        elif token == "--config":
-            found.append(argv[index + 1] if index + 1 < len(argv) else "")
-    return found
-
-
 def readable(error: Exception, argv: list[str]) -> str:
     """jsonargparse's message on one line; for an option no key has, the keys spelled closest to it."""
     message = " ".join(str(error).split())
-    if (key := re.match(r'Parser key "([\w.]+)"', message)) and (choices := key_choices(key[1])):
+    if (key := re.match(r'Parser key "([\w.]+)"', message)) and (choices := key_choices(key[1]))[0]:
         item = re.search(r"Expected a typing.Literal\[.*\]\. Got value: (.*)$", message)
-        if not list_key(key[1]):
-            return f"--{key[1]} must be one of {choices}, not {given_value(argv, key[1])!r}"
-        if item:  # a list key (a bare value, no list, keeps jsonargparse's words)
-            return f"--{key[1]} must list only {choices}, not {item[1]!r}"
+        if not choices[1] and (given := given_values(argv, key[1])):  # not given: from a --SECTION FILE
+            return f"--{key[1]} must be one of {choices[0]}, not {given[-1]!r}"
+        if choices[1] and item:  # a list key (a bare value, no list, keeps jsonargparse's words)
+            return f"--{key[1]} must list only {choices[0]}, not {item[1]!r}"
     if not message.startswith("unrecognized arguments"):
         return message
     options = known_options()
@@ -201,40 +190,22 @@ def readable(error: Exception, argv: list[str]) -> str:
     return message
 
 
-def key_hint(key: str) -> object:
-    """The type of a configuration key ("model.n_layer"); None for a name the config has no key for."""
+def key_choices(key: str) -> tuple[str, bool]:
+    """The choices of a configuration key ("model.n_layer") typed ``Literal[...]`` or a list of them ("a, b, c (or
+    null)"; "" for any other key or a name the config has no key for), and whether the key is a list."""
     hint: object = RunConfig
     for name in key.split("."):
-        hints = typing.get_type_hints(hint) if is_dataclass(hint) else {}
-        if name not in hints:
-            return None
-        hint = hints[name]
-    return hint
-
-
-def list_key(key: str) -> bool:
-    return typing.get_origin(key_hint(key)) is list
-
-
-def key_choices(key: str) -> str:
-    """The choices of a configuration key typed ``Literal[...]``, or a list of them ("a, b, c (or null)");
-    "" for any other key."""
-    hint = key_hint(key)
-    if typing.get_origin(hint) is list:
-        hint = typing.get_args(hint)[0]
+        hint = typing.get_type_hints(hint).get(name) if is_dataclass(hint) else None
+    listed = typing.get_origin(hint) is list
+    hint = typing.get_args(hint)[0] if listed else hint
     choices = literal_choices(hint)
-    return f"{', '.join(map(str, choices))}{' (or null)' if nullable(hint) else ''}" if choices else ""
+    return f"{', '.join(map(str, choices))}{' (or null)' if nullable(hint) else ''}" if choices else "", listed
 
 
-def given_value(argv: list[str], key: str) -> str | None:
-    """What ``argv`` gives ``--key`` (``--key VALUE`` or ``--key=VALUE``), the last one where it is given twice."""
-    found = None
-    for index, token in enumerate(argv):
-        if token == f"--{key}" and index + 1 < len(argv):
-            found = argv[index + 1]
-        elif token.startswith(f"--{key}="):
-            found = token.split("=", 1)[1]
-    return found
+def given_values(argv: list[str], key: str) -> list[str]:
+    """What ``argv`` gives ``--key`` (``--key VALUE`` or ``--key=VALUE``), each time it is given."""
+    return [token.split("=", 1)[1] if "=" in token else argv[index + 1] for index, token in enumerate(argv)
+            if token.startswith(f"--{key}=") or token == f"--{key}" and index + 1 < len(argv)]
 
 
 def known_options() -> list[str]:

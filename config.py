@@ -343,6 +343,8 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str | tuple[
 
 
 def overrides_config(overrides: Iterable[str | tuple[str, Any]]) -> DictConfig:
+    """The overrides as one config, a later one replacing an earlier one (a mapping, trainer.lightning's, merged
+    into what is there)."""
     given = OmegaConf.create()
     for item in overrides:
         if isinstance(item, str):
