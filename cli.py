@@ -2,9 +2,9 @@
 
 Built on jsonargparse, the library under Lightning's own CLI, so it behaves the way people coming from
 Lightning expect: subcommands, one typed ``--section.key`` option per configuration key, a ``--help``
-that lists them all, and ``--print_config``. It only reads the command line. The YAML file and the
-overrides are merged by ``config.load_config``, the path RunFab's hooks take too, so the values are
-checked once, the same way, and the hooks never import jsonargparse (RunFab's image does not have it).
+that lists them all, and ``--print_config``. It only reads the command line, into typed values by dotted
+key; ``config.load_config`` merges them over the YAML file, the path RunFab's hooks take too, so the
+values are checked once, the same way, and the hooks never import jsonargparse (RunFab's image lacks it).
 
 The help of a key is the docstring under its field in the dataclass that defines it, read by
 jsonargparse (with docstring-parser), so a key's meaning is written once, beside its default. Any other
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import re
 import sys
 import typing
@@ -35,8 +34,9 @@ from runtime import training_run
 from runtime.batch_split import BatchSplit, command_line_microbatch
 from callbacks.export import ExportFailed
 from callbacks.runfab_metrics import NonFiniteLossError
-from config import (CONFIG_ENV, DEFAULT_CONFIG, LIGHTNING_REFUSED, ConfigError, RunConfig, TrainerConfig, as_dict,
-                    lightning_argument_problems, lightning_trainer_arguments, literal_choices, load_config, nullable)
+from config import (CONFIG_ENV, DEFAULT_CONFIG, KEY_RANGES, LIGHTNING_REFUSED, ConfigError, RunConfig, TrainerConfig, as_dict,
+                    lightning_argument_problems, lightning_trainer_arguments, literal_choices, load_config, nullable,
+                    range_text)
 from runtime.device_policy import world_size
 from runtime.probe import run_probe
 from pipeline.shards import ShardsError
@@ -64,7 +64,7 @@ class Command:
 
     name: str
     config_path: str | None
-    overrides: list[str]  # omegaconf dotlist ("model.n_layer=2"), only for keys given on the command line
+    overrides: list[tuple[str, object]]  # (dotted key, typed value), only for keys given on the command line
     microbatch: int | None
     accumulation: int | None
     print_config: bool
@@ -138,7 +138,7 @@ def parse(argv: list[str]) -> Command:
     # configuration), so the flag is taken out before it parses; the option is declared only for --help.
     print_config = PRINT_CONFIG in argv
     argv = [token for token in argv if token != PRINT_CONFIG]
-    configs = config_files(argv)
+    configs = given_values(argv, "config")
     if len(configs) > 1:  # the parser would keep the last one silently
         raise CommandLineError(f"--config is given {len(configs)} times; give one file, and change single keys "
                                "with --section.key VALUE")
@@ -158,7 +158,7 @@ def parse(argv: list[str]) -> Command:
     return Command(
         name=name,
         config_path=config_from_here(options["config"]),
-        overrides=[f"{key}={json.dumps(value)}" for key, value in given.items()],
+        overrides=list(given.items()),
         microbatch=options["microbatch"],
         accumulation=options["accumulation"],
         print_config=print_config,
@@ -166,26 +166,15 @@ def parse(argv: list[str]) -> Command:
     )
 
 
-def config_files(argv: list[str]) -> list[str]:
-    """The values of every --config in ``argv`` (``--config FILE`` or ``--config=FILE``)."""
-    found = []
-    for index, token in enumerate(argv):
-        if token.startswith("--config="):
-            found.append(token.split("=", 1)[1])
-        elif token == "--config":
-            found.append(argv[index + 1] if index + 1 < len(argv) else "")
-    return found
-
-
 def readable(error: Exception, argv: list[str]) -> str:
     """jsonargparse's message on one line; for an option no key has, the keys spelled closest to it."""
     message = " ".join(str(error).split())
-    if (key := re.match(r'Parser key "([\w.]+)"', message)) and (choices := key_choices(key[1])):
+    if (key := re.match(r'Parser key "([\w.]+)"', message)) and (choices := key_choices(key[1]))[0]:
         item = re.search(r"Expected a typing.Literal\[.*\]\. Got value: (.*)$", message)
-        if not list_key(key[1]):
-            return f"--{key[1]} must be one of {choices}, not {given_value(argv, key[1])!r}"
-        if item:  # a list key (a bare value, no list, keeps jsonargparse's words)
-            return f"--{key[1]} must list only {choices}, not {item[1]!r}"
+        if not choices[1] and (given := given_values(argv, key[1])):  # not given: from a --SECTION FILE
+            return f"--{key[1]} must be one of {choices[0]}, not {given[-1]!r}"
+        if choices[1] and item:  # a list key (a bare value, no list, keeps jsonargparse's words)
+            return f"--{key[1]} must list only {choices[0]}, not {item[1]!r}"
     if not message.startswith("unrecognized arguments"):
         return message
     options = known_options()
@@ -198,46 +187,28 @@ def readable(error: Exception, argv: list[str]) -> str:
     return message
 
 
-def key_hint(key: str) -> object:
-    """The type of a configuration key ("model.n_layer"); None for a name the config has no key for."""
+def key_choices(key: str) -> tuple[str, bool]:
+    """The choices of a configuration key ("model.n_layer") typed ``Literal[...]`` or a list of them ("a, b, c (or
+    null)"; "" for any other key or a name the config has no key for), and whether the key is a list."""
     hint: object = RunConfig
     for name in key.split("."):
-        hints = typing.get_type_hints(hint) if is_dataclass(hint) else {}
-        if name not in hints:
-            return None
-        hint = hints[name]
-    return hint
-
-
-def list_key(key: str) -> bool:
-    return typing.get_origin(key_hint(key)) is list
-
-
-def key_choices(key: str) -> str:
-    """The choices of a configuration key typed ``Literal[...]``, or a list of them ("a, b, c (or null)");
-    "" for any other key."""
-    hint = key_hint(key)
-    if typing.get_origin(hint) is list:
-        hint = typing.get_args(hint)[0]
+        hint = typing.get_type_hints(hint).get(name) if is_dataclass(hint) else None
+    listed = typing.get_origin(hint) is list
+    hint = typing.get_args(hint)[0] if listed else hint
     choices = literal_choices(hint)
-    return f"{', '.join(map(str, choices))}{' (or null)' if nullable(hint) else ''}" if choices else ""
+    return f"{', '.join(map(str, choices))}{' (or null)' if nullable(hint) else ''}" if choices else "", listed
 
 
-def given_value(argv: list[str], key: str) -> str | None:
-    """What ``argv`` gives ``--key`` (``--key VALUE`` or ``--key=VALUE``), the last one where it is given twice."""
-    found = None
-    for index, token in enumerate(argv):
-        if token == f"--{key}" and index + 1 < len(argv):
-            found = argv[index + 1]
-        elif token.startswith(f"--{key}="):
-            found = token.split("=", 1)[1]
-    return found
+def given_values(argv: list[str], key: str) -> list[str]:
+    """What ``argv`` gives ``--key`` (``--key VALUE`` or ``--key=VALUE``), each time it is given."""
+    return [token.split("=", 1)[1] if "=" in token else argv[index + 1] for index, token in enumerate(argv)
+            if token.startswith(f"--{key}=") or token == f"--{key}" and index + 1 < len(argv)]
 
 
 def known_options() -> list[str]:
     """Every option of ``fit``: its own, one per configuration key, and the Trainer's that pass through."""
     own = ["--config", "--microbatch", "--accumulation", "--ckpt_path", PRINT_CONFIG]
-    keys = [f"--{key}" for key in config_keys(RunConfig) if key != PASSED_TO_LIGHTNING]
+    keys = [f"--{key}" for key in config_keys(RunConfig)]
     passed = [f"--trainer.{name}" for name in lightning_trainer_arguments()
               if name not in LIGHTNING_REFUSED and f"--trainer.{name}" not in keys]
     return own + keys + passed
@@ -266,7 +237,7 @@ def build_parser(config_path: str | None = None) -> ArgumentParser:
             parser = subcommand_parser(name, summary)
         else:  # a parser of its own: the shared one keeps the dataclasses' defaults
             parser = new_subcommand_parser(name, summary)
-            parser.set_defaults({key: values[key] for key in config_keys(RunConfig) if key != PASSED_TO_LIGHTNING})
+            parser.set_defaults(values)
         subcommands.add_subcommand(name, parser, help=summary)
     return root
 
@@ -307,15 +278,14 @@ def new_subcommand_parser(name: str, summary: str = "") -> ArgumentParser:
                                  "give the same records again; the trained updates are checked and skipped)")
     parser.add_argument(PRINT_CONFIG, action="store_true",
                         help="print the merged configuration as YAML on stdout and exit without training")
-    hints = typing.get_type_hints(RunConfig)
-    for item in fields(RunConfig):
-        if item.name in fit_sections():
-            skip = {PASSED_TO_LIGHTNING.split(".")[1]} if item.name == PASSED_TO_LIGHTNING.split(".")[0] else None
-            parser.add_class_arguments(hints[item.name], item.name, skip=skip, sub_configs=False)
-            section_file_help(parser, item.name)
-        else:
-            parser.add_argument(f"--{item.name}", type=hints[item.name], default=item.default,
-                                help=run_config_help()[item.name])
+    parser.add_class_arguments(RunConfig, sub_configs=False)
+    for action in parser._actions:
+        if action.dest in KEY_RANGES:
+            action.help = f"{action.help} (range: {range_text(action.dest)})"
+        if action.option_strings and action.option_strings[0][2:] in fit_sections():  # jsonargparse's --SECTION FILE
+            action.metavar = "FILE"
+            action.help = (f"a YAML file of {action.dest} keys (e.g. the {action.dest}: part of a config, without "
+                           "that line), applied where it stands among the overrides")
     add_lightning_options(parser)
     return parser
 
@@ -325,22 +295,6 @@ def fit_sections() -> tuple[str, ...]:
     """The sections of the config (model, data, ...): each has a --SECTION.key option per key and --SECTION FILE."""
     hints = typing.get_type_hints(RunConfig)
     return tuple(item.name for item in fields(RunConfig) if is_dataclass(hints[item.name]))
-
-
-def section_file_help(parser: ArgumentParser, section: str) -> None:
-    """The help of ``--SECTION FILE``, which jsonargparse adds for every section, says what the file holds."""
-    for action in parser._actions:
-        if action.option_strings == [f"--{section}"]:
-            action.metavar = "FILE"
-            action.help = (f"a YAML file of {section} keys (e.g. the {section}: part of a config, without that line), "
-                           "applied where it stands among the overrides")
-
-
-@cache
-def run_config_help() -> dict[str, str]:
-    """The help of RunConfig's own keys (seed), from the docstrings under its fields."""
-    return {param.arg_name: " ".join((param.description or "").split())
-            for param in docstring_parser.parse_from_object(RunConfig).params}
 
 
 def add_lightning_options(parser: ArgumentParser) -> None:

@@ -12,6 +12,7 @@ import math
 import os
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, is_dataclass
 from datetime import timedelta
 from functools import cache
@@ -26,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from callbacks.observe import ObserveConfig
 from pipeline.config import DataConfig
 from lit_module import OptimConfig
-from model.decoder import MOVED_KEYS, REMOVED_KEYS, ModelConfig
+from model.decoder import ModelConfig
 from model.kernels import ComputeConfig
 from runfab.limits import GIB, OUTPUT_BYTES, RAM_BYTES
 
@@ -203,6 +204,56 @@ class RunConfig:
     """Where the run writes, and how much"""
 
 
+# The range of every numeric key, both ends allowed: the config check refuses a value outside it before anything
+# is sized by it, and --help shows it. A section's problems() holds the finer rules (max_steps -1, lr above 0, ...).
+UPDATES, SECONDS = 10**9, 86_400  # update numbers and counts; seconds of a wait (a day)
+KEY_RANGES: dict[str, tuple[int, int] | tuple[float, float]] = {
+    "seed": (SEED_RANGE[0], SEED_RANGE[-1]),
+    "model.vocab_size": (1, 2**24), "model.n_layer": (1, 1024), "model.n_head": (1, 1024), "model.n_embd": (1, 2**16),
+    "model.max_seq_len": (2, 2**20), "model.layer_norm_eps": (0.0, 1.0), "model.init_std": (0.0, 10.0),
+    "model.n_kv_head": (1, 1024), "model.intermediate_size": (1, 2**20), "model.rope_theta": (0.0, 1e12),
+    "compute.mlp_kept_derivatives": (0, 1024), "compute.loss_chunk_tokens": (0, 2**30),
+    "data.loader_workers": (0, 256), "data.microbatch": (1, 2**16), "data.max_record_bytes": (1, 2**30),
+    "data.give_up_after": (1, 10**12), "data.tokenize_batch_docs": (1, 2**20), "data.tokenize_batch_bytes": (1, 2**34),
+    "data.tokenizer_threads": (1, 1024), "data.input_idle_seconds": (0.0, float(SECONDS)),
+    "data.val_fraction": (0.0, 1.0), "data.val_max_tokens": (0, 2**40), "data.shuffle_buffer_docs": (1, 2**30),
+    "data.shuffle_buffer_tokens": (1, 2**36), "data.max_train_tokens": (1, 2**60), "data.prefetch_updates": (1, 64),
+    "optim.lr": (0.0, 10.0), "optim.min_lr_ratio": (0.0, 1.0), "optim.weight_decay": (0.0, 10.0),
+    "optim.beta1": (0.0, 1.0), "optim.beta2": (0.0, 1.0), "optim.eps": (0.0, 1.0), "optim.warmup_steps": (0, UPDATES),
+    "optim.decay_steps": (1, UPDATES), "optim.decay_fraction": (0.0, 1.0), "optim.muon_lr": (0.0, 10.0),
+    "optim.muon_momentum": (0.0, 1.0), "optim.muon_weight_decay": (0.0, 10.0),
+    "trainer.max_steps": (-1, UPDATES), "trainer.export_reserve_seconds": (0, SECONDS),
+    "trainer.stop_grace_seconds": (0, SECONDS), "trainer.gradient_clip_val": (0.0, 1e6),
+    "trainer.val_every_steps": (0, UPDATES), "trainer.limit_val_batches": (1, UPDATES),
+    "trainer.checkpoint_every_steps": (0, UPDATES), "trainer.devices": (1, 1024),
+    "trainer.memory_headroom_gib": (0.0, 1e6), "trainer.probe_margin_gib": (0.0, 1e6),
+    "trainer.host_memory_budget_gib": (0.0, 1e6), "trainer.ddp_bucket_cap_mb": (0.0, 1e6),
+    "trainer.global_batch_size": (1, 2**30),
+    "metrics.interval_seconds": (0.0, float(SECONDS)), "metrics.peak_flops": (0.0, 1e20),
+    "observe.warmup_updates": (0, UPDATES), "observe.profile_update": (0, UPDATES), "observe.profile_updates": (0, 10**6),
+    "observe.memory_update": (0, UPDATES), "observe.memory_history_entries": (1, 10**9),
+    "output.budget_bytes": (1, 2**60),
+}
+
+
+def range_text(key: str) -> str:
+    low, high = KEY_RANGES[key]
+    return f"{low}..{high}" if isinstance(low, int) else f"{low:g}..{high:g}"
+
+
+def range_problems(cfg: RunConfig, named: set[str]) -> list[str]:
+    """A line for every numeric key outside its range (``KEY_RANGES``), unless a line of ``named`` names it."""
+    found = []
+    for key, (low, high) in KEY_RANGES.items():
+        value = cfg
+        for name in key.split("."):
+            value = getattr(value, name)
+        if value is not None and not low <= value <= high and key not in named:
+            number = "a whole number" if isinstance(low, int) else "a number"
+            found.append(f"{key} must be {number} in {range_text(key)}, not {value}")
+    return found
+
+
 # lightning.Trainer arguments that trainer.NAME does not pass through, and why: the run sets them itself, and
 # another value would break RunFab's batch split, the one pass over the input, or the run's own callbacks.
 LIGHTNING_REFUSED = {
@@ -264,8 +315,9 @@ def bundle_path(path: str | Path) -> Path:
     return path if path.is_absolute() else BUNDLE_ROOT / path
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Schema defaults <- YAML file <- dotted overrides ("model.n_layer=2"), then checked."""
+def load_config(path: str | Path | None = None, overrides: Iterable[str | tuple[str, Any]] = ()) -> RunConfig:
+    """Schema defaults <- YAML file <- overrides, then checked. An override is a typed value by its dotted key
+    (``("model.n_layer", 2)``, what the command line's parser gives), or omegaconf's ``"model.n_layer=2"``."""
     path = bundle_path(path) if path is not None else default_config_path()
     if not path.is_file():
         what = "is a folder" if path.is_dir() else "is not a regular file" if path.exists() else "was not found"
@@ -278,9 +330,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path} must hold a mapping of sections (model:, data:, ...), not a "
                               f"{type(values).__name__.removesuffix('Config').lower()}")
         values = lightning_arguments_apart(values)
-        given = lightning_arguments_apart(OmegaConf.from_dotlist(overrides or []))
-        refuse_old_model_keys(values, path)
-        refuse_old_model_keys(given, "the command line")
+        given = lightning_arguments_apart(overrides_config(overrides))
         config = built(RunConfig, OmegaConf.merge(OmegaConf.structured(schema(RunConfig)), values, given))
     except ConfigError:
         raise
@@ -293,18 +343,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config
 
 
-def refuse_old_model_keys(values: DictConfig, source: object) -> None:
-    """A key the model section no longer has, named with where it went or why it is gone."""
-    model = values.get("model")
-    found = []
-    for name in model if isinstance(model, DictConfig) else ():
-        key = f"model.{name}"
-        if key in MOVED_KEYS:
-            found.append(f"{key} is now {MOVED_KEYS[key]}")
-        elif key in REMOVED_KEYS:
-            found.append(f"{key} was removed: {REMOVED_KEYS[key]}")
-    if found:
-        raise ConfigError(f"{source}: " + "; ".join(found))
+def overrides_config(overrides: Iterable[str | tuple[str, Any]]) -> DictConfig:
+    """The overrides as one config, a later one replacing an earlier one (a mapping, trainer.lightning's, merged
+    into what is there)."""
+    given = OmegaConf.create()
+    for item in overrides:
+        if isinstance(item, str):
+            given = OmegaConf.merge(given, OmegaConf.from_dotlist([item]))
+        else:
+            OmegaConf.update(given, item[0], item[1], force_add=True)
+    return given
 
 
 def lightning_arguments_apart(values: DictConfig) -> DictConfig:
@@ -378,15 +426,16 @@ def load_config_dict(values: dict) -> RunConfig:
 
 
 def check_config(cfg: RunConfig) -> None:
-    """Every key typed with ``Literal`` choices holds one of them, and every section checks itself (its
-    ``problems()``); all problems are reported at once, each once. A NaN or an infinity, which no key has a
+    """Every key typed with ``Literal`` choices holds one of them, every section checks itself (its
+    ``problems()``), and every numeric key lies in its range (a section's own line about a key, which says
+    what its special values mean, stands for the range's); all problems are reported at once, each once. A NaN or an infinity, which no key has a
     use for and which slips through range checks, is reported alone."""
     problems = non_finite_keys(cfg) or [
-        *([] if cfg.seed in SEED_RANGE else [f"seed must be a whole number in 0..{SEED_RANGE[-1]}, not {cfg.seed}"]),
         *choice_problems(cfg),
         *cfg.model.problems(), *cfg.compute.problems(), *cfg.data.problems(), *cfg.optim.problems(cfg.trainer.max_steps),
         *cfg.trainer.problems(), *cfg.metrics.problems(), *cfg.observe.problems(), *cfg.output.problems(),
     ]
+    problems += range_problems(cfg, {word.strip("(),:;") for line in problems for word in line.split()})
     problems = list(dict.fromkeys(problems))  # model/decoder.py checks model.family too, for a ModelConfig built directly
     if len(problems) == 1:
         raise ConfigError(f"invalid configuration: {problems[0]}")

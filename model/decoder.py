@@ -137,22 +137,6 @@ GPT2_HAS = {
     "qk_norm": "normalizes no query or key (its export, GPT2LMHeadModel, has no such norm)",
 }
 
-# Keys the model section had and has no more: what an old config file is told.
-MOVED_KEYS = {f"model.{name}": f"compute.{new}" for name, new in (
-    ("attention", "attention"), ("mlp_kernel", "mlp"), ("mlp_kept_derivatives", "mlp_kept_derivatives"),
-    ("loss_chunk_tokens", "loss_chunk_tokens"), ("residual_in_fp32", "residual_in_fp32"),
-    ("activation_checkpointing", "activation_checkpointing"))}
-REMOVED_KEYS = {
-    "model.fp8": "float8 training of the blocks is no longer offered",
-    "model.linear_kernel": "qkv's product is cuBLAS's, and the head's logits follow compute.loss",
-    "model.loss_kernel": "the loss is the chunked one; compute.loss chooses its chunk kernel",
-    "model.loss_softmax": "compute.loss chooses the chunk kernel",
-    "model.compile_scope": "torch.compile takes the whole trunk as one graph",
-    "model.activation_memory_budget": "the compiled trunk keeps the partitioner's default; "
-                                      "compute.activation_checkpointing trades memory for compute",
-}
-
-
 class Decoder(nn.Module):
     """A decoder-only LM: ``wte`` (the token embedding), ``blocks`` (each ``Block.forward(x, layout)``, with an
     ``attn`` holding its attention kernel as ``attend`` and an ``mlp`` holding its fused kernel, if any, as

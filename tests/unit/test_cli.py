@@ -38,9 +38,9 @@ def test_fit_help_lists_every_key_with_type_default_and_help(tmp_path):
     proc = run_train_py("fit", "--help", cwd=tmp_path, output=tmp_path / "out")
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())  # undo the help formatter's line wrapping
-    assert "--model.n_layer N_LAYER Transformer blocks (type: int, default: 12)" in text
-    assert ("--trainer.max_steps MAX_STEPS Optimizer updates; -1: until the input ends (type: int, default: 2000)"
-            in text)
+    assert "--model.n_layer N_LAYER Transformer blocks (range: 1..1024) (type: int, default: 12)" in text
+    assert ("--trainer.max_steps MAX_STEPS Optimizer updates; -1: until the input ends (range: -1..1000000000) "
+            "(type: int, default: 2000)" in text)
     assert "--compute.attention {auto,fa4,varlen,sdpa}" in text
     assert "--observe.loggers" in text and "(type: list[Literal['csv', 'tensorboard', 'wandb']], default: [])" in text
     assert "--print_config" in text
@@ -73,7 +73,7 @@ def test_every_config_key_has_its_docstring_as_help(tmp_path):
     undocumented = [key for key in KEYS if key != cli.PASSED_TO_LIGHTNING
                     and helps[f"--{key}"].split("(type:")[0].strip(" " + key.split(".")[-1].upper()) == ""]
     assert not undocumented, f"write a docstring line under these fields saying what they mean: {undocumented}"
-    assert helps["--trainer.max_steps"].startswith("MAX_STEPS Optimizer updates; -1: until the input ends (type: int")
+    assert helps["--trainer.max_steps"].startswith("MAX_STEPS Optimizer updates; -1: until the input ends (range: ")
     assert "  " not in helps["--compute.attention"]  # a docstring over several lines is one paragraph
 
 
@@ -293,7 +293,7 @@ def test_a_list_key_given_one_bare_value_is_told_it_needs_a_list_not_that_the_va
     with pytest.raises(cli.CommandLineError) as caught:
         cli.parse(["--observe.loggers", "csv"])
     assert "list" in str(caught.value) and "must be one of" not in str(caught.value)
-    assert cli.parse(["--observe.loggers", "[csv]"]).overrides == ['observe.loggers=["csv"]']
+    assert cli.parse(["--observe.loggers", "[csv]"]).overrides == [("observe.loggers", ["csv"])]
 
 
 @pytest.mark.parametrize("typed, meant", [("--model.n_layr", "--model.n_layer"), ("--trainer.max_stps", "--trainer.max_steps"),
@@ -392,6 +392,10 @@ def test_every_section_file_that_fit_help_offers_sets_its_keys(tmp_path):
         assert getattr(getattr(load_config(None, command.overrides), section), key) == value, section
         command = cli.parse(["fit", f"--{section}", str(path), f"--{section}.{key}", str(value * 2)])
         assert getattr(getattr(load_config(None, command.overrides), section), key) == value * 2, section
+    path = tmp_path / "trainer.yaml"  # the trainer: part of a config, Lightning's arguments included
+    path.write_text("max_steps: 900\nlog_every_n_steps: 3\nlightning:\n  detect_anomaly: true\n")
+    cfg = load_config(None, cli.parse(["fit", "--trainer", str(path)]).overrides)
+    assert cfg.trainer.max_steps == 900 and cfg.trainer.lightning == {"detect_anomaly": True, "log_every_n_steps": 3}
 
 
 def test_the_fast_dev_run_refusal_gives_advice_that_is_accepted():

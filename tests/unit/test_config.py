@@ -89,3 +89,58 @@ def test_a_config_path_that_is_no_file_says_what_it_is(tmp_path, monkeypatch):
     monkeypatch.setenv(CONFIG_ENV, str(fifo))
     with pytest.raises(ConfigError, match="is not a regular file"):
         load_config()
+
+
+def numeric_keys(section: type, prefix: str = "") -> list[str]:
+    """The dotted key of every field of ``section`` (and the sections under it) typed int or float (or null)."""
+    import typing
+    from dataclasses import fields, is_dataclass
+
+    hints = typing.get_type_hints(section)
+    found = []
+    for item in fields(section):
+        hint = hints[item.name]
+        if is_dataclass(hint):
+            found += numeric_keys(hint, f"{prefix}{item.name}.")
+        elif {int, float} & {hint, *typing.get_args(hint)}:
+            found.append(f"{prefix}{item.name}")
+    return found
+
+
+def test_every_numeric_key_has_a_range_that_help_shows():
+    import cli
+    from config import KEY_RANGES, RunConfig, range_text
+
+    keys = numeric_keys(RunConfig)
+    assert "model.n_layer" in keys and "trainer.limit_val_batches" in keys and "log_level" not in keys
+    assert sorted(keys) == sorted(KEY_RANGES), "give every int or float key a range in config.KEY_RANGES, no other"
+    helps = " ".join(cli.subcommand_parser("fit").format_help().split())
+    shown = [key for key in keys if f"(range: {range_text(key)})" in helps.split(f"--{key} ", 1)[-1].split(" --")[0]]
+    assert shown == keys, f"--help does not show the range of {sorted(set(keys) - set(shown))}"
+
+
+@pytest.mark.parametrize("key, value, says", [
+    # whole numbers that size something: the output estimate built 10**30 layers (a hang), or tracebacks later
+    ("model.n_layer", 10**30, "model.n_layer must be a whole number in 1..1024, not 10000000000"),
+    ("model.vocab_size", 10**30, "model.vocab_size must be a whole number in 1..16777216"),
+    ("model.max_seq_len", 10**30, "model.max_seq_len must be a whole number in 2..1048576"),
+    ("model.n_embd", 12 * 10**29, "model.n_embd must be a whole number in 1..65536"),
+    # counts: limit_val_batches ended in a traceback, prefetch_updates read the whole stream into memory
+    ("trainer.limit_val_batches", 10**30, "trainer.limit_val_batches must be a whole number in 1..1000000000"),
+    ("data.prefetch_updates", 1000, "data.prefetch_updates must be a whole number in 1..64, not 1000"),
+    # seconds: the run ended at its first input pause with OverflowError
+    ("data.input_idle_seconds", 1e30, "data.input_idle_seconds must be a number in 0..86400, not 1e+30"),
+    ("metrics.interval_seconds", 1e30, "metrics.interval_seconds must be a number in 0..86400, not 1e+30"),
+    # other numbers
+    ("optim.weight_decay", 1e30, "optim.weight_decay must be a number in 0..10, not 1e+30"),
+    ("trainer.memory_headroom_gib", 1e30, "trainer.memory_headroom_gib must be a number in 0..1e+06, not 1e+30"),
+])
+def test_a_value_beyond_its_keys_range_is_refused_at_once_from_a_file_and_the_command_line(tmp_path, key, value, says):
+    import cli
+
+    config = tmp_path / "config.yaml"
+    config.write_text(as_yaml({key: value}))
+    for load in (lambda: load_config(config), lambda: load_config(None, cli.parse([f"--{key}", str(value)]).overrides)):
+        with pytest.raises(ConfigError) as refused:
+            load()
+        assert str(refused.value).startswith(f"invalid configuration: {says}") and "\n" not in str(refused.value)

@@ -1,5 +1,5 @@
 """docs/configuration.md against `python train.py fit --help`: every key the page names is a key the help lists,
-with the default the page states; the keys the page says are gone are gone."""
+with the default the page states."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import sys
 
 import pytest
 
-from model.decoder import MOVED_KEYS, REMOVED_KEYS
-
 from tests.helpers import ROOT
 
 PAGE = (ROOT / "docs" / "configuration.md").read_text()
@@ -18,7 +16,6 @@ SECTIONS = ("model", "compute", "data", "optim", "trainer", "metrics", "observe"
 NAMED = sorted(set(re.findall(rf"`((?:{'|'.join(SECTIONS)})\.[a-z0-9_]+)", PAGE)))
 # a table row of the page: | `section.key` | `default` | meaning |
 STATED_DEFAULTS = dict(re.findall(r"^\| `([a-z]+\.[a-z0-9_]+)` \| `([^`]+)` \|", PAGE, flags=re.MULTILINE))
-GONE = set(MOVED_KEYS) | set(REMOVED_KEYS)
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +28,9 @@ def help_text() -> str:
 
 def test_every_key_the_page_names_is_one_the_help_lists(help_text):
     assert len(NAMED) > 20
-    unknown = [key for key in NAMED if key not in GONE and f"--{key} " not in help_text
+    unknown = [key for key in NAMED if f"--{key} " not in help_text
                and not key.startswith("trainer.lightning")]
     assert not unknown, f"docs/configuration.md names keys that --help does not list: {unknown}"
-
-
-def test_the_keys_the_page_says_are_gone_are_not_in_the_help(help_text):
-    named_gone = [key for key in NAMED if key in GONE]
-    assert named_gone, "the page says where the old model keys went"
-    assert not [key for key in named_gone if f"--{key} " in help_text]
 
 
 def test_every_default_the_page_states_is_the_helps(help_text):

@@ -146,31 +146,6 @@ def test_the_compiled_trunk_is_one_graph_and_matches_eager(family, keys):
     assert set(fast.state_dict()) == set(eager.state_dict())  # the compiled trunk adds no second copy
 
 
-@pytest.mark.parametrize("override, says", [
-    ("model.attention=sdpa", "model.attention is now compute.attention"),
-    ("model.mlp_kernel=torch", "model.mlp_kernel is now compute.mlp"),
-    ("model.residual_in_fp32=true", "model.residual_in_fp32 is now compute.residual_in_fp32"),
-    ("model.fp8=true", "model.fp8 was removed: float8 training"),
-    ("model.compile_scope=blocks", "model.compile_scope was removed: torch.compile takes the whole trunk"),
-    ("model.activation_memory_budget=0.5", "model.activation_memory_budget was removed"),
-    ("model.loss_kernel=liger", "model.loss_kernel was removed"),
-    ("model.loss_softmax=triton", "model.loss_softmax was removed"),
-    ("model.linear_kernel=quack", "model.linear_kernel was removed"),
-])
-def test_a_key_the_model_section_no_longer_has_says_where_it_went_or_why_it_is_gone(override, says):
-    with pytest.raises(ConfigError, match=f"the command line: {says}"):
-        load_config("conf/smoke.yaml", [override])
-
-
-def test_an_old_config_file_with_removed_keys_is_refused_naming_the_file(tmp_path):
-    old = tmp_path / "old.yaml"
-    old.write_text("model:\n  n_layer: 2\n  compile_scope: trunk\n  attention: auto\n")
-    with pytest.raises(ConfigError) as refused:
-        load_config(old)
-    assert str(refused.value) == (f"{old}: model.compile_scope was removed: torch.compile takes the whole trunk as one "
-                                  f"graph; model.attention is now compute.attention")
-
-
 def test_the_layer_norm_is_pytorchs_and_no_config_key_chooses_another():
     with pytest.raises(ConfigError, match="norm_kernel"):
         load_config("conf/smoke.yaml", ["model.norm_kernel=quack"])

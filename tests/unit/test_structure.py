@@ -220,3 +220,14 @@ def test_pyproject_and_requirements_name_the_same_versions():
               if pinned[name] != listed[name]}
     assert "quack-kernels" in pinned and "quack-kernels" in listed
     assert not differ, f"pyproject.toml and requirements.txt disagree (pyproject, requirements): {differ}"
+
+
+def test_the_command_line_hands_typed_values_to_the_config_not_text():
+    """cli.py parses straight into typed values that config.load_config merges (one loader, omegaconf, for
+    RunFab's hooks and the command line): no JSON or dotlist text is written between the two."""
+    tree = ast.parse((ROOT / "cli.py").read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert not {"json", "omegaconf"} & imported, "cli.py writes text for the config's loader"
+    called = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    assert not {"dumps", "from_dotlist"} & called, "cli.py writes text for the config's loader"

@@ -80,7 +80,7 @@ def parser(name: str, description: str, runs: bool = True, layouts: bool = True)
 
 def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """The experiment's options; what is left must be train.py's configuration options, which become
-    ``args.config``, ``args.overrides`` (omegaconf's dotlist) and ``args.train_flags`` (as typed)."""
+    ``args.config``, ``args.overrides`` (typed values by dotted key) and ``args.train_flags`` (as typed)."""
     args, rest = parser.parse_known_args(argv)
     for index, token in enumerate(rest):
         name = token.split("=", 1)[0]
@@ -111,7 +111,7 @@ def is_number(token: str) -> bool:
 
 
 def config(args, *overrides: str, forced: tuple[str, ...] = ()) -> RunConfig:
-    """The experiment's configuration: its ``overrides`` (omegaconf's dotlist), then the user's, then
+    """The experiment's configuration: its ``overrides`` (``key=value`` text), then the user's, then
     what the experiment cannot do without (``forced``)."""
     return load_config(args.config, [*overrides, *args.overrides, *forced])
 
