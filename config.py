@@ -70,7 +70,7 @@ class TrainerConfig:
     """Lightning's progress bar, on stderr; null: when stderr is a terminal"""
     checkpoint_every_steps: int = 0
     """Optimizer updates between Lightning checkpoints, kept in the output's checkpoints/ folder (and one written
-    when a signal stops a run on stdin); --ckpt_path last resumes from them; 0: none"""
+    when a signal stops a run on stdin), which the fit option ckpt_path last resumes from; 0: none"""
     compile: bool | None = None
     """torch.compile the model trunk; null: on a GPU only"""
     devices: int | None = None
@@ -210,25 +210,26 @@ UPDATES, SECONDS = 10**9, 86_400  # update numbers and counts; seconds of a wait
 KEY_RANGES: dict[str, tuple[int, int] | tuple[float, float]] = {
     "seed": (SEED_RANGE[0], SEED_RANGE[-1]),
     "model.vocab_size": (1, 2**24), "model.n_layer": (1, 1024), "model.n_head": (1, 1024), "model.n_embd": (1, 2**16),
-    "model.max_seq_len": (2, 2**20), "model.layer_norm_eps": (0.0, 1.0), "model.init_std": (0.0, 10.0),
-    "model.n_kv_head": (1, 1024), "model.intermediate_size": (1, 2**20), "model.rope_theta": (0.0, 1e12),
-    "compute.mlp_kept_derivatives": (0, 1024), "compute.loss_chunk_tokens": (0, 2**30),
-    "data.loader_workers": (0, 256), "data.microbatch": (1, 2**16), "data.max_record_bytes": (1, 2**30),
-    "data.give_up_after": (1, 10**12), "data.tokenize_batch_docs": (1, 2**20), "data.tokenize_batch_bytes": (1, 2**34),
+    "model.max_seq_len": (2, 1_048_576), "model.layer_norm_eps": (0.0, 1.0), "model.init_std": (0.0, 10.0),
+    "model.n_kv_head": (1, 1024), "model.intermediate_size": (1, 1_048_576), "model.rope_theta": (0.0, 1e12),
+    "compute.mlp_kept_derivatives": (0, 1024), "compute.loss_chunk_tokens": (0, 1_073_741_824),
+    "data.loader_workers": (0, 256), "data.microbatch": (1, 2**16), "data.max_record_bytes": (1, GIB),
+    "data.give_up_after": (1, 10**12), "data.tokenize_batch_docs": (1, 1_048_576), "data.tokenize_batch_bytes": (1, 2**34),
     "data.tokenizer_threads": (1, 1024), "data.input_idle_seconds": (0.0, float(SECONDS)),
-    "data.val_fraction": (0.0, 1.0), "data.val_max_tokens": (0, 2**40), "data.shuffle_buffer_docs": (1, 2**30),
+    "data.val_fraction": (0.0, 1.0), "data.val_max_tokens": (0, 2**40), "data.shuffle_buffer_docs": (1, 1_073_741_824),
     "data.shuffle_buffer_tokens": (1, 2**36), "data.max_train_tokens": (1, 2**60), "data.prefetch_updates": (1, 64),
     "optim.lr": (0.0, 10.0), "optim.min_lr_ratio": (0.0, 1.0), "optim.weight_decay": (0.0, 10.0),
     "optim.beta1": (0.0, 1.0), "optim.beta2": (0.0, 1.0), "optim.eps": (0.0, 1.0), "optim.warmup_steps": (0, UPDATES),
     "optim.decay_steps": (1, UPDATES), "optim.decay_fraction": (0.0, 1.0), "optim.muon_lr": (0.0, 10.0),
-    "optim.muon_momentum": (0.0, 1.0), "optim.muon_weight_decay": (0.0, 10.0),
+    "optim.muon_momentum": (0.0, 1.0), "optim.muon_weight_decay": (0.0, 10.0), "optim.embed_lr": (0.0, 10.0),
+    "optim.head_lr": (0.0, 10.0),
     "trainer.max_steps": (-1, UPDATES), "trainer.export_reserve_seconds": (0, SECONDS),
     "trainer.stop_grace_seconds": (0, SECONDS), "trainer.gradient_clip_val": (0.0, 1e6),
     "trainer.val_every_steps": (0, UPDATES), "trainer.limit_val_batches": (1, UPDATES),
     "trainer.checkpoint_every_steps": (0, UPDATES), "trainer.devices": (1, 1024),
     "trainer.memory_headroom_gib": (0.0, 1e6), "trainer.probe_margin_gib": (0.0, 1e6),
     "trainer.host_memory_budget_gib": (0.0, 1e6), "trainer.ddp_bucket_cap_mb": (0.0, 1e6),
-    "trainer.global_batch_size": (1, 2**30),
+    "trainer.global_batch_size": (1, 1_073_741_824),
     "metrics.interval_seconds": (0.0, float(SECONDS)), "metrics.peak_flops": (0.0, 1e20),
     "observe.warmup_updates": (0, UPDATES), "observe.profile_update": (0, UPDATES), "observe.profile_updates": (0, 10**6),
     "observe.memory_update": (0, UPDATES), "observe.memory_history_entries": (1, 10**9),

@@ -65,13 +65,19 @@ def test_a_llama_preset_is_its_gpt2_preset_but_for_the_model(llama, gpt2):
 
 @pytest.mark.parametrize("fast, llama", [("conf/fast-150m.yaml", "conf/llama-150m.yaml"),
                                          ("conf/fast-smoke.yaml", "conf/llama-smoke.yaml")])
-def test_a_fast_preset_is_its_llama_preset_but_for_the_optimizer_and_schedule(fast, llama):
-    """What the fast recipe changes is the optim section alone, so its gain is the optimizer's and the schedule's."""
+def test_a_fast_preset_is_its_llama_preset_but_for_the_optimizer_schedule_and_the_measured_model_keys(fast, llama):
+    """What the fast recipe changes is the optim section and three model keys that each measured faster to the
+    lab's loss, so its gain is theirs alone."""
     from dataclasses import asdict
 
     ours, theirs = asdict(load_config(fast)), asdict(load_config(llama))
     assert ours["optim"]["name"] == "muon" and ours["optim"]["schedule"] == "wsd"
-    assert {k: v for k, v in ours.items() if k != "optim"} == {k: v for k, v in theirs.items() if k != "optim"}
+    changed = {"tie_embeddings": False, "qk_norm": True, "zero_init_proj": True}
+    assert {k: ours["model"][k] for k in changed} == changed
+    assert {k: v for k, v in ours["model"].items() if k not in changed} == {
+        k: v for k, v in theirs["model"].items() if k not in changed}
+    assert {k: v for k, v in ours.items() if k not in ("optim", "model")} == {
+        k: v for k, v in theirs.items() if k not in ("optim", "model")}
 
 
 def test_a_config_path_that_is_no_file_says_what_it_is(tmp_path, monkeypatch):
