@@ -175,6 +175,10 @@ def readable(error: Exception, argv: list[str]) -> str:
             return f"--{key[1]} must be one of {choices[0]}, not {given[-1]!r}"
         if choices[1] and item:  # a list key (a bare value, no list, keeps jsonargparse's words)
             return f"--{key[1]} must list only {choices[0]}, not {item[1]!r}"
+    if key and key[1] in KEY_RANGES and (given := given_values(argv, key[1])):  # a number of the wrong kind
+        whole = isinstance(KEY_RANGES[key[1]][0], int)
+        return (f"--{key[1]} must be a {'whole number' if whole else 'number'} in {range_text(key[1])}"
+                f"{' (or null)' if nullable(key_hint(key[1])) else ''}, not {given[-1]!r}")
     if not message.startswith("unrecognized arguments"):
         return message
     options = known_options()
@@ -187,12 +191,18 @@ def readable(error: Exception, argv: list[str]) -> str:
     return message
 
 
-def key_choices(key: str) -> tuple[str, bool]:
-    """The choices of a configuration key ("model.n_layer") typed ``Literal[...]`` or a list of them ("a, b, c (or
-    null)"; "" for any other key or a name the config has no key for), and whether the key is a list."""
+def key_hint(key: str) -> object:
+    """The type hint of a configuration key ("model.n_layer"), None for a name the config has no key for."""
     hint: object = RunConfig
     for name in key.split("."):
         hint = typing.get_type_hints(hint).get(name) if is_dataclass(hint) else None
+    return hint
+
+
+def key_choices(key: str) -> tuple[str, bool]:
+    """The choices of a configuration key ("model.n_layer") typed ``Literal[...]`` or a list of them ("a, b, c (or
+    null)"; "" for any other key or a name the config has no key for), and whether the key is a list."""
+    hint = key_hint(key)
     listed = typing.get_origin(hint) is list
     hint = typing.get_args(hint)[0] if listed else hint
     choices = literal_choices(hint)

@@ -289,6 +289,18 @@ def test_a_bad_choice_on_the_command_line_lists_the_choices_not_the_type(argv):
                                  "16-true, 64-true (or null), not 'bf16'")
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--model.n_layer", "1e30"], "--model.n_layer must be a whole number in 1..1024, not '1e30'"),
+    (["--trainer.limit_val_batches=1e30"], "--trainer.limit_val_batches must be a whole number in 1..1000000000 (or "
+                                          "null), not '1e30'"),
+    (["--optim.lr", "fast"], "--optim.lr must be a number in 0..10, not 'fast'"),
+])
+def test_a_number_of_the_wrong_kind_on_the_command_line_gets_the_keys_range_not_the_type(argv, says):
+    with pytest.raises(cli.CommandLineError) as caught:
+        cli.parse(argv)
+    assert str(caught.value) == says
+
+
 def test_a_list_key_given_one_bare_value_is_told_it_needs_a_list_not_that_the_value_is_no_choice():
     with pytest.raises(cli.CommandLineError) as caught:
         cli.parse(["--observe.loggers", "csv"])
