@@ -239,8 +239,7 @@ class Decoder(nn.Module):
             block.mlp.kernel = fused_mlp.kernel(mlp)
         self.head_loss.chunk_fn = chunk_function(chosen.loss)
         self.compiled_trunk = torch.compile(self.trunk) if target.compiled else None
-        if target.device.type == "cuda" or target.compiled:
-            log.info("kernels: %s", kernels.describe(chosen, self.config.family))
+        log.info("kernels: %s", kernels.describe(chosen, self.config.family))
         self.kernels, self.target = chosen, target
 
     def kernels_used(self) -> dict:
