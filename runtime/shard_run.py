@@ -29,6 +29,7 @@ from pathlib import Path
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
 from callbacks.agreed_stop import StopAtAgreedUpdate
+from callbacks.resume_fingerprint import ResumeFingerprint
 from config import ConfigError, RunConfig, bundle_path
 from datamodule import ShardDataModule
 from pipeline import shards
@@ -133,7 +134,7 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
                                report_due=agreement.report_marks.due if world > 1 else None,
                                validation=held_out)
         result = fit(cfg, split, source, encoder, ckpt_path=resume,
-                     extra_callbacks=(stop, checkpoints.ResumeFingerprint(unchanged)), trainer_overrides=overrides)
+                     extra_callbacks=(stop, ResumeFingerprint(unchanged)), trainer_overrides=overrides)
     if agreement.stopped_by is not None:
         where = f"checkpoint {stop.saved}" if stop.saved else "no checkpoint"
         raise launcher.Interrupted(f"stopped by {agreement.stopped_by} after optimizer step {result['steps']}; "

@@ -38,6 +38,7 @@ from callbacks.fixed_validation import FixedValidation, ValidationBeforeTraining
 from callbacks.history import History
 from callbacks.graceful_stop import GracefulStop
 from callbacks.observe import ObservationWindows
+from callbacks.resume_fingerprint import ResumeFingerprint
 from callbacks.progress import UpdateProgressBar
 from callbacks.run_record import RunRecord, sha256_file
 from callbacks.stop_checkpoint import StopCheckpoint
@@ -130,7 +131,7 @@ def stream_checkpoints(cfg: RunConfig, split: BatchSplit, stopped_early: Callabl
     if cfg.trainer.checkpoint_every_steps <= 0:
         return {}
     stop = StopCheckpoint(checkpoint_folder(cfg) / checkpoints.STOP_CHECKPOINT, stopped_early)
-    return {"extra_callbacks": (stop, checkpoints.ResumeFingerprint(stream_fingerprint(cfg, split))),
+    return {"extra_callbacks": (stop, ResumeFingerprint(stream_fingerprint(cfg, split))),
             "trainer_overrides": {"plugins": [checkpoints.DurableCheckpointIO()]}}
 
 

@@ -231,3 +231,18 @@ def test_the_command_line_hands_typed_values_to_the_config_not_text():
     assert not {"json", "omegaconf"} & imported, "cli.py writes text for the config's loader"
     called = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
     assert not {"dumps", "from_dotlist"} & called, "cli.py writes text for the config's loader"
+
+
+def class_bases(tree: ast.AST) -> list[tuple[str, int, str]]:
+    """(class name, line, base as written) for every base of every class in ``tree``."""
+    return [(node.name, node.lineno, ast.unparse(base)) for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+            for base in node.bases]
+
+
+def test_lightning_callbacks_live_in_callbacks():
+    """A ``Callback`` subclass is a callback: it lives in callbacks/, one a file, not inside the module that uses it.
+    Checked by ``grep -rn "(L.Callback)" --include=*.py . | grep -v ^./callbacks/``."""
+    outside = [f"{rel}:{line} {name}" for rel in shipping.shipped_files(ROOT) if rel.endswith(".py")
+               and not rel.startswith("callbacks/") for name, line, base in class_bases(ast.parse((ROOT / rel).read_text()))
+               if base.split(".")[-1] == "Callback"]
+    assert not outside, f"Lightning callbacks outside callbacks/: {outside}"
