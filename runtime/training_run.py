@@ -56,7 +56,8 @@ from runtime.device_policy import (
     build_module, check_host_memory, compiles, limit_gpu_memory, local_device, platform_memory_fraction,
     preload_worker_modules, prepare_compile, resolve_accelerator, setup_process, use_allocator_settings,
 )
-from runtime.output_folder import check_output_budget, check_output_space, claimed_output, release_now
+from runtime.output_folder import (CHECKPOINTS, check_output_budget, check_output_space, checkpoint_folder,
+                                   claimed_output, compile_folder, model_folder, release_now, run_folder)
 from runtime.trainer import build_trainer, shows_progress, training_arguments, validates
 from model.flops import count_parameters, training_flops
 from runtime.probe import run_probe_local
@@ -77,7 +78,7 @@ def run_training(cfg: RunConfig, split: BatchSplit, stdin=None, ckpt_path: str |
     check_host_memory(cfg, split.ranks, split.microbatch)
     ensure_stdout()
     resume, trained = resume_point(cfg, split, ckpt_path)  # before the output moves: a refusal is one line
-    with claimed_output(root, keep=("checkpoints",) if ckpt_path else ()):
+    with claimed_output(root, keep=(CHECKPOINTS,) if ckpt_path else ()):
         check_output_space(cfg, root)
         use_allocator_settings(cfg)
         platform_fraction = platform_memory_fraction()
@@ -92,8 +93,9 @@ def run_training(cfg: RunConfig, split: BatchSplit, stdin=None, ckpt_path: str |
                          **stream_checkpoints(cfg, split, source.early_end))
         result["input"] = feeder.close()
         log.info(summary_line(feeder.stats))
-        raise_if_ended_early(feeder, result, checkpoint_folder(cfg))
-        checkpoints.remove_written(checkpoint_folder(cfg), checkpoints.STOP_CHECKPOINT)  # complete: not needed
+        raise_if_ended_early(feeder, result, checkpoint_folder(cfg.output.root))
+        # the run completed: the stop checkpoint is not needed
+        checkpoints.remove_written(checkpoint_folder(cfg.output.root), checkpoints.STOP_CHECKPOINT)
     return result
 
 
@@ -106,7 +108,7 @@ def resume_point(cfg: RunConfig, split: BatchSplit, ckpt_path: str | None) -> tu
     if not cfg.data.token_digests:
         raise ConfigError("a resume on stdin checks that the input is the same by its tokens' digests: leave "
                           "data.token_digests true")
-    found = checkpoints.resolve(ckpt_path, checkpoint_folder(cfg))
+    found = checkpoints.resolve(ckpt_path, checkpoint_folder(cfg.output.root))
     if found is None:
         return None, None
     path, stored = found
@@ -130,7 +132,7 @@ def stream_checkpoints(cfg: RunConfig, split: BatchSplit, stopped_early: Callabl
     failing input), each with what a resume must not change, written durably (runtime/checkpoints.py)."""
     if cfg.trainer.checkpoint_every_steps <= 0:
         return {}
-    stop = StopCheckpoint(checkpoint_folder(cfg) / checkpoints.STOP_CHECKPOINT, stopped_early)
+    stop = StopCheckpoint(checkpoint_folder(cfg.output.root) / checkpoints.STOP_CHECKPOINT, stopped_early)
     return {"extra_callbacks": (stop, ResumeFingerprint(stream_fingerprint(cfg, split))),
             "trainer_overrides": {"plugins": [checkpoints.DurableCheckpointIO()]}}
 
@@ -175,41 +177,24 @@ def fit(cfg: RunConfig, split: BatchSplit, source: TrainingInput, encoder: TextE
     callbacks = build_callbacks(cfg, accelerator, split, description, source, metrics, host_memory)
     trainer = build_trainer(
         cfg, accelerator, split.ranks, callbacks=[*callbacks, *extra_callbacks],
-        logger=experiment_loggers(cfg, run_folder(cfg) / "logs") or False,
+        logger=experiment_loggers(cfg, run_folder(cfg.output.root) / "logs") or False,
         **training_arguments(cfg, split) | (trainer_overrides or {}),
     )
     if compiles(cfg, accelerator):
-        prepare_compile(compile_folder(cfg), split.ranks)
+        prepare_compile(compile_folder(cfg.output.root), split.ranks)
     module = build_training_module(cfg, accelerator)
     host_memory.stage("model built")
     log.info("model: %s, %d parameters; %s on %s; microbatch %d x accumulation %d x %d device(s)",
              cfg.model.family, count_parameters(module.model), trainer.precision, accelerator,
              split.microbatch, split.accumulation, split.ranks)
     train(trainer, module, source.datamodule, description, split, ckpt_path)
-    model_dir = model_folder(cfg)
+    model_dir = model_folder(cfg.output.root)
     log.info("finished: %d optimizer steps; %s", trainer.global_step,
              f"model in {model_dir}" if trainer.global_step else "no model exported")
     return {"steps": trainer.global_step, "model_dir": str(model_dir), "metrics": metrics.last_record}
 
 
 # ----------------------------------------------------------------------------- one builder per component
-
-
-def model_folder(cfg: RunConfig) -> Path:
-    return Path(cfg.output.root) / "model"
-
-
-def run_folder(cfg: RunConfig) -> Path:
-    return Path(cfg.output.root) / "run"
-
-
-def checkpoint_folder(cfg: RunConfig) -> Path:
-    return Path(cfg.output.root) / "checkpoints"
-
-
-def compile_folder(cfg: RunConfig) -> Path:
-    """The compile caches (inductor, Triton, FA4): in the output's disposable data/ folder, never /tmp."""
-    return Path(cfg.output.root) / "data" / "compile-cache"
 
 
 def load_encoder(cfg: RunConfig) -> TextEncoder:
@@ -285,7 +270,7 @@ def build_metrics(cfg: RunConfig, accelerator: str, source: TrainingInput) -> Ru
         cfg.metrics.interval_seconds, stream=sys.stdout,
         flops=functools.partial(training_flops, cfg.model) if accelerator == "gpu" else None,
         peak_flops=cfg.metrics.peak_flops, warmup_updates=cfg.observe.warmup_updates,
-        observed_updates=cfg.observe.observed_updates(), log_path=run_folder(cfg) / "metrics.jsonl",
+        observed_updates=cfg.observe.observed_updates(), log_path=run_folder(cfg.output.root) / "metrics.jsonl",
         validate_every=cfg.trainer.val_every_steps if validates(cfg) else 0,
         report_due=source.report_due, input_wait=lambda: source.datamodule.input_wait_seconds,
     )
@@ -294,7 +279,8 @@ def build_metrics(cfg: RunConfig, accelerator: str, source: TrainingInput) -> Ru
 def build_callbacks(cfg: RunConfig, accelerator: str, split: BatchSplit, description: dict, source: TrainingInput,
                     metrics: RunFabMetrics, host_memory: HostMemory) -> list[L.Callback]:
     """The run's callbacks, in the order their hooks must run."""
-    run_dir, checkpoint_dir, every = run_folder(cfg), checkpoint_folder(cfg), cfg.trainer.checkpoint_every_steps
+    run_dir, checkpoint_dir = run_folder(cfg.output.root), checkpoint_folder(cfg.output.root)
+    every = cfg.trainer.checkpoint_every_steps
     observer = ObservationWindows(cfg.observe, run_dir)
     history = History(token_digests=cfg.data.token_digests)
     if cfg.observe.loggers:  # the loggers' per-update points, up to each metric line, ahead of it
@@ -310,7 +296,7 @@ def build_callbacks(cfg: RunConfig, accelerator: str, split: BatchSplit, descrip
         metrics,  # before the export: the record carries the last line and the summary
         history,  # before the export: its last all-reduce must not wait behind rank 0's export
         fixed_validation,  # before the export: the record carries its result
-        ExportModel(model_folder(cfg), bundle_path(cfg.data.tokenizer),
+        ExportModel(model_folder(cfg.output.root), bundle_path(cfg.data.tokenizer),
                     published_with=functools.partial(publish_with_model, record, history)),
         GracefulStop(source.end, before_exit=release_now),
         host_memory,
@@ -331,7 +317,7 @@ def build_fixed_validation(cfg: RunConfig, split: BatchSplit, source: TrainingIn
     return FixedValidation(
         pool, cfg.model.max_seq_len, split.microbatch, functools.partial(initial_model, cfg),
         lambda: history.initial_weights,
-        save_to=run_folder(cfg) / "validation.jsonl" if pool.formed == HELD_OUT else None,
+        save_to=run_folder(cfg.output.root) / "validation.jsonl" if pool.formed == HELD_OUT else None,
         validated_at=lambda: metrics.validated_at)
 
 
@@ -459,7 +445,7 @@ def train_data_parallel(cfg: RunConfig, split: BatchSplit, feeder: UpdateFeeder,
             "address": list(listener.address), "authkey": authkey.hex(), "platform_memory_fraction": platform_fraction,
             "ckpt_path": resume}
     if launcher.resolve_start(cfg.trainer.worker_start) == "fork":
-        preload_worker_modules(cfg, compile_folder(cfg), world)
+        preload_worker_modules(cfg, compile_folder(cfg.output.root), world)
     stop_by: list[float] = []  # set by the first signal: when the graceful stop must be over
 
     def stop_gracefully(name: str) -> None:
@@ -475,7 +461,7 @@ def train_data_parallel(cfg: RunConfig, split: BatchSplit, feeder: UpdateFeeder,
         finally:
             feeder.stop()
             listener.close()
-    model_dir = model_folder(cfg)
+    model_dir = model_folder(cfg.output.root)
     record_path = model_dir / "run_record.json"
     if not record_path.is_file():  # stopped before the first update: nothing was exported
         return {"steps": 0, "model_dir": str(model_dir), "metrics": {}}

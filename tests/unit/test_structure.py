@@ -242,7 +242,30 @@ def class_bases(tree: ast.AST) -> list[tuple[str, int, str]]:
 def test_lightning_callbacks_live_in_callbacks():
     """A ``Callback`` subclass is a callback: it lives in callbacks/, one a file, not inside the module that uses it.
     Checked by ``grep -rn "(L.Callback)" --include=*.py . | grep -v ^./callbacks/``."""
-    outside = [f"{rel}:{line} {name}" for rel in shipping.shipped_files(ROOT) if rel.endswith(".py")
-               and not rel.startswith("callbacks/") for name, line, base in class_bases(ast.parse((ROOT / rel).read_text()))
+    outside = [f"{rel}:{line} {name}" for rel in shipping.shipped_files(ROOT)
+               if rel.endswith(".py") and not rel.startswith("callbacks/")
+               for name, line, base in class_bases(ast.parse((ROOT / rel).read_text()))
                if base.split(".")[-1] == "Callback"]
     assert not outside, f"Lightning callbacks outside callbacks/: {outside}"
+
+
+OUTPUT_LAYOUT = {"model", "run", "checkpoints"}  # the folders a run writes under output.root
+
+
+def test_the_output_folders_layout_is_named_only_in_runtime_output_folder():
+    """``root / "checkpoints"`` and its siblings are spelled once, in runtime/output_folder.py (its constants and
+    ``*_folder`` functions); the rest of the trainer asks it. The tools and the tests read a run's output as a
+    user does, from the layout the docs describe, so they write it out; runfab/shipping.py names a
+    ``checkpoints`` folder among what a bundle leaves out wherever it lies, another fact on a floor below."""
+    spelled = set()
+    for rel in shipping.shipped_files(ROOT):
+        if not rel.endswith(".py") or rel == "runtime/output_folder.py":
+            continue
+        tree = ast.parse((ROOT / rel).read_text())
+        joined = {id(node.right) for node in ast.walk(tree) if isinstance(node, ast.BinOp)
+                  and isinstance(node.op, ast.Div)}  # the right-hand side of a path join
+        spelled |= {f"{rel}:{node.lineno} {node.value}" for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                    and (node.value in OUTPUT_LAYOUT and id(node) in joined
+                         or node.value in ("checkpoints", "compile-cache") and id(node) not in docstrings(tree)
+                         and not rel.startswith("runfab/"))}
+    assert not spelled, f"the output layout spelled outside runtime/output_folder.py: {sorted(spelled)}"
