@@ -1,5 +1,5 @@
 """One training run, from the output folder to the exported model: in this process on one device,
-or as the feeder of data-parallel workers (launcher.py), and the worker side of that.
+or as the feeder of data-parallel workers (launcher.py starts them; worker.py is one of them).
 
 A run reads as its steps: ``run_training`` claims and budgets the output folder, loads the encoder
 and starts the input; ``fit`` builds each component with its own builder (metrics, callbacks,
@@ -24,16 +24,13 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from runfab import memory
 from callbacks.host_memory import HostMemory
 from runtime import checkpoints, launcher
 from runtime.batch_split import BatchSplit
-from runfab.lifetime import exit_with_parent
 from callbacks import owned_folders
-from callbacks.export import ExportFailed, ExportModel
+from callbacks.export import ExportModel
 from callbacks.fixed_validation import FixedValidation, ValidationBeforeTraining
 from callbacks.history import History
 from callbacks.graceful_stop import GracefulStop
@@ -43,7 +40,7 @@ from callbacks.progress import UpdateProgressBar
 from callbacks.run_record import RunRecord, sha256_file
 from callbacks.stop_checkpoint import StopCheckpoint
 from callbacks.runfab_metrics import RunFabMetrics, ensure_stdout
-from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, load_config_dict, training_time_limit
+from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, training_time_limit
 from datamodule import StreamingDataModule
 from pipeline import feeder_wire
 from pipeline.feeder import UpdateFeeder
@@ -60,7 +57,6 @@ from runtime.output_folder import (CHECKPOINTS, check_output_budget, check_outpu
                                    claimed_output, compile_folder, model_folder, release_now, run_folder)
 from runtime.trainer import build_trainer, shows_progress, training_arguments, validates
 from model.flops import count_parameters, training_flops
-from runtime.probe import run_probe_local
 from pipeline.tokenizer import TextEncoder
 
 log = logging.getLogger("train")
@@ -467,56 +463,3 @@ def train_data_parallel(cfg: RunConfig, split: BatchSplit, feeder: UpdateFeeder,
         return {"steps": 0, "model_dir": str(model_dir), "metrics": {}}
     record = json.loads(record_path.read_text())  # rank 0 wrote it, with the input summary the feeder sent
     return {"steps": record["optimizer_steps"], "model_dir": str(model_dir), "metrics": record["final_metrics"]}
-
-
-def run_worker() -> int:
-    """``python train.py worker``: one data-parallel rank, started by train_data_parallel or run_probe."""
-    if launcher.WORKER_SPEC_ENV not in os.environ:  # typed by a person
-        print("error: `train.py worker` is a data-parallel rank that train.py starts itself; run `python train.py` "
-              "(--trainer.devices N for N ranks)", file=sys.stderr)
-        return 2
-    exit_with_parent()  # a worker whose feeder vanished (even by SIGKILL) must not wait in a collective
-    memory.record_stage("worker started, modules imported")
-    spec = launcher.worker_spec()
-    cfg = load_config_dict(spec["config"])
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    rank_zero_only.rank = rank  # read from the environment when Lightning was imported: a forked worker imported it as rank 0
-    setup_process(cfg)
-    launcher.quiet_peer_rank(rank)
-    if resolve_accelerator(cfg) == "gpu":
-        torch.set_num_threads(1)  # a GPU worker only launches kernels; RunFab's 2 cores serve feeder and workers
-    platform_fraction = spec.get("platform_memory_fraction")
-    try:
-        return _run_worker(cfg, spec, world, rank, platform_fraction)
-    except launcher.Interrupted as stopped:  # its own line and status: the launcher names this rank before its peers
-        print(f"error: rank {rank}: {stopped}", file=sys.stderr)
-        return launcher.STOPPED_EXIT
-
-
-def _run_worker(cfg: RunConfig, spec: dict, world: int, rank: int, platform_fraction: float | None) -> int:
-    """The rank's share of the probe or of training; its exit status."""
-    if spec.get("probe"):
-        run_probe_local(cfg, spec["microbatch"], world, spec["effective"], platform_fraction)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # a probe keeps nothing: skip the interpreter's teardown of CUDA, NCCL and modules (seconds)
-    encoder = load_encoder(cfg)
-    split = BatchSplit(spec["microbatch"], spec["accumulation"], world, spec["effective"])
-    settings = stream_settings(cfg, encoder, split)
-    pool = validation_pool(cfg, encoder)
-    connection = feeder_wire.FeederConnection(tuple(spec["address"]), bytes.fromhex(spec["authkey"]), rank, pool,
-                                              split.accumulation)
-    datamodule = StreamingDataModule(
-        connection.batches, pool, settings, rank=rank, pin_memory=resolve_accelerator(cfg) == "gpu",
-        on_teardown=connection.close,
-    )
-    source = TrainingInput(datamodule, summary=lambda: connection.input_summary, early_end=lambda: connection.early_end,
-                           report_due=connection.report_marks.due if world > 1 else None)
-    try:
-        fit(cfg, split, source, encoder, platform_fraction, ckpt_path=spec.get("ckpt_path"),
-            **stream_checkpoints(cfg, split, source.early_end))
-    except ExportFailed as error:  # one line in the feeder's report of this rank, as in a single process
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    return 0
-

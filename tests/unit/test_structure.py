@@ -269,3 +269,18 @@ def test_the_output_folders_layout_is_named_only_in_runtime_output_folder():
                          or node.value in ("checkpoints", "compile-cache") and id(node) not in docstrings(tree)
                          and not rel.startswith("runfab/"))}
     assert not spelled, f"the output layout spelled outside runtime/output_folder.py: {sorted(spelled)}"
+
+
+def test_a_data_parallel_rank_is_entered_in_runtime_worker_only():
+    """``train.py worker`` runs runtime/worker.py: the one module that reads the spec the launcher hands a rank
+    (``launcher.worker_spec``); one training run (training_run.py) neither reads it nor defines a rank's entry."""
+    readers = set()
+    for rel in shipping.shipped_files(ROOT):
+        if not rel.endswith(".py") or rel in ("runtime/worker.py", "runtime/launcher.py"):
+            continue
+        tree = ast.parse((ROOT / rel).read_text())
+        readers |= {f"{rel}:{node.lineno} {node.attr}" for node in ast.walk(tree)
+                    if isinstance(node, ast.Attribute) and node.attr in ("worker_spec", "WORKER_SPEC_ENV")}
+        readers |= {f"{rel}:{node.lineno} {node.name}" for node in ast.walk(tree)
+                    if isinstance(node, ast.FunctionDef) and node.name.lstrip("_") == "run_worker"}
+    assert not readers, f"a rank's entry outside runtime/worker.py: {sorted(readers)}"
