@@ -33,6 +33,7 @@ from callbacks.resume_fingerprint import ResumeFingerprint
 from config import ConfigError, RunConfig, bundle_path
 from datamodule import ShardDataModule
 from pipeline import shards
+from pipeline.fingerprints import sha256_file
 from pipeline.validation_split import PREPARED, ValidationPool
 from runtime import checkpoints, launcher
 from runtime.batch_split import BatchSplit
@@ -95,8 +96,6 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
     warnings.filterwarnings("ignore", ".*but have no `val_dataloader`.*")  # no validation here, on purpose
     encoder = load_encoder(cfg)
     tokenizer = bundle_path(cfg.data.tokenizer)
-    from callbacks.run_record import sha256_file
-
     shards.import_litdata()
     meta = shards.read_meta(cfg.data.path)
     tokenizer_sha256 = sha256_file(tokenizer)

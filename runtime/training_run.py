@@ -37,13 +37,14 @@ from callbacks.graceful_stop import GracefulStop
 from callbacks.observe import ObservationWindows
 from callbacks.resume_fingerprint import ResumeFingerprint
 from callbacks.progress import UpdateProgressBar
-from callbacks.run_record import RunRecord, sha256_file
+from callbacks.run_record import RunRecord
 from callbacks.stop_checkpoint import StopCheckpoint
 from callbacks.runfab_metrics import RunFabMetrics, ensure_stdout
 from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, training_time_limit
 from datamodule import StreamingDataModule
 from pipeline import feeder_wire
 from pipeline.feeder import UpdateFeeder
+from pipeline.fingerprints import sha256_file
 from pipeline.sources import open_input
 from pipeline.records import UnusableInputError
 from pipeline.resume import TrainedUpdates

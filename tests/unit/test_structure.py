@@ -284,3 +284,18 @@ def test_a_data_parallel_rank_is_entered_in_runtime_worker_only():
         readers |= {f"{rel}:{node.lineno} {node.name}" for node in ast.walk(tree)
                     if isinstance(node, ast.FunctionDef) and node.name.lstrip("_") == "run_worker"}
     assert not readers, f"a rank's entry outside runtime/worker.py: {sorted(readers)}"
+
+
+def test_a_files_digest_is_defined_once_on_the_floor_below_its_users():
+    """``sha256_file`` (the tokenizer's and the code's identity in a run record, a resume's fingerprint and the
+    prepared shards' metadata) is used by callbacks/, runtime/ and tools/: it is defined once, in
+    pipeline/fingerprints.py beside the other digests, on a floor all of them import, and imported from there."""
+    defined, imported = [], []
+    for rel in python_files():
+        for node in ast.walk(ast.parse((ROOT / rel).read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name == "sha256_file":
+                defined.append(rel)
+            elif isinstance(node, ast.ImportFrom) and any(alias.name == "sha256_file" for alias in node.names):
+                imported.append(f"{rel}: {node.module}")
+    assert defined == ["pipeline/fingerprints.py"], f"sha256_file defined in {defined}"
+    assert all(line.endswith(": pipeline.fingerprints") for line in imported), imported
