@@ -299,3 +299,36 @@ def test_a_files_digest_is_defined_once_on_the_floor_below_its_users():
                 imported.append(f"{rel}: {node.module}")
     assert defined == ["pipeline/fingerprints.py"], f"sha256_file defined in {defined}"
     assert all(line.endswith(": pipeline.fingerprints") for line in imported), imported
+
+
+TOP_FOLDERS = ("callbacks", "conf", "data", "docs", "model", "pipeline", "runfab", "runtime", "tests", "tools")
+NAMED_PATH = re.compile(r"(?<![\w/.-])((?:%s)/(?:[\w-]+/)*[\w-]+\.(?:py|md|sh|yaml|toml))(?![\w.])" % "|".join(TOP_FOLDERS))
+
+
+def prose(rel: str) -> str:
+    """What a reader reads as a map: a document's text, or a Python file's docstrings and comments."""
+    text = (ROOT / rel).read_text()
+    if not rel.endswith(".py"):
+        return text
+    tree = ast.parse(text)
+    described = docstrings(tree)
+    strings = [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and id(node) in described]
+    comments = [line.split("#", 1)[1] for line in text.splitlines() if "#" in line]
+    return "\n".join(strings + comments)
+
+
+def test_the_files_the_docs_docstrings_and_comments_name_exist():
+    """A map that names a file names one that is there: every ``folder/.../name.py`` (or .md, .sh, .yaml, .toml)
+    under one of the project's folders that the docs, a docstring or a comment names exists, and every ``name.py``
+    a package's ``__init__`` docstring names is a module of that package."""
+    listed = subprocess.run(["git", "ls-files", "*.md", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    missing = []
+    for rel in listed.stdout.split():
+        if not (ROOT / rel).is_file():
+            continue
+        missing += [f"{rel}: {path}" for path in NAMED_PATH.findall(prose(rel)) if not (ROOT / path).exists()]
+        if rel.endswith("/__init__.py"):
+            package = (ROOT / rel).parent
+            missing += [f"{rel}: {name}" for name in re.findall(r"(?<![\w/.])([\w-]+\.(?:py|sh))\b", prose(rel))
+                        if not (package / name).exists() and not (ROOT / name).exists()]
+    assert not missing, f"files named that are not there: {missing}"
