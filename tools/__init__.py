@@ -4,6 +4,9 @@
     bench/        measurements: the trainer's experiments, the host pipeline, all-reduce, traces, rank balance, shards
     data/         what builds the bundled data: the sample, GPT-2's tokenizer.json
     report.py     one HTML page of a run's output
+    compare.py    whether runs are comparable, then one HTML page of their differences and curves
+    evaluate.py   an exported model's exact cross-entropy on NDJSON records, as training validates
+    sample.py     text sampled from an exported model
     processes.py  the processes a tool starts: they die with it, and their memory is read as RunFab counts it
 
 The tools may import the training modules (train, config, model, pipeline, runtime, callbacks);

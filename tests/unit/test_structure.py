@@ -7,6 +7,7 @@ import ast
 import re
 import subprocess
 import tomllib
+from pathlib import Path
 
 from runfab import limits, shipping
 
@@ -302,7 +303,8 @@ def test_a_files_digest_is_defined_once_on_the_floor_below_its_users():
 
 
 TOP_FOLDERS = ("callbacks", "conf", "data", "docs", "model", "pipeline", "runfab", "runtime", "tests", "tools")
-NAMED_PATH = re.compile(r"(?<![\w/.-])((?:%s)/(?:[\w-]+/)*[\w-]+\.(?:py|md|sh|yaml|toml))(?![\w.])" % "|".join(TOP_FOLDERS))
+NAMED_PATH = re.compile(r"(?<![\w/.-])((?:%s)/(?:[\w-]+/)*[\w-]+\.(?:py|md|sh|yaml|toml))(?![\w.])"
+                        % "|".join(TOP_FOLDERS))
 
 
 def prose(rel: str) -> str:
@@ -332,3 +334,21 @@ def test_the_files_the_docs_docstrings_and_comments_name_exist():
             missing += [f"{rel}: {name}" for name in re.findall(r"(?<![\w/.])([\w-]+\.(?:py|sh))\b", prose(rel))
                         if not (package / name).exists() and not (ROOT / name).exists()]
     assert not missing, f"files named that are not there: {missing}"
+
+
+def test_each_packages_first_lines_say_what_it_holds_and_what_it_is_not():
+    """``ls`` plus a package's ``__init__`` docstring orient a newcomer: the docstring names each of the package's
+    modules and subpackages, and says what the package is not (a "Not ..." or "never ..." beside the folder a
+    newcomer would confuse it with: runfab/ and runtime/, pipeline/ and datamodule.py, data/ and tools/data/)."""
+    packages = sorted({str(Path(rel).parent) for rel in python_files() if rel.endswith("/__init__.py")
+                       and rel.split("/")[0] not in ("tests",)})
+    unnamed, unbounded = [], []
+    for package in packages:
+        docstring = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text())) or ""
+        members = [p.stem if p.is_file() else p.name for p in (ROOT / package).iterdir()
+                   if (p.suffix in (".py", ".sh") and not p.name.startswith("__")) or (p / "__init__.py").is_file()]
+        unnamed += [f"{package}/{member}" for member in members if not re.search(rf"\b{member}\b", docstring)]
+        if not re.search(r"\b(Not|not|never|Never)\b", docstring):
+            unbounded.append(package)
+    assert not unnamed, f"modules their package's __init__ docstring does not name: {sorted(unnamed)}"
+    assert not unbounded, f"packages whose __init__ docstring does not say what they are not: {unbounded}"
