@@ -7,7 +7,7 @@ heavy import (torch and Lightning load inside the hooks).
 
 stdout carries RunFab's metric lines and nothing else; everything for people goes to stderr.
 The batch split is in runtime/batch_split.py, the probe in runtime/probe.py, a training run in
-runtime/training_run.py (data parallelism through runtime/launcher.py).
+runtime/training_run.py (data parallelism through runtime/launcher.py, one rank in runtime/worker.py).
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     import_libraries()
     if argv[:1] == ["worker"]:
-        from runtime import training_run
+        from runtime import worker
 
-        return training_run.run_worker()
+        return worker.run_worker()
     import cli
     from runtime.launcher import raise_on_signals
 

@@ -7,7 +7,6 @@ folder (callbacks/export.py), so a model folder never appears without its record
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -24,6 +23,7 @@ from model.kernels import gpu
 from callbacks.observe import ObservationWindows
 from callbacks.runfab_metrics import RunFabMetrics
 from model.flops import count_parameters
+from pipeline.fingerprints import sha256_file
 from runfab import created_files
 from runfab.limits import MIB
 from runfab.shipping import folder_bytes, shipped_files, source_commit
@@ -43,14 +43,6 @@ def library_versions() -> dict[str, str | None]:
             versions[name] = None
     versions["cuda"] = torch.version.cuda
     return versions
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def source_hashes(root: Path) -> dict[str, str]:

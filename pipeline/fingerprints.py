@@ -11,19 +11,30 @@ the same whatever the precision, the device or the number of ranks:
   on which rank trained which row, and it can be added up over ranks in the all-reduce a run
   already does; the run's training tokens are then a SHA-256 chain over its updates' values, in
   update order;
-- a validation set: SHA-256 over its documents' token ids (int32, each after its length), in order.
+- a validation set: SHA-256 over its documents' token ids (int32, each after its length), in order;
+- a file (the tokenizer, each file of the code that ran): SHA-256 of its bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 
 ROW_DIGEST_BITS = 40  # a sum of thousands of these stays below 2**63 (an int64 all-reduce) and below 2**53
 _ROW_DIGEST_BYTES = ROW_DIGEST_BITS // 8
 TOKENS_CHAIN_START = hashlib.sha256(b"runfab training tokens").hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    """SHA-256 of the bytes of the file at ``path``, read a MiB at a time."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def row_digest(tokens: np.ndarray, positions: np.ndarray) -> int:

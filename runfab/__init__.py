@@ -8,4 +8,6 @@ created_files.py  creating a file without following a link someone planted where
 library_import.py importing Lightning in a hook's process without leaving what the import writes
 
 Training, the pipeline, the callbacks and the tools import these; these import only the standard library.
+Not runtime/ (beside it in ``ls``): that is how a run uses the platform (processes, devices, the output
+folder), and it imports these.
 """

@@ -12,10 +12,10 @@ is, and what a resume must keep.
   only, which is all a checkpoint of this trainer holds; a file that needs more is refused.
 - ``newest_loadable``: ``--ckpt_path last``, skipping (and naming on stderr) a checkpoint that
   does not load; when checkpoints exist and none loads, the resume is refused and they stay.
-- ``ResumeFingerprint``: stores in every checkpoint what a resume must not change (the model's
-  shape, the prepared rows, the seed, the batch, every ``optim.*`` key, the process count, the
-  tokenizer); ``refuse_changes`` compares a checkpoint's with this run's before Lightning loads it,
-  in one line naming the key.
+- ``fingerprint``: what a resume must not change (the model's shape, the prepared rows, the seed, the
+  batch, every ``optim.*`` key, the process count, the tokenizer), which callbacks/resume_fingerprint.py
+  stores in every checkpoint; ``refuse_changes`` compares a checkpoint's with this run's before
+  Lightning loads it, in one line naming the key.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import numpy as np
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from callbacks.resume_fingerprint import FINGERPRINT_KEY
 from config import ConfigError
 from pipeline import shards
 from pipeline.resume import TrainedUpdates
@@ -40,7 +40,6 @@ log = logging.getLogger("train")
 
 STOP_CHECKPOINT = "stopped.ckpt"  # written when a signal stops the run; the periodic ones are Lightning's
 WRITTEN = ".written-checkpoints"  # the checkpoint files this trainer's saves wrote in the folder, one name a line
-FINGERPRINT_KEY = "runfab_resume"  # where a checkpoint keeps what a resume must not change
 
 
 def _partial_name(path: Path) -> Path:
@@ -268,12 +267,3 @@ def refuse_changes(path: Path | str, checkpoint: dict, expected: dict) -> None:
                               f"settings and the process count: resume with "
                               f"{stored[key]!r}, or start a new run in another output.root")
 
-
-class ResumeFingerprint(L.Callback):
-    """Stores ``fingerprint`` in every checkpoint Lightning writes (periodic and on a stop)."""
-
-    def __init__(self, values: dict) -> None:
-        self.values = values
-
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        checkpoint[FINGERPRINT_KEY] = dict(self.values)

@@ -3,7 +3,8 @@ deleted), refused where a run must not write, and checked for room before any tr
 
 What a run writes there: ``model/`` (the export and its run record), ``run/`` (metric lines, the
 loggers' files, observations, the held-out documents), ``checkpoints/``, and ``data/`` (disposable:
-the compile caches).
+the compile caches). This module names that layout once (``MODEL``... and ``model_folder``...); the
+rest of the trainer asks it.
 """
 
 from __future__ import annotations
@@ -29,11 +30,32 @@ log = logging.getLogger("train")
 LOCK_NAME = ".run.lock"
 
 
-RUN_FOLDERS = ("model", "run", "checkpoints")  # what one run writes; an earlier run's are set aside, never mixed in
+MODEL, RUN, CHECKPOINTS, DATA = "model", "run", "checkpoints", "data"  # the folders a run writes under the root
+RUN_FOLDERS = (MODEL, RUN, CHECKPOINTS)  # what one run writes; an earlier run's are set aside, never mixed in
 # Never an output root: a run writes model/, run/, checkpoints/ and data/ into it and sets earlier ones aside there.
 SYSTEM_FOLDERS = tuple(Path(p) for p in ("/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64",
                                          "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/usr", "/usr/local",
                                          "/var"))
+
+
+def model_folder(root: Path | str) -> Path:
+    """The export: weights, config, tokenizer, the run record and history (callbacks/export.py)."""
+    return Path(root) / MODEL
+
+
+def run_folder(root: Path | str) -> Path:
+    """The metric lines, the loggers' files, the observations and the held-out documents."""
+    return Path(root) / RUN
+
+
+def checkpoint_folder(root: Path | str) -> Path:
+    """Lightning's periodic checkpoints and the one a stop writes (runtime/checkpoints.py)."""
+    return Path(root) / CHECKPOINTS
+
+
+def compile_folder(root: Path | str) -> Path:
+    """The compile caches (inductor, Triton, FA4): in the output's disposable data/ folder, never /tmp."""
+    return Path(root) / DATA / "compile-cache"
 
 
 @contextlib.contextmanager
@@ -140,7 +162,7 @@ def refuse_unsafe_root(root: Path) -> None:
 
 def remove_unfinished_exports(root: Path) -> None:
     """Remove the half-written staging folders that a run's export left when it was killed."""
-    for staging in unfinished_exports(root / "model"):
+    for staging in unfinished_exports(model_folder(root)):
         if owned_folders.is_marked(staging):
             shutil.rmtree(staging, ignore_errors=True)
 

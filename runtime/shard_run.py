@@ -29,14 +29,16 @@ from pathlib import Path
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
 from callbacks.agreed_stop import StopAtAgreedUpdate
+from callbacks.resume_fingerprint import ResumeFingerprint
 from config import ConfigError, RunConfig, bundle_path
 from datamodule import ShardDataModule
 from pipeline import shards
+from pipeline.fingerprints import sha256_file
 from pipeline.validation_split import PREPARED, ValidationPool
 from runtime import checkpoints, launcher
 from runtime.batch_split import BatchSplit
 from runtime.device_policy import resolve_accelerator, setup_process, use_allocator_settings, world_size
-from runtime.output_folder import claimed_output, release_now
+from runtime.output_folder import CHECKPOINTS, checkpoint_folder, claimed_output, release_now
 from runtime.training_run import TrainingInput, fit, load_encoder, validation_pool
 
 log = logging.getLogger("train")
@@ -94,8 +96,6 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
     warnings.filterwarnings("ignore", ".*but have no `val_dataloader`.*")  # no validation here, on purpose
     encoder = load_encoder(cfg)
     tokenizer = bundle_path(cfg.data.tokenizer)
-    from callbacks.run_record import sha256_file
-
     shards.import_litdata()
     meta = shards.read_meta(cfg.data.path)
     tokenizer_sha256 = sha256_file(tokenizer)
@@ -104,10 +104,10 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
     shards.check_chunk_format(cfg.data.path)
     root = Path(cfg.output.root)
     first = environment_rank(per_node) == 0  # only rank 0 writes the output (export, record, checkpoints)
-    claim = claimed_output(root, keep=("checkpoints",) if ckpt_path else ()) if first else contextlib.nullcontext()
+    claim = claimed_output(root, keep=(CHECKPOINTS,) if ckpt_path else ()) if first else contextlib.nullcontext()
     unchanged = checkpoints.fingerprint(cfg, split, checkpoints.shards_identity(cfg, shards.prepared_fingerprint(
         cfg.data.path)), tokenizer_sha256, world)
-    resume = checkpoints.resolve(ckpt_path, root / "checkpoints")
+    resume = checkpoints.resolve(ckpt_path, checkpoint_folder(root))
     if resume is not None:  # before the output moves and Lightning loads it: a change is one line, no traceback
         resume, stored = resume
         checkpoints.refuse_changes(resume, stored, unchanged)
@@ -120,7 +120,8 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
             cfg.data.loader_workers, agreement, pin_memory=resolve_accelerator(cfg) == "gpu",
             token_digests=cfg.data.token_digests)
         held_out = prepared_validation(cfg, meta, encoder)
-        stop = StopAtAgreedUpdate(agreement, root / "checkpoints" / checkpoints.STOP_CHECKPOINT, before_exit=release_now)
+        stop_at = checkpoint_folder(root) / checkpoints.STOP_CHECKPOINT
+        stop = StopAtAgreedUpdate(agreement, stop_at, before_exit=release_now)
         overrides: dict = {"devices": per_node, "num_nodes": nodes, "plugins": [checkpoints.DurableCheckpointIO()]}
         if SLURMEnvironment.detect():  # its requeue handler checkpoints between microbatches: not exact
             overrides["plugins"].append(SLURMEnvironment(auto_requeue=False))
@@ -133,7 +134,7 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
                                report_due=agreement.report_marks.due if world > 1 else None,
                                validation=held_out)
         result = fit(cfg, split, source, encoder, ckpt_path=resume,
-                     extra_callbacks=(stop, checkpoints.ResumeFingerprint(unchanged)), trainer_overrides=overrides)
+                     extra_callbacks=(stop, ResumeFingerprint(unchanged)), trainer_overrides=overrides)
     if agreement.stopped_by is not None:
         where = f"checkpoint {stop.saved}" if stop.saved else "no checkpoint"
         raise launcher.Interrupted(f"stopped by {agreement.stopped_by} after optimizer step {result['steps']}; "
@@ -142,5 +143,5 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
         raise launcher.Interrupted(f"received {agreement.stop_signal} before the first update; nothing was trained")
     # A signal after the last update was settled came when training had nothing left to do: the run is complete.
     if first:  # the run is complete: a stop checkpoint of an earlier segment is no longer needed
-        checkpoints.remove_written(root / "checkpoints", checkpoints.STOP_CHECKPOINT)
+        checkpoints.remove_written(checkpoint_folder(root), checkpoints.STOP_CHECKPOINT)
     return result

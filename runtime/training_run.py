@@ -1,5 +1,5 @@
 """One training run, from the output folder to the exported model: in this process on one device,
-or as the feeder of data-parallel workers (launcher.py), and the worker side of that.
+or as the feeder of data-parallel workers (launcher.py starts them; worker.py is one of them).
 
 A run reads as its steps: ``run_training`` claims and budgets the output folder, loads the encoder
 and starts the input; ``fit`` builds each component with its own builder (metrics, callbacks,
@@ -24,28 +24,27 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from runfab import memory
 from callbacks.host_memory import HostMemory
 from runtime import checkpoints, launcher
 from runtime.batch_split import BatchSplit
-from runfab.lifetime import exit_with_parent
 from callbacks import owned_folders
-from callbacks.export import ExportFailed, ExportModel
+from callbacks.export import ExportModel
 from callbacks.fixed_validation import FixedValidation, ValidationBeforeTraining
 from callbacks.history import History
 from callbacks.graceful_stop import GracefulStop
 from callbacks.observe import ObservationWindows
+from callbacks.resume_fingerprint import ResumeFingerprint
 from callbacks.progress import UpdateProgressBar
-from callbacks.run_record import RunRecord, sha256_file
+from callbacks.run_record import RunRecord
 from callbacks.stop_checkpoint import StopCheckpoint
 from callbacks.runfab_metrics import RunFabMetrics, ensure_stdout
-from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, load_config_dict, training_time_limit
+from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, training_time_limit
 from datamodule import StreamingDataModule
 from pipeline import feeder_wire
 from pipeline.feeder import UpdateFeeder
+from pipeline.fingerprints import sha256_file
 from pipeline.sources import open_input
 from pipeline.records import UnusableInputError
 from pipeline.resume import TrainedUpdates
@@ -55,10 +54,10 @@ from runtime.device_policy import (
     build_module, check_host_memory, compiles, limit_gpu_memory, local_device, platform_memory_fraction,
     preload_worker_modules, prepare_compile, resolve_accelerator, setup_process, use_allocator_settings,
 )
-from runtime.output_folder import check_output_budget, check_output_space, claimed_output, release_now
+from runtime.output_folder import (CHECKPOINTS, check_output_budget, check_output_space, checkpoint_folder,
+                                   claimed_output, compile_folder, model_folder, release_now, run_folder)
 from runtime.trainer import build_trainer, shows_progress, training_arguments, validates
 from model.flops import count_parameters, training_flops
-from runtime.probe import run_probe_local
 from pipeline.tokenizer import TextEncoder
 
 log = logging.getLogger("train")
@@ -76,7 +75,7 @@ def run_training(cfg: RunConfig, split: BatchSplit, stdin=None, ckpt_path: str |
     check_host_memory(cfg, split.ranks, split.microbatch)
     ensure_stdout()
     resume, trained = resume_point(cfg, split, ckpt_path)  # before the output moves: a refusal is one line
-    with claimed_output(root, keep=("checkpoints",) if ckpt_path else ()):
+    with claimed_output(root, keep=(CHECKPOINTS,) if ckpt_path else ()):
         check_output_space(cfg, root)
         use_allocator_settings(cfg)
         platform_fraction = platform_memory_fraction()
@@ -91,8 +90,9 @@ def run_training(cfg: RunConfig, split: BatchSplit, stdin=None, ckpt_path: str |
                          **stream_checkpoints(cfg, split, source.early_end))
         result["input"] = feeder.close()
         log.info(summary_line(feeder.stats))
-        raise_if_ended_early(feeder, result, checkpoint_folder(cfg))
-        checkpoints.remove_written(checkpoint_folder(cfg), checkpoints.STOP_CHECKPOINT)  # complete: not needed
+        raise_if_ended_early(feeder, result, checkpoint_folder(cfg.output.root))
+        # the run completed: the stop checkpoint is not needed
+        checkpoints.remove_written(checkpoint_folder(cfg.output.root), checkpoints.STOP_CHECKPOINT)
     return result
 
 
@@ -105,7 +105,7 @@ def resume_point(cfg: RunConfig, split: BatchSplit, ckpt_path: str | None) -> tu
     if not cfg.data.token_digests:
         raise ConfigError("a resume on stdin checks that the input is the same by its tokens' digests: leave "
                           "data.token_digests true")
-    found = checkpoints.resolve(ckpt_path, checkpoint_folder(cfg))
+    found = checkpoints.resolve(ckpt_path, checkpoint_folder(cfg.output.root))
     if found is None:
         return None, None
     path, stored = found
@@ -129,8 +129,8 @@ def stream_checkpoints(cfg: RunConfig, split: BatchSplit, stopped_early: Callabl
     failing input), each with what a resume must not change, written durably (runtime/checkpoints.py)."""
     if cfg.trainer.checkpoint_every_steps <= 0:
         return {}
-    stop = StopCheckpoint(checkpoint_folder(cfg) / checkpoints.STOP_CHECKPOINT, stopped_early)
-    return {"extra_callbacks": (stop, checkpoints.ResumeFingerprint(stream_fingerprint(cfg, split))),
+    stop = StopCheckpoint(checkpoint_folder(cfg.output.root) / checkpoints.STOP_CHECKPOINT, stopped_early)
+    return {"extra_callbacks": (stop, ResumeFingerprint(stream_fingerprint(cfg, split))),
             "trainer_overrides": {"plugins": [checkpoints.DurableCheckpointIO()]}}
 
 
@@ -174,41 +174,24 @@ def fit(cfg: RunConfig, split: BatchSplit, source: TrainingInput, encoder: TextE
     callbacks = build_callbacks(cfg, accelerator, split, description, source, metrics, host_memory)
     trainer = build_trainer(
         cfg, accelerator, split.ranks, callbacks=[*callbacks, *extra_callbacks],
-        logger=experiment_loggers(cfg, run_folder(cfg) / "logs") or False,
+        logger=experiment_loggers(cfg, run_folder(cfg.output.root) / "logs") or False,
         **training_arguments(cfg, split) | (trainer_overrides or {}),
     )
     if compiles(cfg, accelerator):
-        prepare_compile(compile_folder(cfg), split.ranks)
+        prepare_compile(compile_folder(cfg.output.root), split.ranks)
     module = build_training_module(cfg, accelerator)
     host_memory.stage("model built")
     log.info("model: %s, %d parameters; %s on %s; microbatch %d x accumulation %d x %d device(s)",
              cfg.model.family, count_parameters(module.model), trainer.precision, accelerator,
              split.microbatch, split.accumulation, split.ranks)
     train(trainer, module, source.datamodule, description, split, ckpt_path)
-    model_dir = model_folder(cfg)
+    model_dir = model_folder(cfg.output.root)
     log.info("finished: %d optimizer steps; %s", trainer.global_step,
              f"model in {model_dir}" if trainer.global_step else "no model exported")
     return {"steps": trainer.global_step, "model_dir": str(model_dir), "metrics": metrics.last_record}
 
 
 # ----------------------------------------------------------------------------- one builder per component
-
-
-def model_folder(cfg: RunConfig) -> Path:
-    return Path(cfg.output.root) / "model"
-
-
-def run_folder(cfg: RunConfig) -> Path:
-    return Path(cfg.output.root) / "run"
-
-
-def checkpoint_folder(cfg: RunConfig) -> Path:
-    return Path(cfg.output.root) / "checkpoints"
-
-
-def compile_folder(cfg: RunConfig) -> Path:
-    """The compile caches (inductor, Triton, FA4): in the output's disposable data/ folder, never /tmp."""
-    return Path(cfg.output.root) / "data" / "compile-cache"
 
 
 def load_encoder(cfg: RunConfig) -> TextEncoder:
@@ -284,7 +267,7 @@ def build_metrics(cfg: RunConfig, accelerator: str, source: TrainingInput) -> Ru
         cfg.metrics.interval_seconds, stream=sys.stdout,
         flops=functools.partial(training_flops, cfg.model) if accelerator == "gpu" else None,
         peak_flops=cfg.metrics.peak_flops, warmup_updates=cfg.observe.warmup_updates,
-        observed_updates=cfg.observe.observed_updates(), log_path=run_folder(cfg) / "metrics.jsonl",
+        observed_updates=cfg.observe.observed_updates(), log_path=run_folder(cfg.output.root) / "metrics.jsonl",
         validate_every=cfg.trainer.val_every_steps if validates(cfg) else 0,
         report_due=source.report_due, input_wait=lambda: source.datamodule.input_wait_seconds,
     )
@@ -293,7 +276,8 @@ def build_metrics(cfg: RunConfig, accelerator: str, source: TrainingInput) -> Ru
 def build_callbacks(cfg: RunConfig, accelerator: str, split: BatchSplit, description: dict, source: TrainingInput,
                     metrics: RunFabMetrics, host_memory: HostMemory) -> list[L.Callback]:
     """The run's callbacks, in the order their hooks must run."""
-    run_dir, checkpoint_dir, every = run_folder(cfg), checkpoint_folder(cfg), cfg.trainer.checkpoint_every_steps
+    run_dir, checkpoint_dir = run_folder(cfg.output.root), checkpoint_folder(cfg.output.root)
+    every = cfg.trainer.checkpoint_every_steps
     observer = ObservationWindows(cfg.observe, run_dir)
     history = History(token_digests=cfg.data.token_digests)
     if cfg.observe.loggers:  # the loggers' per-update points, up to each metric line, ahead of it
@@ -309,7 +293,7 @@ def build_callbacks(cfg: RunConfig, accelerator: str, split: BatchSplit, descrip
         metrics,  # before the export: the record carries the last line and the summary
         history,  # before the export: its last all-reduce must not wait behind rank 0's export
         fixed_validation,  # before the export: the record carries its result
-        ExportModel(model_folder(cfg), bundle_path(cfg.data.tokenizer),
+        ExportModel(model_folder(cfg.output.root), bundle_path(cfg.data.tokenizer),
                     published_with=functools.partial(publish_with_model, record, history)),
         GracefulStop(source.end, before_exit=release_now),
         host_memory,
@@ -330,7 +314,7 @@ def build_fixed_validation(cfg: RunConfig, split: BatchSplit, source: TrainingIn
     return FixedValidation(
         pool, cfg.model.max_seq_len, split.microbatch, functools.partial(initial_model, cfg),
         lambda: history.initial_weights,
-        save_to=run_folder(cfg) / "validation.jsonl" if pool.formed == HELD_OUT else None,
+        save_to=run_folder(cfg.output.root) / "validation.jsonl" if pool.formed == HELD_OUT else None,
         validated_at=lambda: metrics.validated_at)
 
 
@@ -458,7 +442,7 @@ def train_data_parallel(cfg: RunConfig, split: BatchSplit, feeder: UpdateFeeder,
             "address": list(listener.address), "authkey": authkey.hex(), "platform_memory_fraction": platform_fraction,
             "ckpt_path": resume}
     if launcher.resolve_start(cfg.trainer.worker_start) == "fork":
-        preload_worker_modules(cfg, compile_folder(cfg), world)
+        preload_worker_modules(cfg, compile_folder(cfg.output.root), world)
     stop_by: list[float] = []  # set by the first signal: when the graceful stop must be over
 
     def stop_gracefully(name: str) -> None:
@@ -474,62 +458,9 @@ def train_data_parallel(cfg: RunConfig, split: BatchSplit, feeder: UpdateFeeder,
         finally:
             feeder.stop()
             listener.close()
-    model_dir = model_folder(cfg)
+    model_dir = model_folder(cfg.output.root)
     record_path = model_dir / "run_record.json"
     if not record_path.is_file():  # stopped before the first update: nothing was exported
         return {"steps": 0, "model_dir": str(model_dir), "metrics": {}}
     record = json.loads(record_path.read_text())  # rank 0 wrote it, with the input summary the feeder sent
     return {"steps": record["optimizer_steps"], "model_dir": str(model_dir), "metrics": record["final_metrics"]}
-
-
-def run_worker() -> int:
-    """``python train.py worker``: one data-parallel rank, started by train_data_parallel or run_probe."""
-    if launcher.WORKER_SPEC_ENV not in os.environ:  # typed by a person
-        print("error: `train.py worker` is a data-parallel rank that train.py starts itself; run `python train.py` "
-              "(--trainer.devices N for N ranks)", file=sys.stderr)
-        return 2
-    exit_with_parent()  # a worker whose feeder vanished (even by SIGKILL) must not wait in a collective
-    memory.record_stage("worker started, modules imported")
-    spec = launcher.worker_spec()
-    cfg = load_config_dict(spec["config"])
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    rank_zero_only.rank = rank  # read from the environment when Lightning was imported: a forked worker imported it as rank 0
-    setup_process(cfg)
-    launcher.quiet_peer_rank(rank)
-    if resolve_accelerator(cfg) == "gpu":
-        torch.set_num_threads(1)  # a GPU worker only launches kernels; RunFab's 2 cores serve feeder and workers
-    platform_fraction = spec.get("platform_memory_fraction")
-    try:
-        return _run_worker(cfg, spec, world, rank, platform_fraction)
-    except launcher.Interrupted as stopped:  # its own line and status: the launcher names this rank before its peers
-        print(f"error: rank {rank}: {stopped}", file=sys.stderr)
-        return launcher.STOPPED_EXIT
-
-
-def _run_worker(cfg: RunConfig, spec: dict, world: int, rank: int, platform_fraction: float | None) -> int:
-    """The rank's share of the probe or of training; its exit status."""
-    if spec.get("probe"):
-        run_probe_local(cfg, spec["microbatch"], world, spec["effective"], platform_fraction)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # a probe keeps nothing: skip the interpreter's teardown of CUDA, NCCL and modules (seconds)
-    encoder = load_encoder(cfg)
-    split = BatchSplit(spec["microbatch"], spec["accumulation"], world, spec["effective"])
-    settings = stream_settings(cfg, encoder, split)
-    pool = validation_pool(cfg, encoder)
-    connection = feeder_wire.FeederConnection(tuple(spec["address"]), bytes.fromhex(spec["authkey"]), rank, pool,
-                                              split.accumulation)
-    datamodule = StreamingDataModule(
-        connection.batches, pool, settings, rank=rank, pin_memory=resolve_accelerator(cfg) == "gpu",
-        on_teardown=connection.close,
-    )
-    source = TrainingInput(datamodule, summary=lambda: connection.input_summary, early_end=lambda: connection.early_end,
-                           report_due=connection.report_marks.due if world > 1 else None)
-    try:
-        fit(cfg, split, source, encoder, platform_fraction, ckpt_path=spec.get("ckpt_path"),
-            **stream_checkpoints(cfg, split, source.early_end))
-    except ExportFailed as error:  # one line in the feeder's report of this rank, as in a single process
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    return 0
-

@@ -1,9 +1,12 @@
 """Developer tools beside the bundle, never shipped in it (runfab/shipping.py leaves tools/ out).
 
     bundle/       what proves a bundle before upload: package, check, emulate
-    bench/        measurements: the trainer's experiments, kernels, all-reduce, traces, rank balance
+    bench/        measurements: the trainer's experiments, the host pipeline, all-reduce, traces, rank balance, shards
     data/         what builds the bundled data: the sample, GPT-2's tokenizer.json
     report.py     one HTML page of a run's output
+    compare.py    whether runs are comparable, then one HTML page of their differences and curves
+    evaluate.py   an exported model's exact cross-entropy on NDJSON records, as training validates
+    sample.py     text sampled from an exported model
     processes.py  the processes a tool starts: they die with it, and their memory is read as RunFab counts it
 
 The tools may import the training modules (train, config, model, pipeline, runtime, callbacks);

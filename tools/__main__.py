@@ -13,7 +13,7 @@ COMMANDS = {
     "check": ("tools.bundle.check", "check a ZIP or folder against the contract, as RunFab runs it"),
     "emulate": ("tools.bundle.emulate", "RunFab's probe-then-train procedure on this machine"),
     "report": ("tools.report", "one HTML page of a run's output"),
-    "bench": ("tools.bench", "measure the trainer, its kernels and its input (bench --help lists the experiments)"),
+    "bench": ("tools.bench", "measure the trainer, its input and its ranks (bench --help lists the experiments)"),
     "tokenizer": ("pipeline.tokenizer", "train a byte-level BPE tokenizer.json from NDJSON"),
     "gpt2-tokenizer": ("tools.data.build_gpt2_tokenizer", "rebuild conf/gpt2/tokenizer.json from OpenAI's GPT-2 files"),
     "sample-data": ("tools.data.make_sample_data", "rebuild data/sample.jsonl from the standard library's docstrings"),

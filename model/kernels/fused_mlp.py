@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 QUACK_PACKAGE = "quack-kernels"
 QUACK_COMPUTE_CAPABILITIES = (9, 10)  # Hopper and Blackwell data-centre parts: quack's GEMMs with epilogues
-# F.gelu's exact GELU, by model/quack_gelu.py's formula, registered in quack's tables under this name once quack imports
+# F.gelu's exact GELU, by quack_gelu.py's formula, registered in quack's tables under this name once quack imports
 # (quack's own "gelu_erf" computes the same function, at more arithmetic per element than its epilogues can hide)
 ACTIVATION = "gelu_exact_rational"
 

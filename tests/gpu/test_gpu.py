@@ -417,8 +417,8 @@ def test_quacks_mlp_matches_pytorchs_forward_and_gradients_at_the_trainers_width
 
 @needs_quack
 def test_the_models_gelu_in_quacks_epilogues_is_the_exact_gelu_to_bf16_rounding():
-    """model/quack_gelu.py's formula inside quack's two GELU products at the trainer's width: the activation the dact
-    product hands back is the exact GELU's bf16 rounding at least as often as PyTorch's F.gelu, and one bf16 step
+    """model/kernels/quack_gelu.py's formula inside quack's two GELU products at the trainer's width: the activation the
+    dact product hands back is the exact GELU's bf16 rounding at least as often as PyTorch's F.gelu, and one bf16 step
     from it elsewhere; the input gradient and the forward's activation agree with quack's own erf GELU's."""
     from quack.gemm_interface import gemm_act, gemm_dact
 
@@ -466,8 +466,8 @@ def test_the_compiled_model_with_quacks_gemms_matches_the_plain_path_without_a_g
 
 @needs_quack
 def test_quacks_logits_with_their_log_sum_exp_are_its_products_logits_and_their_log_sum_exp():
-    """model/quack_lse.py at the trainer's vocabulary: the logits bit for bit those of quack's plain product; each
-    row's log-sum-exp that of those stored logits; and the single-pass Triton kernel on them gives the two-pass
+    """model/kernels/quack_lse.py at the trainer's vocabulary: the logits bit for bit those of quack's plain product;
+    each row's log-sum-exp that of those stored logits; and the single-pass Triton kernel on them gives the two-pass
     kernel's loss and gradient."""
     from quack.gemm_interface import gemm
 

@@ -253,10 +253,10 @@ def test_an_empty_output_variable_means_the_default_folder_not_the_current_one(m
 
 def test_a_worker_typed_by_a_person_is_one_readable_error(monkeypatch, capsys):
     from runtime import launcher
-    from runtime import training_run
+    from runtime import worker
 
     monkeypatch.delenv(launcher.WORKER_SPEC_ENV, raising=False)
-    assert training_run.run_worker() == 2  # was a KeyError traceback
+    assert worker.run_worker() == 2  # was a KeyError traceback
     assert "a data-parallel rank that train.py starts itself" in capsys.readouterr().err
 
 

@@ -94,9 +94,9 @@ def test_the_models_loss_takes_its_chunks_and_its_kernel_from_the_compute_sectio
 
 
 def test_the_log_sum_exp_epilogues_rounding_is_bf16s_round_to_nearest_even():
-    """model/quack_lse.py folds each logit as its Veltkamp split rounds it; the store rounds to nearest even. Every
-    fp32 value of four whole binades (around 1, negative, the smallest normal, and 2^23-2^24, past any logit) holds
-    2^15 ties each; below them (subnormal, under 1.2e-38) the split may miss bf16's grid by less than its spacing,
+    """model/kernels/quack_lse.py folds each logit as its Veltkamp split rounds it; the store rounds to nearest even.
+    Every fp32 value of four whole binades (around 1, negative, the smallest normal, and 2^23-2^24, past any logit)
+    holds 2^15 ties each; below them (subnormal, under 1.2e-38) the split may miss bf16's grid by less than its spacing,
     2^-133, which changes no exponential."""
     import numpy as np
 

@@ -1,4 +1,4 @@
-"""model/quack_gelu.py's GELU formula, in PyTorch's arithmetic (the kernels' own run in tests/gpu)."""
+"""model/kernels/quack_gelu.py's GELU formula, in PyTorch's arithmetic (the kernels' own run in tests/gpu)."""
 
 import math
 import sys

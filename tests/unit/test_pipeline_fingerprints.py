@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from types import SimpleNamespace
 
@@ -139,3 +140,9 @@ def test_an_exported_tokenizer_pads_and_config_and_generation_config_agree(tmp_p
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert tokenizer.pad_token_id == config["pad_token_id"] == generation["pad_token_id"] == tokenizer.eos_token_id
+
+
+def test_a_files_digest_is_the_sha256_of_all_its_bytes_across_read_chunks(tmp_path):
+    data = bytes(range(256)) * (5 * 4096 + 3)  # over 5 MiB: several reads, the last one short
+    (tmp_path / "file").write_bytes(data)
+    assert fingerprints.sha256_file(tmp_path / "file") == hashlib.sha256(data).hexdigest()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from callbacks.resume_fingerprint import FINGERPRINT_KEY, ResumeFingerprint
 from runtime import checkpoints
 
 
@@ -106,7 +107,9 @@ def test_the_fingerprint_holds_every_optim_key_the_run_reads_and_the_process_cou
 
 
 def test_a_stored_fingerprint_refuses_the_first_changed_key_in_one_line():
-    stored = {checkpoints.FINGERPRINT_KEY: {"model.n_layer": 2, "seed": 5}}
+    stored: dict = {}
+    ResumeFingerprint({"model.n_layer": 2, "seed": 5}).on_save_checkpoint(None, None, stored)
+    assert stored == {FINGERPRINT_KEY: {"model.n_layer": 2, "seed": 5}}
     checkpoints.refuse_changes("c.ckpt", stored, {"model.n_layer": 2, "seed": 5})
     with pytest.raises(checkpoints.ConfigError) as refused:
         checkpoints.refuse_changes("c.ckpt", stored, {"model.n_layer": 2, "seed": 7})

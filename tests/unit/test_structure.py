@@ -7,6 +7,7 @@ import ast
 import re
 import subprocess
 import tomllib
+from pathlib import Path
 
 from runfab import limits, shipping
 
@@ -231,3 +232,123 @@ def test_the_command_line_hands_typed_values_to_the_config_not_text():
     assert not {"json", "omegaconf"} & imported, "cli.py writes text for the config's loader"
     called = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
     assert not {"dumps", "from_dotlist"} & called, "cli.py writes text for the config's loader"
+
+
+def class_bases(tree: ast.AST) -> list[tuple[str, int, str]]:
+    """(class name, line, base as written) for every base of every class in ``tree``."""
+    return [(node.name, node.lineno, ast.unparse(base)) for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+            for base in node.bases]
+
+
+def test_lightning_callbacks_live_in_callbacks():
+    """A ``Callback`` subclass is a callback: it lives in callbacks/, one a file, not inside the module that uses it.
+    Checked by ``grep -rn "(L.Callback)" --include=*.py . | grep -v ^./callbacks/``."""
+    outside = [f"{rel}:{line} {name}" for rel in shipping.shipped_files(ROOT)
+               if rel.endswith(".py") and not rel.startswith("callbacks/")
+               for name, line, base in class_bases(ast.parse((ROOT / rel).read_text()))
+               if base.split(".")[-1] == "Callback"]
+    assert not outside, f"Lightning callbacks outside callbacks/: {outside}"
+
+
+OUTPUT_LAYOUT = {"model", "run", "checkpoints"}  # the folders a run writes under output.root
+
+
+def test_the_output_folders_layout_is_named_only_in_runtime_output_folder():
+    """``root / "checkpoints"`` and its siblings are spelled once, in runtime/output_folder.py (its constants and
+    ``*_folder`` functions); the rest of the trainer asks it. The tools and the tests read a run's output as a
+    user does, from the layout the docs describe, so they write it out; runfab/shipping.py names a
+    ``checkpoints`` folder among what a bundle leaves out wherever it lies, another fact on a floor below."""
+    spelled = set()
+    for rel in shipping.shipped_files(ROOT):
+        if not rel.endswith(".py") or rel == "runtime/output_folder.py":
+            continue
+        tree = ast.parse((ROOT / rel).read_text())
+        joined = {id(node.right) for node in ast.walk(tree) if isinstance(node, ast.BinOp)
+                  and isinstance(node.op, ast.Div)}  # the right-hand side of a path join
+        spelled |= {f"{rel}:{node.lineno} {node.value}" for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                    and (node.value in OUTPUT_LAYOUT and id(node) in joined
+                         or node.value in ("checkpoints", "compile-cache") and id(node) not in docstrings(tree)
+                         and not rel.startswith("runfab/"))}
+    assert not spelled, f"the output layout spelled outside runtime/output_folder.py: {sorted(spelled)}"
+
+
+def test_a_data_parallel_rank_is_entered_in_runtime_worker_only():
+    """``train.py worker`` runs runtime/worker.py: the one module that reads the spec the launcher hands a rank
+    (``launcher.worker_spec``); one training run (training_run.py) neither reads it nor defines a rank's entry."""
+    readers = set()
+    for rel in shipping.shipped_files(ROOT):
+        if not rel.endswith(".py") or rel in ("runtime/worker.py", "runtime/launcher.py"):
+            continue
+        tree = ast.parse((ROOT / rel).read_text())
+        readers |= {f"{rel}:{node.lineno} {node.attr}" for node in ast.walk(tree)
+                    if isinstance(node, ast.Attribute) and node.attr in ("worker_spec", "WORKER_SPEC_ENV")}
+        readers |= {f"{rel}:{node.lineno} {node.name}" for node in ast.walk(tree)
+                    if isinstance(node, ast.FunctionDef) and node.name.lstrip("_") == "run_worker"}
+    assert not readers, f"a rank's entry outside runtime/worker.py: {sorted(readers)}"
+
+
+def test_a_files_digest_is_defined_once_on_the_floor_below_its_users():
+    """``sha256_file`` (the tokenizer's and the code's identity in a run record, a resume's fingerprint and the
+    prepared shards' metadata) is used by callbacks/, runtime/ and tools/: it is defined once, in
+    pipeline/fingerprints.py beside the other digests, on a floor all of them import, and imported from there."""
+    defined, imported = [], []
+    for rel in python_files():
+        for node in ast.walk(ast.parse((ROOT / rel).read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name == "sha256_file":
+                defined.append(rel)
+            elif isinstance(node, ast.ImportFrom) and any(alias.name == "sha256_file" for alias in node.names):
+                imported.append(f"{rel}: {node.module}")
+    assert defined == ["pipeline/fingerprints.py"], f"sha256_file defined in {defined}"
+    assert all(line.endswith(": pipeline.fingerprints") for line in imported), imported
+
+
+TOP_FOLDERS = ("callbacks", "conf", "data", "docs", "model", "pipeline", "runfab", "runtime", "tests", "tools")
+NAMED_PATH = re.compile(r"(?<![\w/.-])((?:%s)/(?:[\w-]+/)*[\w-]+\.(?:py|md|sh|yaml|toml))(?![\w.])"
+                        % "|".join(TOP_FOLDERS))
+
+
+def prose(rel: str) -> str:
+    """What a reader reads as a map: a document's text, or a Python file's docstrings and comments."""
+    text = (ROOT / rel).read_text()
+    if not rel.endswith(".py"):
+        return text
+    tree = ast.parse(text)
+    described = docstrings(tree)
+    strings = [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and id(node) in described]
+    comments = [line.split("#", 1)[1] for line in text.splitlines() if "#" in line]
+    return "\n".join(strings + comments)
+
+
+def test_the_files_the_docs_docstrings_and_comments_name_exist():
+    """A map that names a file names one that is there: every ``folder/.../name.py`` (or .md, .sh, .yaml, .toml)
+    under one of the project's folders that the docs, a docstring or a comment names exists, and every ``name.py``
+    a package's ``__init__`` docstring names is a module of that package."""
+    listed = subprocess.run(["git", "ls-files", "*.md", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    missing = []
+    for rel in listed.stdout.split():
+        if not (ROOT / rel).is_file():
+            continue
+        missing += [f"{rel}: {path}" for path in NAMED_PATH.findall(prose(rel)) if not (ROOT / path).exists()]
+        if rel.endswith("/__init__.py"):
+            package = (ROOT / rel).parent
+            missing += [f"{rel}: {name}" for name in re.findall(r"(?<![\w/.])([\w-]+\.(?:py|sh))\b", prose(rel))
+                        if not (package / name).exists() and not (ROOT / name).exists()]
+    assert not missing, f"files named that are not there: {missing}"
+
+
+def test_each_packages_first_lines_say_what_it_holds_and_what_it_is_not():
+    """``ls`` plus a package's ``__init__`` docstring orient a newcomer: the docstring names each of the package's
+    modules and subpackages, and says what the package is not (a "Not ..." or "never ..." beside the folder a
+    newcomer would confuse it with: runfab/ and runtime/, pipeline/ and datamodule.py, data/ and tools/data/)."""
+    packages = sorted({str(Path(rel).parent) for rel in python_files() if rel.endswith("/__init__.py")
+                       and rel.split("/")[0] not in ("tests",)})
+    unnamed, unbounded = [], []
+    for package in packages:
+        docstring = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text())) or ""
+        members = [p.stem if p.is_file() else p.name for p in (ROOT / package).iterdir()
+                   if (p.suffix in (".py", ".sh") and not p.name.startswith("__")) or (p / "__init__.py").is_file()]
+        unnamed += [f"{package}/{member}" for member in members if not re.search(rf"\b{member}\b", docstring)]
+        if not re.search(r"\b(Not|not|never|Never)\b", docstring):
+            unbounded.append(package)
+    assert not unnamed, f"modules their package's __init__ docstring does not name: {sorted(unnamed)}"
+    assert not unbounded, f"packages whose __init__ docstring does not say what they are not: {unbounded}"

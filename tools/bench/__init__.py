@@ -1,4 +1,5 @@
 """Measurements: ``python -m tools bench NAME [ARGS]``, one experiment a name (``--help`` lists them).
+Never shipped, and not a test: an experiment measures, the tests under tests/ check.
 
     training.py           the trainer's experiments on a GPU, one function each; runs.py, what they share
     host_pipeline.py      the data pipeline alone, on the CPU

@@ -21,7 +21,7 @@ FAMILIES = (  # first match wins; names are lower-cased
     ("attention", ("flash", "fmha", "cudnn", "attn")),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "matmul")),
     ("optimizer", ("multi_tensor", "adam", "foreach", "norm_kernel")),
-    ("loss softmax (triton)", ("_loss_and_gradient_rows",)),  # model/triton_cross_entropy.py
+    ("loss softmax (triton)", ("_loss_and_gradient_rows",)),  # model/kernels/triton_cross_entropy.py
     ("compiled (triton)", ("triton",)),
     ("copy/fill", ("memcpy", "memset", "copy", "fill")),
 )

@@ -1,4 +1,5 @@
-"""What proves a bundle before it is uploaded.
+"""What proves a bundle before it is uploaded. Never shipped in it, and not the rule of what ships
+(runfab/shipping.py, which training imports too).
 
     package.py        the upload ZIP: runfab.shipping's files, refused when it would break the contract
     check.py          the contract check, driven from here:

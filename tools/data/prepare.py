@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
 def prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     """The preparation ``main`` runs; a stop raises Stopped."""
     from config import ConfigError, bundle_path, load_config
-    from callbacks.run_record import sha256_file
+    from pipeline.fingerprints import sha256_file
     from pipeline import shards
     from runtime.training_run import load_encoder
 
