@@ -1,5 +1,6 @@
-"""A tiny Llama (conf/llama-smoke.yaml, and conf/fast-smoke.yaml's Muon recipe; smaller rows) trained by train.py
-in a fresh interpreter on the bundled sample, as a user runs it: its loss falls, it exports as a Llama, the run record names the family, and
+"""A tiny Llama (conf/llama-smoke.yaml, and conf/fast-smoke.yaml's recipe; smaller rows) trained by train.py
+in a fresh interpreter on the bundled sample, as a user runs it: its loss falls, it exports as a Llama (with
+QK-norm: as a Qwen3), the run record names the family, and
 ``tools evaluate`` scores the export with the run's own final validation cross-entropy."""
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import pytest
 from tests.helpers import ROOT, as_args
 
 
-@pytest.mark.parametrize("preset, optimizers", [("conf/llama-smoke.yaml", ["AdamW"]),
-                                                ("conf/fast-smoke.yaml", ["Muon", "AdamW"])])
-def test_a_tiny_llama_trains_on_the_cpu_its_loss_falls_and_it_exports_as_llama(tmp_path, preset, optimizers):
+@pytest.mark.parametrize("preset, optimizers, architecture", [
+    ("conf/llama-smoke.yaml", ["AdamW"], "LlamaForCausalLM"),
+    ("conf/fast-smoke.yaml", ["Muon", "AdamW"], "Qwen3ForCausalLM"),  # model.qk_norm: Qwen3 is Llama with it
+])
+def test_a_tiny_llama_trains_on_the_cpu_its_loss_falls_and_it_exports_as_llama(tmp_path, preset, optimizers,
+                                                                             architecture):
     overrides = {"model.max_seq_len": 64, "trainer.max_steps": 8, "trainer.val_every_steps": 4,
                  "optim.warmup_steps": 2, "metrics.interval_seconds": 0, "data.source": "sample"}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RUNFAB", "HF_"))}
@@ -29,7 +33,7 @@ def test_a_tiny_llama_trains_on_the_cpu_its_loss_falls_and_it_exports_as_llama(t
 
     model_dir = tmp_path / "out" / "model"
     settings = json.loads((model_dir / "config.json").read_text())
-    assert settings["architectures"] == ["LlamaForCausalLM"] and settings["num_key_value_heads"] == 2
+    assert settings["architectures"] == [architecture] and settings["num_key_value_heads"] == 2
     record = json.loads((model_dir / "run_record.json").read_text())
     assert record["model_family"] == "llama" and record["config"]["model"]["family"] == "llama"
     assert [optimizer["name"] for optimizer in record["optimizers"]] == optimizers
