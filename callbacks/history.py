@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from pipeline import fingerprints
+from pipeline.fingerprints import DIGEST_MODULUS
 from runfab import created_files
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,6 @@ FLUSH_UPDATES = 64
 MAX_ROWS = 1 << 17
 COLUMNS = {"update": np.int64, "loss": np.float64, "lr": np.float32, "grad_norm": np.float32,
            "target_tokens": np.int64, "seconds": np.float32, "tokens_digest": np.int64}
-DIGEST_MODULUS = 1 << 63
 
 
 def model_weights_digest(model) -> str:

@@ -25,7 +25,6 @@ class StopCheckpoint(L.Callback):
 
     def __init__(self, path: Path, stopped_early: Callable[[], str | None]) -> None:
         self.path, self.stopped_early = Path(path), stopped_early
-        self.saved: str | None = None
         self._loops: dict | None = None
         self._step = -1
         self._saving = False
@@ -44,7 +43,6 @@ class StopCheckpoint(L.Callback):
             trainer.save_checkpoint(self.path)
         finally:
             self._saving = False
-        self.saved = str(self.path)
         log.info("%s: checkpoint of update %d written to %s (resume with --ckpt_path last)", reason,
                  trainer.global_step, self.path)
 

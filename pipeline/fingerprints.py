@@ -25,6 +25,7 @@ import numpy as np
 
 ROW_DIGEST_BITS = 40  # a sum of thousands of these stays below 2**63 (an int64 all-reduce) and below 2**53
 _ROW_DIGEST_BYTES = ROW_DIGEST_BITS // 8
+DIGEST_MODULUS = 1 << 63  # sums of update digests (merged history rows) are taken modulo this, to stay an int64
 TOKENS_CHAIN_START = hashlib.sha256(b"runfab training tokens").hexdigest()
 
 

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline.fingerprints import DIGEST_MODULUS
 from pipeline.records import UnusableInputError
-
-DIGEST_MODULUS = 1 << 63  # the history adds up merged rows' digests modulo this (callbacks/history.py)
 
 
 class InputDiffers(UnusableInputError):

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 import textwrap
 from collections.abc import Mapping
 from pathlib import Path
@@ -95,6 +96,22 @@ class Stdin(io.BufferedReader):
 
     def isatty(self) -> bool:
         return False
+
+def signal_twice_during_the_export(process, output: Path, log, timeout: float) -> int:
+    """Wait until ``process`` (running write_slow_export_script) has written its export's weights under
+    ``output``, send SIGTERM twice, a second apart, and return its exit status; ``log()`` explains a failure."""
+    try:
+        deadline = time.monotonic() + timeout
+        while not list(output.glob(".model.tmp-*/model.safetensors")):
+            assert time.monotonic() < deadline and process.poll() is None, log()
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        process.send_signal(signal.SIGTERM)
+        return process.wait(timeout=60)
+    finally:
+        process.kill()
+
 
 
 def records(n: int = 400) -> bytes:

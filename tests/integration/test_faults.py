@@ -23,7 +23,8 @@ from config import ConfigError
 from runtime import output_folder, training_run
 from config import load_config
 
-from tests.helpers import ROOT, BrokenAfter, as_args, as_dotlist, tiny, write_slow_export_script
+from tests.helpers import (ROOT, BrokenAfter, as_args, as_dotlist, signal_twice_during_the_export, tiny,
+                           write_slow_export_script)
 
 # The tiny model, training until stopped (the faults below stop it) at a constant rate.
 RUN = tiny({"trainer.max_steps": 100000, "optim.schedule": "constant", "metrics.interval_seconds": 0.2,
@@ -688,17 +689,8 @@ def test_a_second_signal_during_the_export_leaves_no_half_written_model(tmp_path
     stderr = Lines(process.stderr)
     process.stdin.write(sample(1400))
     process.stdin.close()
-    try:
-        deadline = time.monotonic() + 120
-        while not list((tmp_path / "out").glob(".model.tmp-*/model.safetensors")):
-            assert time.monotonic() < deadline and process.poll() is None, b"".join(stderr.lines).decode()[-3000:]
-            time.sleep(0.1)
-        process.send_signal(signal.SIGTERM)
-        time.sleep(1.0)
-        process.send_signal(signal.SIGTERM)
-        returncode = process.wait(timeout=60)
-    finally:
-        process.kill()
+    returncode = signal_twice_during_the_export(process, tmp_path / "out",
+                                                lambda: b"".join(stderr.lines).decode()[-3000:], 120)
     stderr.thread.join(timeout=10)
     assert returncode != 0, b"".join(stderr.lines).decode()[-3000:]
     assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".")) == []  # the lock too

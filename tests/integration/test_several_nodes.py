@@ -25,7 +25,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import lightning as L
@@ -40,7 +39,7 @@ from pipeline import shards
 from pipeline.packing import collate_rows
 from tools.data import prepare as prepare_tool
 
-from tests.helpers import ROOT, as_yaml, records, tiny, write_slow_export_script
+from tests.helpers import ROOT, as_yaml, records, tiny, signal_twice_during_the_export, write_slow_export_script
 
 SEQ_LEN = 32
 GLOBAL_BATCH = 8  # rows per update, over all ranks
@@ -274,17 +273,8 @@ def test_a_second_sigterm_during_the_export_leaves_neither_the_staging_folder_no
     with (tmp_path / "run.log").open("w") as stderr:
         process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        deadline = time.monotonic() + CHILD_TIMEOUT
-        while not list(output.glob(".model.tmp-*/model.safetensors")):
-            assert time.monotonic() < deadline and process.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
-            time.sleep(0.1)
-        process.send_signal(signal.SIGTERM)
-        time.sleep(1.0)
-        process.send_signal(signal.SIGTERM)
-        returncode = process.wait(timeout=60)
-    finally:
-        process.kill()
+    returncode = signal_twice_during_the_export(process, output, lambda: (tmp_path / "run.log").read_text()[-3000:],
+                                                CHILD_TIMEOUT)
     assert returncode == -signal.SIGTERM, (tmp_path / "run.log").read_text()[-3000:]
     assert sorted(p.name for p in output.iterdir() if p.name.startswith(".")) == []
     assert not (output / "model").exists()

@@ -274,13 +274,19 @@ def test_a_llama_loads_as_llama_for_causal_lm_with_the_trainers_logits(tied, tok
     assert tied_in_hf == tied
     with safe_open(tmp_path / "hf" / "model.safetensors", framework="pt") as f:
         assert ("lm_head.weight" in f.keys()) != tied
+    assert_same_logits(hf_model, model)
+
+
+def assert_same_logits(hf_model, model) -> torch.Tensor:
+    """The export's logits are the trainer's, on whole rows and on a packed row's second document (the trainer's,
+    its positions restarting, is Hugging Face's alone); returns the rows used."""
     input_ids = torch.randint(0, 300, (3, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (hf_model(input_ids).logits - model(input_ids)).abs().max().item() < 1e-5
-        # A packed row's second document: the trainer's, its positions restarting, is Hugging Face's alone.
         positions = torch.cat([torch.arange(20), torch.arange(44)]).expand(3, 64)
         packed = model(input_ids, positions)[:, 20:]
         assert (hf_model(input_ids[:, 20:]).logits - packed).abs().max().item() < 1e-5
+    return input_ids
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
@@ -298,12 +304,8 @@ def test_a_llama_with_qk_norm_loads_as_qwen3_for_causal_lm_with_the_trainers_log
     assert type(hf_model) is Qwen3ForCausalLM
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert torch.equal(hf_model.model.layers[1].self_attn.k_norm.weight, model.blocks[1].attn.k_norm.weight)
-    input_ids = torch.randint(0, 300, (3, 64), generator=torch.Generator().manual_seed(1))
+    input_ids = assert_same_logits(hf_model, model)
     with torch.no_grad():
-        assert (hf_model(input_ids).logits - model(input_ids)).abs().max().item() < 1e-5
-        positions = torch.cat([torch.arange(20), torch.arange(44)]).expand(3, 64)
-        packed = model(input_ids, positions)[:, 20:]
-        assert (hf_model(input_ids[:, 20:]).logits - packed).abs().max().item() < 1e-5
         swapped = copy.deepcopy(model)
         for block in swapped.blocks:
             block.attn.q_norm.weight, block.attn.k_norm.weight = block.attn.k_norm.weight, block.attn.q_norm.weight
