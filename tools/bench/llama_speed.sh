@@ -9,6 +9,7 @@
 # (tests/unit/test_config.py), so GPT-2 and the Llamas share the job, the records and the compile cache.
 # Extra Llama runs go into LLAMA_VARIANTS, one a line, each train.py options added to the Llama preset's
 # (LLAMA_VARIANTS=$'--model.n_kv_head 6 --model.intermediate_size 2432' tools/bench/llama_speed.sh).
+# TRACE_CONFIGS: the configs whose updates are traced, separated by spaces (default conf/llama-150m.yaml).
 set -euo pipefail
 out=${1:-bench-out/llama}
 mkdir -p "$out"
@@ -30,11 +31,14 @@ for v in "${variants[@]}"; do variant_args+=(--variant "$v"); done
 "$python" -m tools bench trainer --layouts realistic --steps 25 --warmup 8 --out "$out/trainer" \
   --compile-cache "$out/compile-cache" "${variant_args[@]}" | tee "$out/trainer.txt"
 
-# (b) Two Llama updates under the profiler, summarized by kernel shape.
+# (b) Two updates of each of TRACE_CONFIGS (default: the Llama preset) under the profiler, by kernel shape.
 "$python" -m tools bench synthetic-records --docs 8000 > "$out/records.jsonl"
-"$python" train.py --config conf/llama-150m.yaml --microbatch 32 \
-  --trainer.max_steps 15 --optim.schedule constant --observe.profile_update 12 --observe.profile_updates 2 \
-  --output.root "$out/profiled" \
-  < "$out/records.jsonl" > "$out/profiled-metrics.jsonl" 2> "$out/profiled-stderr.txt"
-trace=$(ls "$out"/profiled/run/profile/trace-updates-12-*.json | head -1)
-"$python" -m tools bench trace-summary "$trace" --by-shape | tee "$out/trace-summary.txt"
+for config in ${TRACE_CONFIGS:-conf/llama-150m.yaml}; do
+  name=$(basename "$config" .yaml)
+  "$python" train.py --config "$config" --microbatch 32 \
+    --trainer.max_steps 15 --optim.schedule constant --observe.profile_update 12 --observe.profile_updates 2 \
+    --output.root "$out/profiled-$name" \
+    < "$out/records.jsonl" > "$out/profiled-$name-metrics.jsonl" 2> "$out/profiled-$name-stderr.txt"
+  trace=$(ls "$out/profiled-$name"/run/profile/trace-updates-12-*.json | head -1)
+  "$python" -m tools bench trace-summary "$trace" --by-shape | tee "$out/trace-summary-$name.txt"
+done
