@@ -7,11 +7,12 @@
 #
 # OUT: results folder (default bench-out/time-to-loss-sweep): time-to-loss.json (rewritten after every run, so a
 # job stopped early keeps the runs it finished), time-to-loss.png, each run's folder and stderr log.
-# PART: all (default), 1, 2, 3 or 4. 1 and 2 split the candidates over two jobs, each with the reference and the preset
+# PART: all (default), 1 to 5. 1 and 2 split the candidates over two jobs, each with the reference and the preset
 # as it is, for a machine whose time per command is shorter than the whole sweep. 3: the ingredients together
 # (qk_norm, zero_init_proj, untied head), with and without the higher learning rates, over 150, 50 and 35 updates.
 # 4: the preset's warmup: the preset as it is, then optim.warmup_steps 5 over 150, 50 and 40 updates, and over 40
-# updates with optim.muon_lr 0.04.
+# updates with optim.muon_lr 0.04. 5: the preset as it is, without QK-norm, and with a tied head (run it with
+# CORPUS=python as the second corpus).
 # The candidates, in this order (PART 1: the first four, PART 2: the preset and the last four):
 #   the preset as it is; + model.qk_norm; + model.zero_init_proj; + an untied head (model.tie_embeddings false);
 #   + optim.muon_lr 0.03 with model.qk_norm; + optim.embed_lr at 10 x the preset's optim.lr; all of these at once;
@@ -62,13 +63,19 @@ fourth=(
   "$fast --optim.warmup_steps 5 --trainer.max_steps $((steps * 4 / 15))"
   "$fast --optim.warmup_steps 5 --trainer.max_steps $((steps * 4 / 15)) --optim.muon_lr 0.04"
 )
+fifth=(
+  "$fast"
+  "$fast --model.qk_norm false"
+  "$fast --model.tie_embeddings true"
+)
 case $part in
   all) candidates=("$as_is" "${first[@]}" "${second[@]}") ;;
   1) candidates=("$as_is" "${first[@]}") ;;
   2) candidates=("$as_is" "${second[@]}") ;;
   3) candidates=("${third[@]}") ;;
   4) candidates=("${fourth[@]}") ;;
-  *) echo "time_to_loss_sweep.sh: PART must be all, 1, 2, 3 or 4, not $part" >&2; exit 2 ;;
+  5) candidates=("${fifth[@]}") ;;
+  *) echo "time_to_loss_sweep.sh: PART must be all, 1, 2, 3, 4 or 5, not $part" >&2; exit 2 ;;
 esac
 candidate_args=()
 for c in "${candidates[@]}"; do candidate_args+=(--candidate "$c"); done
