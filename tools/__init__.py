@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 def dispatch(prog: str, commands: dict[str, tuple[str, str]], argv: list[str]) -> int:
     """Run ``argv[0]``'s entry of ``commands`` (name -> ("module:function", help line)) on the rest of ``argv``.
 
     A module is imported only when its command runs, so ``--help`` is instant; the function defaults
-    to ``main``. A missing or unknown name is one line on stderr and exit status 2.
+    to ``main``. A missing or unknown name, or a tool's dependency that is not installed (the pyproject
+    extra "tools"), is one line on stderr and exit status 2.
     """
     usage = f"usage: {prog} {{{','.join(commands)}}} [ARGS]"
     if argv[:1] in (["-h"], ["--help"]):
@@ -37,4 +41,13 @@ def dispatch(prog: str, commands: dict[str, tuple[str, str]], argv: list[str]) -
         print(f"{usage}: expected a command, {found} (--help lists them)", file=sys.stderr)
         return 2
     module, _, function = commands[argv[0]][0].partition(":")
-    return getattr(importlib.import_module(module), function or "main")(argv[1:])
+    try:
+        entry = getattr(importlib.import_module(module), function or "main")
+    except ModuleNotFoundError as e:
+        package = (e.name or "").partition(".")[0]
+        if not package or (PROJECT_ROOT / package).exists() or (PROJECT_ROOT / f"{package}.py").exists():
+            raise  # the project's own module: a bug, not an installation to complete
+        print(f"{prog} {argv[0]}: needs the package {package!r}, which is not installed; the tools' dependencies: "
+              "pip install -r requirements-dev.txt (or the pyproject extra \"tools\")", file=sys.stderr)
+        return 2
+    return entry(argv[1:])

@@ -11,6 +11,7 @@ import time
 import pytest
 
 import cli
+from tools import dispatch
 from tools.__main__ import COMMANDS, main as tools
 
 from tests.helpers import ROOT
@@ -91,3 +92,18 @@ def test_a_terminated_tool_unwinds_and_removes_what_it_started(tmp_path, monkeyp
     assert entry.main(["fake"]) == 130
     assert signal.getsignal(signal.SIGTERM) == previous  # the tool's handler is gone with it
     assert not sandbox.exists() and "interrupted" in capsys.readouterr().err
+
+
+def test_a_missing_tool_dependency_is_one_line_naming_the_install(monkeypatch, capsys):
+    """`compare` on a machine set up by the README's first command only (no matplotlib): one line, exit 2."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails as when not installed
+    monkeypatch.delitem(sys.modules, "tools.compare", raising=False)
+    assert tools(["compare", "runs/a", "runs/b"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'matplotlib'" in err[0] and "requirements-dev.txt" in err[0], err
+
+
+def test_a_missing_project_module_is_not_taken_for_an_installation(monkeypatch):
+    """A tool whose own module is missing is a bug: the import error propagates."""
+    with pytest.raises(ModuleNotFoundError):
+        dispatch("prog", {"x": ("tools.no_such_tool", "")}, ["x"])
