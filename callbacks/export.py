@@ -182,7 +182,8 @@ def export_model(
 
     Everything is written into a temporary sibling folder first and then renamed into place,
     so a crash mid-export leaves either the previous export or none, never half a model; one
-    killed while writing leaves that folder (``unfinished_exports``). ``prepare(staging)`` runs
+    killed while writing leaves that folder (``unfinished_exports``), one killed while swapping the
+    folders leaves the previous export aside (``displaced_exports``). ``prepare(staging)`` runs
     on the empty staging folder first, ``complete(staging)`` after the model's files, to add what
     must be published with them (the run record). A write that fails for the filesystem's
     reason (full, read-only) raises an OSError, whichever library wrote.
@@ -218,6 +219,12 @@ def export_model(
 def unfinished_exports(out_dir: Path) -> list[Path]:
     """The staging folders of exports to ``out_dir`` that never finished: the process was killed while writing."""
     return sorted(p for p in out_dir.parent.glob(f".{out_dir.name}.tmp-*") if p.is_dir() and not p.is_symlink())
+
+
+def displaced_exports(out_dir: Path) -> list[Path]:
+    """The folders an export moved the previous ``out_dir`` into before renaming the new one into place
+    (``.NAME.old-*``, holding ``NAME``): one stays when the process was killed between the two renames."""
+    return sorted(p for p in out_dir.parent.glob(f".{out_dir.name}.old-*") if p.is_dir() and not p.is_symlink())
 
 
 class ExportModel(pl.Callback):

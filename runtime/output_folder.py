@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 from callbacks import owned_folders
-from callbacks.export import unfinished_exports
+from callbacks.export import displaced_exports, unfinished_exports
 from config import BUNDLE_ROOT, ConfigError, RunConfig, bundle_path
 from runfab import created_files
 from runfab.limits import GIB, MIB
@@ -99,8 +99,8 @@ def claimed_output(root: Path, keep: tuple[str, ...] = ()):
         lock.flush()
         _held[root] = lock_file
         try:
+            remove_unfinished_exports(root)  # first: it may put back the model that an earlier run left aside
             moves = [move for name in RUN_FOLDERS if name not in keep for move in _set_aside_plan(root, name)]
-            remove_unfinished_exports(root)
             for source, target in moves:
                 _move_aside(source, target)
             if moves:
@@ -161,10 +161,20 @@ def refuse_unsafe_root(root: Path) -> None:
 
 
 def remove_unfinished_exports(root: Path) -> None:
-    """Remove the half-written staging folders that a run's export left when it was killed."""
-    for staging in unfinished_exports(model_folder(root)):
+    """Remove the half-written staging folders that a run's export left when it was killed; put back the
+    previous export that one killed between its two renames left aside (model/ missing), or remove it
+    where the new one is in place."""
+    model = model_folder(root)
+    for staging in unfinished_exports(model):
         if owned_folders.is_marked(staging):
             shutil.rmtree(staging, ignore_errors=True)
+    for aside in displaced_exports(model):
+        previous = aside / model.name
+        if owned_folders.is_marked(previous) and not os.path.lexists(model):
+            previous.rename(model)
+            log.warning("an export was stopped while replacing %s: the previous model was put back", model)
+        if not any(aside.iterdir()) or owned_folders.is_marked(previous):
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 def _set_aside_plan(root: Path, name: str) -> list[tuple[Path, Path]]:

@@ -675,6 +675,29 @@ def test_an_export_killed_while_writing_is_removed_by_the_next_run(tmp_path):
         assert sorted(p.name for p in root.iterdir()) == [".model.tmp-mine", ".run.lock"]
 
 
+@pytest.mark.parametrize("new_in_place", [False, True])
+def test_an_export_killed_between_its_two_renames_loses_no_model(tmp_path, new_in_place):
+    """Killed after moving the previous model aside and before renaming the new one into place, an export
+    leaves .model.old-*/model: the next run puts it back and sets it aside as previous-model as for any
+    earlier model. Killed after the new one is in place, the folder aside is only removed."""
+    from callbacks.owned_folders import mark
+    from runtime.output_folder import claimed_output
+
+    root = tmp_path / "out"
+    mark(root / ".model.old-killed" / "model")  # the previous export, moved aside by export_model
+    (root / ".model.old-killed" / "model" / "model.safetensors").write_bytes(b"previous")
+    if new_in_place:
+        mark(root / "model")
+        (root / "model" / "model.safetensors").write_bytes(b"new")
+    (root / ".model.old-mine").mkdir()
+    (root / ".model.old-mine" / "notes.txt").write_text("not a run's: left alone")
+    with claimed_output(root):
+        names = sorted(p.name for p in root.iterdir())
+        assert names == [".model.old-mine", ".run.lock", "previous-model"], names
+        kept = (root / "previous-model" / "model.safetensors").read_bytes()
+        assert kept == (b"new" if new_in_place else b"previous")
+
+
 @pytest.mark.parametrize("devices", [1, 2])
 def test_a_second_signal_during_the_export_leaves_no_half_written_model(tmp_path, devices):
     """SIGTERM, then SIGTERM again while the export writes: the run stops at once, and neither the staging
