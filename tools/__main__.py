@@ -14,7 +14,7 @@ COMMANDS = {
     "emulate": ("tools.bundle.emulate", "RunFab's probe-then-train procedure on this machine"),
     "report": ("tools.report", "one HTML page of a run's output"),
     "bench": ("tools.bench", "measure the trainer, its input and its ranks (bench --help lists the experiments)"),
-    "tokenizer": ("pipeline.tokenizer", "train a byte-level BPE tokenizer.json from NDJSON"),
+    "tokenizer": ("tools.data.train_tokenizer", "train a byte-level BPE tokenizer.json from NDJSON"),
     "gpt2-tokenizer": ("tools.data.build_gpt2_tokenizer", "rebuild conf/gpt2/tokenizer.json from OpenAI's GPT-2 files"),
     "sample-data": ("tools.data.make_sample_data", "rebuild data/sample.jsonl from the standard library's docstrings"),
     "prepare": ("tools.data.prepare", "tokenize NDJSON files into packed rows for data.source litdata (LitData chunks)"),

@@ -20,7 +20,8 @@ import torch
 
 from config import load_config
 from tests.gpt2_reference import ENCODER_JSON, VOCAB_BPE, ReferenceGPT2, read_fixture
-from pipeline.tokenizer import EOS_TOKEN, TextEncoder, read_ndjson_texts
+from pipeline.tokenizer import EOS_TOKEN, TextEncoder
+from tools.data.train_tokenizer import read_ndjson_texts
 
 from tests.helpers import ROOT, tiktoken_encoder
 

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from pipeline import tokenizer
-from pipeline.tokenizer import EOS_TOKEN, TextEncoder, read_ndjson_texts, train_tokenizer
+from pipeline.tokenizer import EOS_TOKEN, TextEncoder
+from tools.data import train_tokenizer as tokenizer_tool  # trains the tokenizers these tests encode with
+from tools.data.train_tokenizer import read_ndjson_texts, train_tokenizer
 
 from tests.helpers import ROOT, tiktoken_encoder
 
@@ -222,7 +224,7 @@ def test_cli_trains_from_ndjson(tmp_path, capsys):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(TINY_CORPUS)))
     output = tmp_path / "out" / "tokenizer.json"
-    assert tokenizer.main(["--input", str(corpus), "--vocab-size", "280", "--output", str(output)]) == 0
+    assert tokenizer_tool.main(["--input", str(corpus), "--vocab-size", "280", "--output", str(output)]) == 0
     assert TextEncoder(output, prefer_fast=False).vocab_size == 280
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -241,7 +243,7 @@ def test_cli_refuses_an_unusable_corpus_in_one_line_and_keeps_the_old_tokenizer(
         path.write_text(corpus)
     output = tmp_path / "tokenizer.json"
     output.write_text("the tokenizer in use")
-    assert tokenizer.main(["--input", str(path), "--vocab-size", "280", "--output", str(output)]) == 2
+    assert tokenizer_tool.main(["--input", str(path), "--vocab-size", "280", "--output", str(output)]) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1 and "was not written" in err
     assert output.read_text() == "the tokenizer in use"
@@ -255,5 +257,5 @@ def test_cli_refuses_an_unusable_corpus_in_one_line_and_keeps_the_old_tokenizer(
 ])
 def test_cli_refuses_a_vocabulary_below_the_bytes_and_a_missing_output(capsys, argv, says):
     with pytest.raises(SystemExit) as exit:
-        tokenizer.main(["--input", str(SAMPLE), *argv])
+        tokenizer_tool.main(["--input", str(SAMPLE), *argv])
     assert exit.value.code == 2 and says in capsys.readouterr().err

@@ -234,6 +234,17 @@ def test_the_command_line_hands_typed_values_to_the_config_not_text():
     assert not {"dumps", "from_dotlist"} & called, "cli.py writes text for the config's loader"
 
 
+def test_the_bundle_parses_no_command_line_but_train_pys():
+    """A command of ``python -m tools`` (training a tokenizer, preparing shards) is a tool, in tools/: of the shipped
+    modules only cli.py parses arguments. Checked by ``python -m tools package --dry-run`` (the shipped files),
+    then ``grep -l "import argparse"`` on them, which finds cli.py alone."""
+    parsing = sorted(rel for rel in shipping.shipped_files(ROOT) if rel.endswith(".py")
+                     for node in ast.walk(ast.parse((ROOT / rel).read_text()))
+                     if isinstance(node, (ast.Import, ast.ImportFrom))
+                     and "argparse" in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]))
+    assert parsing == ["cli.py"], f"shipped modules that parse a command line: {parsing}"
+
+
 def class_bases(tree: ast.AST) -> list[tuple[str, int, str]]:
     """(class name, line, base as written) for every base of every class in ``tree``."""
     return [(node.name, node.lineno, ast.unparse(base)) for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
