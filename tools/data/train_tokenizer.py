@@ -34,7 +34,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path: str | Path) -> 
     tokenizer.train_from_iterator(texts, trainer=trainer)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    created_files.write_text(path, tokenizer.to_str(pretty=True))  # an OSError names the problem; tokenizers' save does not
+    # created_files raises an OSError that names the problem; tokenizers' own save does not.
+    created_files.write_text(path, tokenizer.to_str(pretty=True))
 
 
 class CorpusError(ValueError):
