@@ -70,14 +70,20 @@ RECORD_NAME = "run_record.json"
 
 
 def optimizers_held(trainer: L.Trainer) -> list[dict]:
-    """Each optimizer that steps the model (AdamW alone, or Muon and AdamW under optim.name muon), with its peak
-    learning rate and how many parameters it holds."""
+    """Each optimizer that steps the model (AdamW alone, or Muon and AdamW under optim.name muon): its first
+    group's peak learning rate, how many parameters it holds, and each of its groups' peak learning rate,
+    weight decay and parameters (AdamW's embeddings and head have a group of their own under optim.embed_lr
+    and optim.head_lr)."""
+    def peak(group: dict) -> float:
+        return group.get("initial_lr", group["lr"])
+
     held = []
     for optimizer in trainer.optimizers:
         for part in getattr(optimizer, "optimizers", (optimizer,)):
-            groups = part.param_groups
-            held.append({"name": type(part).__name__, "lr": groups[0].get("initial_lr", groups[0]["lr"]),
-                         "parameters": sum(p.numel() for group in groups for p in group["params"])})
+            groups = [{"lr": peak(g), "weight_decay": g.get("weight_decay", 0.0),
+                       "parameters": sum(p.numel() for p in g["params"])} for g in part.param_groups]
+            held.append({"name": type(part).__name__, "lr": groups[0]["lr"],
+                         "parameters": sum(g["parameters"] for g in groups), "groups": groups})
     return held
 
 

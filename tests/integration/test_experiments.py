@@ -324,3 +324,5 @@ def test_a_resumed_muon_run_ends_on_the_uninterrupted_runs_weights_bit_for_bit(p
     assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
     optimizers = record_of(tmp_path / "parts")["optimizers"]
     assert [(o["name"], o["lr"]) for o in optimizers] == [("Muon", 0.02), ("AdamW", 3e-3)]
+    assert [[g["lr"] for g in o["groups"]] for o in optimizers] == [[0.02], [3e-3, 3e-3]]  # AdamW: decay, no decay
+    assert all(o["parameters"] == sum(g["parameters"] for g in o["groups"]) for o in optimizers)

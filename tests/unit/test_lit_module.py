@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from types import SimpleNamespace
 
 import lightning as L
 import numpy as np
@@ -231,6 +232,9 @@ def test_the_embedding_and_an_untied_head_take_their_own_lr_and_the_schedule_sca
     scheduler.step()  # warmup: every group at 2/4 of its own peak
     assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([lr * 2 / 4 for lr in peaks])
     assert set(peaks) == {1e-3, 1e-2, 2e-4} | ({0.02} if name == "muon" else set())
+    from callbacks.run_record import optimizers_held  # the run record names every group's own peak
+    held = optimizers_held(SimpleNamespace(optimizers=[optimizer]))
+    assert sorted(g["lr"] for o in held for g in o["groups"]) == sorted(peaks)
 
 
 def test_without_their_own_lr_the_groups_are_the_two_of_before_and_a_tied_head_is_the_embeddings():
