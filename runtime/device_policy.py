@@ -22,7 +22,7 @@ from model.kernels import Target, gpu
 from runtime import hostmem
 from config import ConfigError, RunConfig
 from runfab.limits import CPU_CORES, GIB
-from lit_module import GPTTrainingModule
+from lit_module import DecoderTrainingModule
 
 log = logging.getLogger("train")
 
@@ -113,7 +113,7 @@ def ddp_strategy(cfg: RunConfig, accelerator: str) -> L.pytorch.strategies.DDPSt
     )
 
 
-def build_module(cfg: RunConfig, device: torch.device | None, compiled: bool = False) -> GPTTrainingModule:
+def build_module(cfg: RunConfig, device: torch.device | None, compiled: bool = False) -> DecoderTrainingModule:
     """The LightningModule, its weights initialized on ``device`` (None: the CPU): on a GPU no full fp32 copy of
     the model is ever made in host memory, and no core spends seconds drawing 127M random numbers. Its kernels are
     chosen there, once (``model.kernels.Target``): for ``device``, the precision's compute dtype, and the compiled
@@ -121,7 +121,7 @@ def build_module(cfg: RunConfig, device: torch.device | None, compiled: bool = F
     accelerator = "gpu" if device is not None and device.type == "cuda" else "cpu"
     target = Target(device or torch.device("cpu"), COMPUTE_DTYPES[resolve_precision(cfg, accelerator)], compiled)
     with torch.device(device) if device is not None else contextlib.nullcontext():
-        return GPTTrainingModule(cfg.model, cfg.optim, cfg.compute, target)
+        return DecoderTrainingModule(cfg.model, cfg.optim, cfg.compute, target)
 
 
 def check_host_memory(cfg: RunConfig, world: int, microbatch: int) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from config import ConfigError, load_config
-from lit_module import GPTTrainingModule, OptimConfig
+from lit_module import DecoderTrainingModule, OptimConfig
 from model import kernels, rope
 from model.kernels.attention import DocumentLayout, attend, document_offsets
 from model.decoder import ModelConfig
@@ -89,7 +89,7 @@ def test_an_untied_head_is_its_own_matrix_and_decays_while_the_embedding_does_no
     assert tied.lm_head_weight is tied.wte.weight
     assert untied.lm_head_weight is not untied.wte.weight
     assert count_parameters(untied) - count_parameters(tied) == 97 * 32
-    module = GPTTrainingModule(untied.config, OptimConfig())
+    module = DecoderTrainingModule(untied.config, OptimConfig())
     decayed, kept = ({id(p) for p in group["params"]} for group in module.parameter_groups())
     assert id(module.model.lm_head_weight) in decayed and id(module.model.wte.weight) in kept
     assert all(id(p) in kept for name, p in module.model.named_parameters() if name.endswith("norm.weight"))

@@ -352,3 +352,14 @@ def test_each_packages_first_lines_say_what_it_holds_and_what_it_is_not():
             unbounded.append(package)
     assert not unnamed, f"modules their package's __init__ docstring does not name: {sorted(unnamed)}"
     assert not unbounded, f"packages whose __init__ docstring does not say what they are not: {unbounded}"
+
+
+def test_only_gpt2s_family_names_a_class_gpt():
+    """``GPT`` is GPT-2's family (model/gpt.py); what serves either family (the training module, the decoder, the
+    kernels, the callbacks, the tools) says what it is without it: no other module defines a class whose name says
+    GPT. Checked by ``grep -rn "^class .*GPT" --include=*.py . | grep -v ^./model/gpt.py``."""
+    named = [f"{rel}:{node.lineno} {node.name}" for rel in python_files() if rel != "model/gpt.py"
+             and not rel.startswith("tests/")
+             for node in ast.walk(ast.parse((ROOT / rel).read_text()))
+             if isinstance(node, ast.ClassDef) and "gpt" in node.name.lower()]
+    assert not named, f"classes named for GPT-2 outside its family's module: {named}"
