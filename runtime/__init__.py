@@ -9,7 +9,7 @@
     torchrun.py       ``python -m runtime.torchrun``: torchrun, ending a stop without a traceback
     trainer.py        the Lightning Trainer, built in one place for training and the probe
     device_policy.py  devices and ranks, precision, the data-parallel strategy, GPU memory, the compiler
-    hostmem.py        host memory as a container charges it, and the job's budget for it
+    host_budget.py    the host memory a run will need against the job's budget (or a CPU run's free memory)
     output_folder.py  the output folder's layout, held by one run at a time, checked for room
     checkpoints.py    how checkpoints are written and chosen, and what a resume must keep
 

@@ -19,7 +19,7 @@ import lightning as L
 import torch
 
 from model.kernels import Target, gpu
-from runtime import hostmem
+from runtime import host_budget
 from config import ConfigError, RunConfig
 from runfab.limits import CPU_CORES, GIB
 from lit_module import DecoderTrainingModule
@@ -128,13 +128,13 @@ def check_host_memory(cfg: RunConfig, world: int, microbatch: int) -> None:
     """Refuse, before any data is read or worker started, a run whose host memory cannot fit: a GPU
     count over the job's budget, or a CPU run (activations in host memory) over what the machine has."""
     if resolve_accelerator(cfg) != "gpu":
-        problem = hostmem.cpu_memory_problem(cfg.model, microbatch, world, hostmem.available_host_bytes(),
+        problem = host_budget.cpu_memory_problem(cfg.model, microbatch, world, host_budget.available_host_bytes(),
                                              cfg.compute.loss_chunk_tokens)
     else:
-        written = hostmem.output_bytes(cfg) + hostmem.observation_bytes(cfg)  # the output folder is RAM too
-        problem = hostmem.host_budget_problem(cfg.trainer.host_memory_budget_gib, world, written)
+        written = host_budget.output_bytes(cfg) + host_budget.observation_bytes(cfg)  # the output folder is RAM too
+        problem = host_budget.host_budget_problem(cfg.trainer.host_memory_budget_gib, world, written)
         if problem is None and cfg.trainer.host_memory_budget_gib > 0:
-            log.info(hostmem.host_budget(world, written).line(cfg.trainer.host_memory_budget_gib))
+            log.info(host_budget.host_budget(world, written).line(cfg.trainer.host_memory_budget_gib))
     if problem is not None:
         raise ConfigError(problem)
 

@@ -92,7 +92,7 @@ def raise_on_signals(first=None, stopping: str = "stopping the workers"):
 # ----------------------------------------------------------------------------- in a worker
 
 
-PER_RANK_LOGGERS = ("runfab.memory", "runtime.probe")  # what each rank measures of its own process and device
+PER_RANK_LOGGERS = ("runfab.process_memory", "runtime.probe")  # what each rank measures of its own process and device
 
 
 def quiet_peer_rank(rank: int) -> None:

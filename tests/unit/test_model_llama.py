@@ -21,7 +21,7 @@ from model.families import build_model
 from model.flops import count_parameters, matrix_parameters, training_flops
 from model.kernels import ComputeConfig, Target
 from model.llama import Llama
-from runtime import hostmem
+from runtime import host_budget
 
 from tests.helpers import ROOT
 
@@ -163,9 +163,9 @@ def test_the_cpu_memory_estimate_counts_the_built_models_parameters(preset):
     heads = 1 if cfg.tie_embeddings else 2
     padding = (-(-cfg.vocab_size // 128) * 128 - cfg.vocab_size) * cfg.n_embd * heads
     if cfg.family == "llama":
-        assert hostmem.cpu_parameters(cfg) - padding == built
+        assert host_budget.cpu_parameters(cfg) - padding == built
     else:  # GPT-2's count, as it was measured against, stays what it was: close to the built model's
-        assert abs(hostmem.cpu_parameters(cfg) - padding - built) < 0.01 * built
+        assert abs(host_budget.cpu_parameters(cfg) - padding - built) < 0.01 * built
 
 
 def test_the_mlp_of_compiled_llama_training_is_pytorchs_and_the_log_says_why(monkeypatch):

@@ -52,7 +52,7 @@ def test_no_training_module_imports_one_that_imports_it_back():
 def test_the_ground_floor_imports_nothing_of_the_project():
     graph = project_imports()
     ground = {name for name in graph if name.split(".")[0] == "runfab"}
-    assert {"runfab.limits", "runfab.lifetime", "runfab.shipping", "runfab.created_files", "runfab.memory"} <= ground
+    assert {"runfab.limits", "runfab.lifetime", "runfab.shipping", "runfab.created_files", "runfab.process_memory"} <= ground
     above = {name: sorted(m for m in graph[name] if m.split(".")[0] != "runfab") for name in ground}
     assert not any(above.values()), f"the ground floor imports the project: {above}"
 
@@ -363,3 +363,19 @@ def test_only_gpt2s_family_names_a_class_gpt():
              for node in ast.walk(ast.parse((ROOT / rel).read_text()))
              if isinstance(node, ast.ClassDef) and "gpt" in node.name.lower()]
     assert not named, f"classes named for GPT-2 outside its family's module: {named}"
+
+
+def module_stem(rel: str) -> str:
+    return Path(rel).stem.replace("_", "")
+
+
+def test_no_two_floors_hold_modules_of_near_identical_names():
+    """A module's name says its one job, so two modules on different floors (packages, or the root) never share a
+    name, nor does one repeat the other's with a word in front (``memory`` beside ``host_memory``): host memory is
+    read by runfab/process_memory.py, budgeted by runtime/host_budget.py and recorded by callbacks/memory_stages.py;
+    the ``data`` section is pipeline/data_section.py, beside the root's config.py."""
+    modules = [rel for rel in shipping.shipped_files(ROOT) if rel.endswith(".py") and not rel.endswith("__init__.py")]
+    alike = [(a, b) for a in modules for b in modules if a != b and Path(a).parent != Path(b).parent
+             and module_stem(b).endswith(module_stem(a))]
+    assert not alike, f"modules on different floors whose names say the same: {sorted(alike)}"
+
