@@ -11,5 +11,5 @@ Their bounds are the ``data`` section (data_section.py). Beside the stream: whic
 Not Lightning's DataModules (datamodule.py, at the root, wraps this stream for the Trainer), not the
 bundled data (data/sample.jsonl) and not the tools that build data (tools/data/: the sample, GPT-2's
 tokenizer, prepared shards). May import ``model`` for token bookkeeping constants and ``runfab``; never
-the runtime; of Lightning, only shards.py (its per-update agreement between the ranks reading shards).
+the runtime, the callbacks, Lightning or torch.distributed (the ranks' agreement is the runtime's).
 """

@@ -4,6 +4,7 @@
     probe.py          RunFab's memory probe: the real model and optimizer on worst-case rows, every device
     training_run.py   one run on stdin, as a list of steps: output folder, encoder, input, fit, export
     shard_run.py      one run from prepared shards (data.source litdata), on one node or several
+    update_agreement.py  what the ranks of that run settle once per update, in one all-reduce
     launcher.py       data parallelism with the feeder owning stdin: one worker process per device
     worker.py         one of those workers: ``python train.py worker``
     torchrun.py       ``python -m runtime.torchrun``: torchrun, ending a stop without a traceback

@@ -379,3 +379,40 @@ def test_no_two_floors_hold_modules_of_near_identical_names():
              and module_stem(b).endswith(module_stem(a))]
     assert not alike, f"modules on different floors whose names say the same: {sorted(alike)}"
 
+
+# What each package's __init__ docstring says it never imports (runfab/, the ground floor, imports nothing of ours).
+NEVER_IMPORTED = {
+    "model": {"pipeline", "runtime", "callbacks", "config", "lightning", "torch.distributed"},
+    "pipeline": {"runtime", "callbacks", "config", "lightning", "torch.distributed"},
+    "callbacks": {"runtime", "config"},
+}
+
+
+def imported_names(tree: ast.AST) -> set[str]:
+    """Every module ``tree`` imports (also inside functions and ``if TYPE_CHECKING``), and ``torch.distributed``
+    where it is reached as an attribute of an imported torch."""
+    found = {"torch.distributed"} if any(isinstance(node, ast.Attribute) and node.attr == "distributed"
+                                         and ast.unparse(node.value) == "torch" for node in ast.walk(tree)) else set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_no_package_imports_what_its_first_lines_say_it_never_imports():
+    """pipeline/ reads and packs records and never talks to the other ranks: the per-update agreement of a run from
+    shards (Lightning, torch.distributed) is the runtime's (runtime/update_agreement.py). model/ neither, and
+    callbacks/ never reach up to the runtime or the config. Checked by ``grep -rnE "lightning|torch.distributed"
+    pipeline/ model/`` (prose only)."""
+    found = []
+    for rel in shipping.shipped_files(ROOT):
+        package = rel.split("/")[0]
+        if not rel.endswith(".py") or package not in NEVER_IMPORTED:
+            continue
+        for name in sorted(imported_names(ast.parse((ROOT / rel).read_text()))):
+            if any(name == never or name.startswith(never + ".") for never in NEVER_IMPORTED[package]):
+                found.append(f"{rel}: {name}")
+    assert not found, f"imports a package's first lines rule out: {found}"
