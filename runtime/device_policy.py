@@ -129,7 +129,7 @@ def check_host_memory(cfg: RunConfig, world: int, microbatch: int) -> None:
     count over the job's budget, or a CPU run (activations in host memory) over what the machine has."""
     if resolve_accelerator(cfg) != "gpu":
         problem = host_budget.cpu_memory_problem(cfg.model, microbatch, world, host_budget.available_host_bytes(),
-                                             cfg.compute.loss_chunk_tokens)
+                                                 cfg.compute.loss_chunk_tokens)
     else:
         written = host_budget.output_bytes(cfg) + host_budget.observation_bytes(cfg)  # the output folder is RAM too
         problem = host_budget.host_budget_problem(cfg.trainer.host_memory_budget_gib, world, written)

@@ -169,16 +169,16 @@ def test_the_cpu_memory_estimate_counts_the_built_models_parameters(preset):
 
 
 def test_the_mlp_of_compiled_llama_training_is_pytorchs_and_the_log_says_why(monkeypatch):
-    monkeypatch.setattr("model.kernels.fused_mlp.quack_unavailable_reason", lambda *a: None)  # quack would run for gpt2
-    assert kernels.mlp_kernels(ComputeConfig(), CUDA, torch.bfloat16, True, 3, 128, "llama") == ("torch",) * 3
-    gpt2 = kernels.mlp_kernels(ComputeConfig(mlp_kept_derivatives=0), CUDA, torch.bfloat16, True, 3, 128, "gpt2")
-    assert gpt2 == ("quack",) * 3
+    monkeypatch.setattr("model.kernels.fused_mlp.quack_imports", lambda: None)  # quack installed: it runs for gpt2
+    hopper = Target(CUDA, torch.bfloat16, compiled=True, capability=(9, 0))
+    assert kernels.mlp_kernels(ComputeConfig(), hopper, 3, 128, "llama") == ("torch",) * 3
+    assert kernels.mlp_kernels(ComputeConfig(mlp_kept_derivatives=0), hopper, 3, 128, "gpt2") == ("quack",) * 3
     with pytest.raises(RuntimeError, match="compute.mlp is 'quack' but it cannot run: quack's MLP has GPT-2's GELU"):
-        kernels.mlp_kernels(ComputeConfig(mlp="quack"), CUDA, torch.bfloat16, True, 3, 128, "llama")
+        kernels.mlp_kernels(ComputeConfig(mlp="quack"), hopper, 3, 128, "llama")
     # The fallback's log line comes once a process: a process of its own sees it.
     code = ("import logging, sys, torch; logging.basicConfig(stream=sys.stdout, level=logging.INFO)\n"
-            "from model import kernels; from model.kernels import ComputeConfig\n"
-            "kernels.mlp_kernels(ComputeConfig(), torch.device('cpu'), torch.float32, True, 3, 128, 'llama')")
+            "from model import kernels; from model.kernels import ComputeConfig, Target\n"
+            "kernels.mlp_kernels(ComputeConfig(), Target(compiled=True), 3, 128, 'llama')")
     said = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "compute.mlp: quack not used (quack's MLP has GPT-2's GELU in its epilogues, not SwiGLU" in said
     assert said.rstrip().endswith("torch instead")

@@ -416,3 +416,26 @@ def test_no_package_imports_what_its_first_lines_say_it_never_imports():
             if any(name == never or name.startswith(never + ".") for never in NEVER_IMPORTED[package]):
                 found.append(f"{rel}: {name}")
     assert not found, f"imports a package's first lines rule out: {found}"
+
+
+def patched_names(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, attribute) of every ``monkeypatch.setattr(target, "name", value)`` or ``("module.name", value)``."""
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "setattr"
+                and ast.unparse(node.func.value) == "monkeypatch" and node.args):
+            named = node.args[1] if len(node.args) == 3 else node.args[0]
+            if isinstance(named, ast.Constant) and isinstance(named.value, str):
+                found.append((node.lineno, named.value.rsplit(".", 1)[-1]))
+    return found
+
+
+def test_tests_patch_no_private_name_and_choose_kernels_for_a_gpu_they_describe():
+    """A test drives behaviour through public entry points: it patches no private name (``_x``) of a module, and a
+    GPU it has not got is described, not faked: ``model.kernels.Target(..., capability=(9, 0))`` chooses the
+    kernels of a Hopper GPU on a CPU, where patching ``compute_capability`` would fake the device. Checked by
+    ``grep -rnE "setattr\\([^,]*, \\"_|compute_capability\\"" tests/``."""
+    found = [f"{rel}:{line} {name}" for rel in python_files() if rel.startswith("tests/")
+             for line, name in patched_names(ast.parse((ROOT / rel).read_text()))
+             if name == "compute_capability" or name.startswith("_") and not name.endswith("__")]
+    assert not found, f"tests that patch a private name or fake the GPU's compute capability: {found}"
