@@ -1,13 +1,13 @@
 """How the model computes (the config's ``compute`` section), and which kernel runs each part.
 
 ``choose_kernels`` is the one place a kernel is chosen, for the ``Target`` a model is built for (the device and its
-compute capability, the compute dtype, compiled training or eager): ``model.decoder.Decoder`` asks once, when it
-is built (or when it is moved to run elsewhere, by ``Decoder.use_target``), never in a forward, and hands each
-module its kernel as a callable: ``CausalSelfAttention`` and ``GroupedQueryAttention`` their attention
+compute capability, the compute dtype, compiled training or eager): ``model.decoder.Decoder`` asks once, when it is
+built (or when it is moved to run elsewhere, by ``Decoder.use_target``), never in a forward, and hands each module
+its kernel as a callable: ``CausalSelfAttention`` and ``GroupedQueryAttention`` their attention
 (``attention.kernel``), GPT-2's ``MLP`` its fused function where one is chosen (``fused_mlp.kernel``),
-``LMHeadLoss`` its chunk function. The compiled trunk then sees each choice as a constant. ``pick`` is the one rule every optional kernel follows: "auto"
-takes it where it runs and falls back with one log line saying why not; asking for it by name where it cannot run
-is an error that says what to do.
+``LMHeadLoss`` its chunk function. The compiled trunk then sees each choice as a constant. ``pick`` is the one rule
+every optional kernel follows: "auto" takes it where it runs and falls back with one log line saying why not; asking
+for it by name where it cannot run is an error that says what to do.
 
 The package holds the kernels too: ``attention`` (causal attention within documents; ``flash4``: FlashAttention 4
 as custom ops), ``fused_mlp`` (GPT-2's MLP with its GELU in quack's GEMM epilogues; ``quack_gelu``: the exact
