@@ -36,4 +36,5 @@ def test_an_unwritable_stage_log_costs_the_log_lines_not_the_run(tmp_path, monke
     for stage in ("model built", "update 1"):
         assert process_memory.record_stage(stage)["stage"] == stage  # was an OSError that ended training
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 1 and f"${process_memory.STAGE_LOG_ENV} names {path}, which cannot be written" in warnings[0]
+    said = f"${process_memory.STAGE_LOG_ENV} names {path}, which cannot be written"
+    assert len(warnings) == 1 and said in warnings[0]

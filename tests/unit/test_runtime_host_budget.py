@@ -1,4 +1,5 @@
-"""The host memory a run will need: the refusal of a GPU count over the job's budget, and of a CPU run that cannot fit."""
+"""The host memory a run will need: the refusal of a GPU count over the job's budget, and of a CPU run that cannot
+fit the machine."""
 
 from __future__ import annotations
 

@@ -52,7 +52,8 @@ def test_no_training_module_imports_one_that_imports_it_back():
 def test_the_ground_floor_imports_nothing_of_the_project():
     graph = project_imports()
     ground = {name for name in graph if name.split(".")[0] == "runfab"}
-    assert {"runfab.limits", "runfab.lifetime", "runfab.shipping", "runfab.created_files", "runfab.process_memory"} <= ground
+    assert {"runfab.limits", "runfab.lifetime", "runfab.shipping", "runfab.created_files",
+            "runfab.process_memory"} <= ground
     above = {name: sorted(m for m in graph[name] if m.split(".")[0] != "runfab") for name in ground}
     assert not any(above.values()), f"the ground floor imports the project: {above}"
 
