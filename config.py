@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from callbacks.observe import ObserveConfig
-from pipeline.config import DataConfig
+from pipeline.data_section import DataConfig
 from lit_module import OptimConfig
 from model.decoder import ModelConfig
 from model.kernels import ComputeConfig

@@ -6,6 +6,7 @@ in a single process, or the feeder's socket, pipeline/feeder_wire.py, in a data-
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -14,7 +15,7 @@ import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
 from pipeline.feeder import INPUT_PENDING
-from pipeline.shards import GroupCollate, ShardsError, ShardUpdates, UpdateAgreement, open_rows
+from pipeline.shards import GroupCollate, ShardsError, ShardUpdates, open_rows
 from pipeline.packing import collate_rows, pack_rows
 from pipeline.records import StreamStats
 from pipeline.stream import StreamSettings
@@ -132,17 +133,19 @@ class StreamingDataModule(L.LightningDataModule):
 
 class ShardDataModule(L.LightningDataModule):
     """Training batches from prepared rows; no periodic validation (the run scores the validation split
-    beside the rows at its end: fixed_validation.py)."""
+    beside the rows at its end: fixed_validation.py). ``settle(trainer, rank_tokens, rank_digest)`` is the ranks'
+    per-update agreement (runtime/update_agreement.py): the update's target tokens and rows digest over all ranks."""
 
     input_wait_seconds = 0.0  # the loader reads prepared chunks ahead of training; no wait is measured here
 
     def __init__(self, path: str, seq_len: int, microbatch: int, accumulation: int, seed: int, workers: int,
-                 agreement: UpdateAgreement, pin_memory: bool = False, token_digests: bool = True) -> None:
+                 settle: Callable[[L.Trainer, int, int], tuple[int, int]], pin_memory: bool = False,
+                 token_digests: bool = True) -> None:
         super().__init__()
         self.path, self.seq_len, self.seed, self.workers = path, seq_len, seed, workers
         self.token_digests = token_digests
         self.microbatch, self.accumulation = microbatch, accumulation
-        self.agreement, self.pin_memory = agreement, pin_memory
+        self.settle, self.pin_memory = settle, pin_memory
 
     def train_dataloader(self) -> ShardUpdates:
         # Called after the process group exists, so LitData sees this rank's place in it.
@@ -154,6 +157,5 @@ class ShardDataModule(L.LightningDataModule):
                 f"{self.path} gives this rank no complete update: an update takes {rows} rows on each of "
                 f"{self.trainer.world_size} rank(s); prepare more text, or lower the batch (trainer.global_batch_size)"
             )
-        self.agreement.attach(self.trainer)
-        return ShardUpdates(loader, self.accumulation, self.agreement)
+        return ShardUpdates(loader, self.accumulation, functools.partial(self.settle, self.trainer))
 

@@ -122,7 +122,7 @@ def lr_factor(step: int, cfg: OptimConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class GPTTrainingModule(L.LightningModule):
+class DecoderTrainingModule(L.LightningModule):
     """Trains the decoder (either family) so that every optimizer update's gradient is exactly
 
         sum of the update's target-token losses / the update's target-token count,

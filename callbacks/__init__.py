@@ -5,7 +5,7 @@
     fixed_validation.py   the validation cross-entropy of the initial and the final weights
     history.py            the per-update history and the digests that make two runs comparable
     observe.py            observation windows: a profiler trace and a CUDA allocator history
-    host_memory.py        the host memory of a run, stage by stage
+    memory_stages.py      the host memory of a run, stage by stage (runfab/process_memory.py reads it)
     export.py             the trained model as a Hugging Face checkpoint of its family (safetensors)
     run_record.py         the run record: what ran, where, on which data and settings, and what came of it
     resume_fingerprint.py what a resume must not change, stored in every checkpoint

@@ -1,5 +1,5 @@
 """The stop of a run from prepared shards: SIGTERM or SIGINT on any rank, every rank finishes the same
-update (pipeline/shards.py's UpdateAgreement), the checkpoint is written, and training ends."""
+update (runtime/update_agreement.py's UpdateAgreement), the checkpoint is written, and training ends."""
 
 from __future__ import annotations
 
@@ -7,16 +7,22 @@ import logging
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import lightning as L
 
 from runfab.lifetime import on_stop_signals
 
-if TYPE_CHECKING:
-    from pipeline.shards import UpdateAgreement
-
 log = logging.getLogger(__name__)
+
+
+class AgreedStop(Protocol):
+    """What this callback asks and reads of the ranks' per-update agreement (runtime/update_agreement.py)."""
+
+    stop_signal: str | None  # the signal this rank received, if any
+    stop_after: int | None  # the update after which every rank stops, once the ranks agreed on it
+
+    def request_stop(self, reason: str) -> None: ...
 
 
 class StopAtAgreedUpdate(L.Callback):
@@ -28,7 +34,7 @@ class StopAtAgreedUpdate(L.Callback):
     microbatches, without a checkpoint) and over GracefulStop's (which ends a single process's
     stream without one)."""
 
-    def __init__(self, agreement: UpdateAgreement, checkpoint: Path,
+    def __init__(self, agreement: AgreedStop, checkpoint: Path,
                  before_exit: Callable[[], None] = lambda: None) -> None:
         self.agreement, self.checkpoint, self.before_exit = agreement, checkpoint, before_exit
         self.saved: str | None = None

@@ -3,8 +3,8 @@
 Both are off by default and cost nothing then. When on, they cover whole optimizer updates
 (numbered from 1, as the metric lines' ``step`` counts them): the profiler records CPU and CUDA
 activity and is exported as a Chrome/Perfetto JSON trace; the allocator history of one update is
-dumped as a snapshot for https://pytorch.org/memory_viz. GPTTrainingModule marks zero_grad, forward,
-backward and optimizer_step with ``record_function``, so both views name the phases.
+dumped as a snapshot for https://pytorch.org/memory_viz. The training module (lit_module.py) marks zero_grad,
+forward, backward and optimizer_step with ``record_function``, so both views name the phases.
 The metrics callback reports observed updates apart (``"observed": 1``) and leaves them out of
 the run summary. Files go to ``<output>/run/``, never into ``model/``. Every rank writes its trace
 (data-parallel ranks wait for the slowest); rank 0 alone writes the memory snapshot.

@@ -21,7 +21,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from pipeline.config import DataConfig
+from pipeline.data_section import DataConfig
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,9 @@ whether all of them still have one. The price is that ``model.max_seq_len`` is f
 One update on each rank: the loader yields the rank's whole share of the update as one batch
 (microbatch x accumulation rows, ``GroupCollate``), which ``ShardUpdates`` hands to Lightning as
 its microbatches. The exact loss normalisation needs the update's target-token count over all
-ranks; ``UpdateAgreement`` gets it with one all-reduce of four integers per update, which also
-carries a stop request (a signal on any rank), rank 0's "a metric line is due" and the digest of
-the update's rows (pipeline/fingerprints.py), so every rank stops, checkpoints and reports at the
-same update.
+ranks: ``ShardUpdates`` asks the ranks' per-update agreement for it (``settle``; the runtime's
+all-reduce, runtime/update_agreement.py), and hands it with the update's rows digest to every
+microbatch. This module reads and checks rows; it never talks to the other ranks itself.
 
 LitData is optional (pyproject extra ``cluster``): it is imported inside the functions that use
 it, so the RunFab bundle imports this module without it.
@@ -41,16 +40,12 @@ import os
 import signal
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import lightning as L
 import numpy as np
-import torch
 
 from pipeline.packing import Row, collate_rows
-from pipeline.report_marks import ReportMarks
 from runfab import created_files
 from runfab.lifetime import exit_with_parent
 
@@ -261,80 +256,27 @@ class GroupCollate:
                 "rows_digest": sum(b["rows_digest"] for b in batches)}
 
 
-class UpdateAgreement:
-    """What the ranks settle once per update, in one all-reduce of four integers when the update's
-    first microbatch is fetched: the update's target tokens over all ranks (the exact loss
-    normalisation), whether any rank was asked to stop, whether rank 0's metric interval has
-    passed, and the update's rows digest. Every rank then stops and reports after the same update,
-    with no other collective."""
-
-    def __init__(self, report_every_seconds: float) -> None:
-        self.report_every = report_every_seconds
-        self.stop_signal: str | None = None  # the signal this rank received, if any
-        self.stop_after: int | None = None  # the update after which every rank stops
-        self.report_marks = ReportMarks()  # the updates rank 0 asked a metric line after, agreed by every rank
-        self._last_report = time.monotonic()
-        self._trainer: L.Trainer | None = None
-        self.update_digest = 0  # the settled update's rows digest over all ranks (pipeline/fingerprints.py)
-
-    def attach(self, trainer: L.Trainer) -> None:
-        self._trainer = trainer
-
-    def request_stop(self, reason: str) -> None:
-        """A signal on this rank: every rank stops after the next update the ranks settle."""
-        if self.stop_signal is None:
-            self.stop_signal = reason
-
-    @property
-    def stopped_by(self) -> str | None:
-        """Why training stopped early, for the run record; None if it did not."""
-        if self.stop_after is None:
-            return None
-        return self.stop_signal or "a stop signal on another rank"
-
-    def settle(self, rank_tokens: int, rank_digest: int = 0) -> int:
-        """The update's target-token count over all ranks, given this rank's share; its rows digest
-        over all ranks (from this rank's ``rank_digest``) is left in ``update_digest``."""
-        trainer = self._trainer
-        update = trainer.global_step + 1  # Lightning fetches an update's first microbatch after the previous step
-        due = trainer.global_rank == 0 and time.monotonic() - self._last_report >= self.report_every
-        if due:
-            self._last_report = time.monotonic()
-        tokens, stop, report = rank_tokens, int(self.stop_signal is not None), int(due)
-        digest = rank_digest
-        if trainer.world_size > 1:  # alone, a rank needs no collective (and no device round trip)
-            values = torch.tensor([tokens, stop, report, digest], dtype=torch.int64,
-                                  device=trainer.strategy.root_device)
-            torch.distributed.all_reduce(values)
-            tokens, stop, report, digest = values.tolist()
-        self.update_digest = digest
-        if report:
-            self.report_marks.mark(update)
-        if stop and self.stop_after is None:
-            self.stop_after = update
-        return tokens
-
-
 class ShardUpdates:
     """What Lightning trains from: each rank-share of an update from the LitData loader, as
-    ``accumulation`` microbatches that carry the update's target-token count over all ranks.
+    ``accumulation`` microbatches that carry the update's target-token count and rows digest over all
+    ranks, which ``settle`` returns from this rank's (the ranks' agreement: runtime/update_agreement.py).
 
     Sized (every rank has the same number of complete updates: LitData's ``drop_last``) and stateful:
     Lightning saves and restores the loader's position with its checkpoint. Checkpoints are written
     between updates, when the loader has yielded exactly the updates trained."""
 
-    def __init__(self, loader, accumulation: int, agreement: UpdateAgreement) -> None:
-        self.loader, self.accumulation, self.agreement = loader, accumulation, agreement
+    def __init__(self, loader, accumulation: int, settle: Callable[[int, int], tuple[int, int]]) -> None:
+        self.loader, self.accumulation, self.settle = loader, accumulation, settle
 
     def __len__(self) -> int:
         return len(self.loader) * self.accumulation
 
     def __iter__(self) -> Iterator[dict]:
         for group in self.loader:
-            total = self.agreement.settle(group["target_tokens"], group["rows_digest"])
+            total, digest = self.settle(group["target_tokens"], group["rows_digest"])
             for batch in group["microbatches"]:
                 batch["update_target_tokens"] = total
-                batch["update_digest"] = self.agreement.update_digest
+                batch["update_digest"] = digest
                 yield batch
 
     def state_dict(self) -> dict:

@@ -4,7 +4,7 @@
     -> assemble_updates -> split_update
 
 ``stream_updates`` composes them; each stage takes and gives an iterator, so each can be tested alone
-on a list of records. Every buffer has a bound from the config (pipeline/config.py); nothing holds
+on a list of records. Every buffer has a bound from the config (pipeline/data_section.py); nothing holds
 the whole stream. Where the bytes come from is sources.py's; running the flow beside training is
 feeder.py's.
 """
@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from pipeline.config import DataConfig
+from pipeline.data_section import DataConfig
 from pipeline.packing import Row, attention_pairs, collate_rows, pack_rows, shuffle_documents
 from pipeline.records import StreamStats, UnusableInputError, encode_documents, read_records, rejected_counts
 from pipeline.validation_split import ValidationPool, split_validation

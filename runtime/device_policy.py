@@ -19,10 +19,10 @@ import lightning as L
 import torch
 
 from model.kernels import Target, gpu
-from runtime import hostmem
+from runtime import host_budget
 from config import ConfigError, RunConfig
 from runfab.limits import CPU_CORES, GIB
-from lit_module import GPTTrainingModule
+from lit_module import DecoderTrainingModule
 
 log = logging.getLogger("train")
 
@@ -113,7 +113,7 @@ def ddp_strategy(cfg: RunConfig, accelerator: str) -> L.pytorch.strategies.DDPSt
     )
 
 
-def build_module(cfg: RunConfig, device: torch.device | None, compiled: bool = False) -> GPTTrainingModule:
+def build_module(cfg: RunConfig, device: torch.device | None, compiled: bool = False) -> DecoderTrainingModule:
     """The LightningModule, its weights initialized on ``device`` (None: the CPU): on a GPU no full fp32 copy of
     the model is ever made in host memory, and no core spends seconds drawing 127M random numbers. Its kernels are
     chosen there, once (``model.kernels.Target``): for ``device``, the precision's compute dtype, and the compiled
@@ -121,20 +121,20 @@ def build_module(cfg: RunConfig, device: torch.device | None, compiled: bool = F
     accelerator = "gpu" if device is not None and device.type == "cuda" else "cpu"
     target = Target(device or torch.device("cpu"), COMPUTE_DTYPES[resolve_precision(cfg, accelerator)], compiled)
     with torch.device(device) if device is not None else contextlib.nullcontext():
-        return GPTTrainingModule(cfg.model, cfg.optim, cfg.compute, target)
+        return DecoderTrainingModule(cfg.model, cfg.optim, cfg.compute, target)
 
 
 def check_host_memory(cfg: RunConfig, world: int, microbatch: int) -> None:
     """Refuse, before any data is read or worker started, a run whose host memory cannot fit: a GPU
     count over the job's budget, or a CPU run (activations in host memory) over what the machine has."""
     if resolve_accelerator(cfg) != "gpu":
-        problem = hostmem.cpu_memory_problem(cfg.model, microbatch, world, hostmem.available_host_bytes(),
-                                             cfg.compute.loss_chunk_tokens)
+        problem = host_budget.cpu_memory_problem(cfg.model, microbatch, world, host_budget.available_host_bytes(),
+                                                 cfg.compute.loss_chunk_tokens)
     else:
-        written = hostmem.output_bytes(cfg) + hostmem.observation_bytes(cfg)  # the output folder is RAM too
-        problem = hostmem.host_budget_problem(cfg.trainer.host_memory_budget_gib, world, written)
+        written = host_budget.output_bytes(cfg) + host_budget.observation_bytes(cfg)  # the output folder is RAM too
+        problem = host_budget.host_budget_problem(cfg.trainer.host_memory_budget_gib, world, written)
         if problem is None and cfg.trainer.host_memory_budget_gib > 0:
-            log.info(hostmem.host_budget(world, written).line(cfg.trainer.host_memory_budget_gib))
+            log.info(host_budget.host_budget(world, written).line(cfg.trainer.host_memory_budget_gib))
     if problem is not None:
         raise ConfigError(problem)
 

@@ -92,7 +92,7 @@ def raise_on_signals(first=None, stopping: str = "stopping the workers"):
 # ----------------------------------------------------------------------------- in a worker
 
 
-PER_RANK_LOGGERS = ("runfab.memory", "runtime.probe")  # what each rank measures of its own process and device
+PER_RANK_LOGGERS = ("runfab.process_memory", "runtime.probe")  # what each rank measures of its own process and device
 
 
 def quiet_peer_rank(rank: int) -> None:
@@ -136,13 +136,16 @@ def cuda_driver_initialized() -> bool:
     return driver.cuDeviceGetCount(ctypes.byref(count)) != CUDA_ERROR_NOT_INITIALIZED
 
 
-def resolve_start(requested: str) -> str:
-    """``fork`` or ``exec`` for ``trainer.worker_start``; auto forks unless CUDA is initialized here."""
+def resolve_start(requested: str, cuda_initialized: bool | None = None) -> str:
+    """``fork`` or ``exec`` for ``trainer.worker_start``; auto forks unless CUDA is initialized here
+    (``cuda_initialized``; None: asked of this process, ``cuda_driver_initialized``)."""
     if requested not in WORKER_STARTS:
         raise ValueError(f"trainer.worker_start must be one of {', '.join(WORKER_STARTS)}, not {requested!r}")
     if requested == "exec":
         return "exec"
-    if cuda_driver_initialized():
+    if cuda_initialized is None:
+        cuda_initialized = cuda_driver_initialized()
+    if cuda_initialized:
         if requested == "fork":
             raise RuntimeError("trainer.worker_start is 'fork' but this process has already initialized CUDA, "
                                "which a forked worker cannot use; use 'auto' or 'exec'")

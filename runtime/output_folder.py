@@ -22,7 +22,7 @@ from callbacks.export import displaced_exports, unfinished_exports
 from config import BUNDLE_ROOT, ConfigError, RunConfig, bundle_path
 from runfab import created_files
 from runfab.limits import GIB, MIB
-from runtime import hostmem
+from runtime import host_budget
 
 log = logging.getLogger("train")
 
@@ -217,7 +217,7 @@ SMALL_FILES_BYTES = 16 * MIB  # beside the weights: configs, the run record, met
 def check_output_space(cfg: RunConfig, root: Path) -> None:
     """Refuse, before any training, a run whose output the filesystem under ``root`` has no room for,
     rather than fail at the export after all the training."""
-    need, observed = hostmem.output_bytes(cfg), hostmem.observation_bytes(cfg)
+    need, observed = host_budget.output_bytes(cfg), host_budget.observation_bytes(cfg)
     tokenizer = bundle_path(cfg.data.tokenizer)
     need += observed + SMALL_FILES_BYTES + (tokenizer.stat().st_size if tokenizer.is_file() else 0)
     free = shutil.disk_usage(root).free
@@ -231,7 +231,7 @@ def check_output_space(cfg: RunConfig, root: Path) -> None:
 
 def check_output_budget(cfg: RunConfig) -> None:
     """Refuse, before any training, a run whose deliverables cannot fit RunFab's output space (output_bytes)."""
-    need, observed = hostmem.output_bytes(cfg), hostmem.observation_bytes(cfg)
+    need, observed = host_budget.output_bytes(cfg), host_budget.observation_bytes(cfg)
     if need + observed > cfg.output.budget_bytes:
         raise ConfigError(
             f"the output would need about {(need + observed) / GIB:.2f} GiB (model export"

@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 
-from callbacks.host_memory import HostMemory
+from callbacks.memory_stages import MemoryStages
 from runtime import launcher
 from runtime.batch_split import probe_accumulation
 from callbacks.runfab_metrics import peak_memory
@@ -114,7 +114,7 @@ def run_probe_local(cfg: RunConfig, microbatch: int, world: int, effective: int,
     batches = DataLoader(kinds * PROBE_PASSES, batch_size=None)
     trainer = build_trainer(
         cfg, accelerator, world, max_steps=len(kinds) * PROBE_PASSES // accumulation, accumulate_grad_batches=accumulation,
-        limit_val_batches=0, enable_progress_bar=False, callbacks=[HostMemory()],
+        limit_val_batches=0, enable_progress_bar=False, callbacks=[MemoryStages()],
     )
     module = build_module(cfg, device if accelerator == "gpu" else None, compiled=compiled)
     if accelerator == "gpu":

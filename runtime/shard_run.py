@@ -6,7 +6,8 @@ of one node, or several nodes, with no change of code. ``torchrun`` and SLURM st
 of this node itself, by running the same command again. RunFab's stdin path (training_run.run_training
 and its launcher) is not involved: under RunFab stdin is the only input.
 
-Every rank streams its own share of the prepared rows (pipeline/shards.py). The run's batch is
+Every rank streams its own share of the prepared rows (pipeline/shards.py), and the ranks settle each update
+in one all-reduce (update_agreement.py). The run's batch is
 ``trainer.global_batch_size`` rows per update, or train.EFFECTIVE_BATCH_SIZE, split as microbatch x
 accumulation x ranks (batch_split.py).
 
@@ -40,6 +41,7 @@ from runtime.batch_split import BatchSplit
 from runtime.device_policy import resolve_accelerator, setup_process, use_allocator_settings, world_size
 from runtime.output_folder import CHECKPOINTS, checkpoint_folder, claimed_output, release_now
 from runtime.training_run import TrainingInput, fit, load_encoder, validation_pool
+from runtime.update_agreement import UpdateAgreement
 
 log = logging.getLogger("train")
 
@@ -114,10 +116,10 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
         del stored
     with claim:
         use_allocator_settings(cfg)
-        agreement = shards.UpdateAgreement(cfg.metrics.interval_seconds)
+        agreement = UpdateAgreement(cfg.metrics.interval_seconds)
         datamodule = ShardDataModule(
             cfg.data.path, cfg.model.max_seq_len, split.microbatch, split.accumulation, cfg.seed,
-            cfg.data.loader_workers, agreement, pin_memory=resolve_accelerator(cfg) == "gpu",
+            cfg.data.loader_workers, agreement.settle, pin_memory=resolve_accelerator(cfg) == "gpu",
             token_digests=cfg.data.token_digests)
         held_out = prepared_validation(cfg, meta, encoder)
         stop_at = checkpoint_folder(root) / checkpoints.STOP_CHECKPOINT

@@ -32,7 +32,7 @@ def build_trainer(cfg: RunConfig, accelerator: str, world: int, **overrides) -> 
         enable_checkpointing=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        gradient_clip_val=cfg.trainer.gradient_clip_val,  # GPTTrainingModule.configure_gradient_clipping clips with it
+        gradient_clip_val=cfg.trainer.gradient_clip_val,  # lit_module's configure_gradient_clipping clips with it
     )
     arguments.update(cfg.trainer.lightning)  # config.py refuses those that must stay as set here or by the caller
     arguments.update(overrides)

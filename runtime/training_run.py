@@ -26,7 +26,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from callbacks.host_memory import HostMemory
+from callbacks.memory_stages import MemoryStages
 from runtime import checkpoints, launcher
 from runtime.batch_split import BatchSplit
 from callbacks import owned_folders
@@ -165,7 +165,7 @@ def fit(cfg: RunConfig, split: BatchSplit, source: TrainingInput, encoder: TextE
     ``trainer_overrides`` (devices per node, nodes).
     """
     accelerator = resolve_accelerator(cfg)
-    host_memory = HostMemory()
+    host_memory = MemoryStages()
     if accelerator == "gpu":
         limit_gpu_memory(cfg, local_device(), platform_fraction)
         host_memory.stage("CUDA initialized")
@@ -274,7 +274,7 @@ def build_metrics(cfg: RunConfig, accelerator: str, source: TrainingInput) -> Ru
 
 
 def build_callbacks(cfg: RunConfig, accelerator: str, split: BatchSplit, description: dict, source: TrainingInput,
-                    metrics: RunFabMetrics, host_memory: HostMemory) -> list[L.Callback]:
+                    metrics: RunFabMetrics, host_memory: MemoryStages) -> list[L.Callback]:
     """The run's callbacks, in the order their hooks must run."""
     run_dir, checkpoint_dir = run_folder(cfg.output.root), checkpoint_folder(cfg.output.root)
     every = cfg.trainer.checkpoint_every_steps

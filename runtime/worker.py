@@ -17,7 +17,7 @@ from callbacks.export import ExportFailed
 from config import RunConfig, load_config_dict
 from datamodule import StreamingDataModule
 from pipeline import feeder_wire
-from runfab import memory
+from runfab import process_memory
 from runfab.lifetime import exit_with_parent
 from runtime import launcher
 from runtime.batch_split import BatchSplit
@@ -33,7 +33,7 @@ def run_worker() -> int:
               "(--trainer.devices N for N ranks)", file=sys.stderr)
         return 2
     exit_with_parent()  # a worker whose feeder vanished (even by SIGKILL) must not wait in a collective
-    memory.record_stage("worker started, modules imported")
+    process_memory.record_stage("worker started, modules imported")
     spec = launcher.worker_spec()
     cfg = load_config_dict(spec["config"])
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from pipeline.config import DataConfig
+from pipeline.data_section import DataConfig
 from pipeline.stream import StreamSettings
 
 

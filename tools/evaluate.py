@@ -173,7 +173,8 @@ def load_gpt(folder: Path, config: dict, weights: dict):
     try:
         hf.load_hf(model, weights)
     except (KeyError, RuntimeError) as error:  # a missing tensor, or one of another shape
-        raise NotThisModel(f"{folder} has weights this trainer's GPT does not hold as they are ({error})") from None
+        raise NotThisModel(f"{folder} has weights this trainer's GPT-2 model does not hold as they are "
+                           f"({error})") from None
     return model_holding_exactly(folder, model, hf.to_hf(model), weights, ignored={"lm_head.weight"})
 
 

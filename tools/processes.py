@@ -4,7 +4,7 @@ host memory of its tree is read as RunFab charges it.
 A tool starts its children in sessions of their own (so a terminal's Ctrl-C does not reach them
 halfway through), which also takes them out of reach of whoever kills the tool: ``start`` binds
 each to the tool with the one parent-death helper, ``runfab.lifetime.exit_with_parent``. The
-process table comes from psutil (the ``tools`` extra); memory from ``runtime.hostmem``, the one
+process table comes from psutil (the ``tools`` extra); memory from ``runfab.process_memory``, the one
 reader of /proc/PID/smaps_rollup.
 """
 
@@ -19,7 +19,7 @@ import time
 
 import psutil
 
-from runfab import memory
+from runfab import process_memory
 from runfab.lifetime import exit_with_parent
 
 SAMPLE_SECONDS = 0.5
@@ -81,8 +81,8 @@ def family(pid: int) -> list[int]:
 
 
 def tree_memory(pid: int) -> dict[str, int]:
-    """runfab.memory's figures (Pss, Rss, Anonymous, ... in bytes; ``processes``) summed over ``pid``'s tree."""
-    return memory.tree_memory(family(pid))
+    """runfab.process_memory's figures (Pss, Rss, Anonymous, ... in bytes; ``processes``) summed over ``pid``'s tree."""
+    return process_memory.tree_memory(family(pid))
 
 
 class MemorySampler(threading.Thread):

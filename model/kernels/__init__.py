@@ -1,13 +1,13 @@
 """How the model computes (the config's ``compute`` section), and which kernel runs each part.
 
-``choose_kernels`` is the one place a kernel is chosen, for the ``Target`` a model is built for (the device, the
-compute dtype, compiled training or eager): ``model.decoder.Decoder`` asks once, when it is built (or when it is
-moved to run elsewhere, by ``Decoder.use_target``), never in a forward, and hands each module its kernel as a
-callable: ``CausalSelfAttention`` and ``GroupedQueryAttention`` their attention (``attention.kernel``), GPT-2's
-``MLP`` its fused function where one is chosen (``fused_mlp.kernel``), ``LMHeadLoss`` its chunk function. The
-compiled trunk then sees each choice as a constant. ``pick`` is the one rule every optional kernel follows: "auto"
-takes it where it runs and falls back with one log line saying why not; asking for it by name where it cannot run
-is an error that says what to do.
+``choose_kernels`` is the one place a kernel is chosen, for the ``Target`` a model is built for (the device and its
+compute capability, the compute dtype, compiled training or eager): ``model.decoder.Decoder`` asks once, when it is
+built (or when it is moved to run elsewhere, by ``Decoder.use_target``), never in a forward, and hands each module
+its kernel as a callable: ``CausalSelfAttention`` and ``GroupedQueryAttention`` their attention
+(``attention.kernel``), GPT-2's ``MLP`` its fused function where one is chosen (``fused_mlp.kernel``),
+``LMHeadLoss`` its chunk function. The compiled trunk then sees each choice as a constant. ``pick`` is the one rule
+every optional kernel follows: "auto" takes it where it runs and falls back with one log line saying why not; asking
+for it by name where it cannot run is an error that says what to do.
 
 The package holds the kernels too: ``attention`` (causal attention within documents; ``flash4``: FlashAttention 4
 as custom ops), ``fused_mlp`` (GPT-2's MLP with its GELU in quack's GEMM epilogues; ``quack_gelu``: the exact
@@ -87,12 +87,22 @@ class ComputeConfig:
 @dataclass(frozen=True)
 class Target:
     """What a model is built to run as, which its kernels are chosen for: the device, the dtype it computes in
-    (autocast's, or its weights'), and whether training runs the compiled trunk. The default is a CPU model in
-    fp32, eager."""
+    (autocast's, or its weights'), whether training runs the compiled trunk, and the GPU's compute capability. The
+    default is a CPU model in fp32, eager."""
 
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
     compiled: bool = False
+    capability: tuple[int, int] | None = None
+    """The compute capability (major, minor) of the GPU the kernels are chosen for; None: the CUDA device's own,
+    read when they are chosen (none off CUDA). Given, it describes a GPU rather than asks one: the tests choose
+    kernels for Hopper and Blackwell on a CPU."""
+
+    def gpu_capability(self) -> tuple[int, int] | None:
+        """The compute capability the kernels are chosen for: the given one, else the CUDA device's; None off CUDA."""
+        if self.capability is not None:
+            return self.capability
+        return gpu.compute_capability(self.device) if self.device.type == "cuda" else None
 
 
 @dataclass(frozen=True)
@@ -137,25 +147,29 @@ def pick(option: str, requested: str, kernel: str, problem: str | None, fallback
     return fallback
 
 
-def attention_kernel(compute: ComputeConfig, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+def attention_kernel(compute: ComputeConfig, target: Target, head_dim: int) -> str:
     """The attention family: FA4 where it runs (auto, fa4), PyTorch's flash kernels, or SDPA with a mask (CPU, fp32)."""
-    if compute.attention == "sdpa" or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+    if compute.attention == "sdpa" or target.device.type != "cuda" or target.dtype not in (torch.float16,
+                                                                                          torch.bfloat16):
         return "sdpa"
     if compute.attention == "varlen":
         return "flash"
-    return pick("compute.attention", compute.attention, "fa4", flash4.fa4_unavailable_reason(device, head_dim), "flash")
+    problem = flash4.fa4_unavailable_reason(target.gpu_capability(), head_dim)
+    return pick("compute.attention", compute.attention, "fa4", problem, "flash")
 
 
-def mlp_kernels(compute: ComputeConfig, device: torch.device, dtype: torch.dtype, compiled: bool, n_layer: int,
-                width: int, family: str = "gpt2") -> tuple[str, ...]:
+def mlp_kernels(compute: ComputeConfig, target: Target, n_layer: int, width: int,
+                family: str = "gpt2") -> tuple[str, ...]:
     """Each block's MLP kernel: a fused one only in a model built for compiled training (quack's GEMMs compile at
     first use: the probe and the tools, which build eager models, stay within PyTorch's)."""
-    if not compiled or compute.mlp == "torch":
+    if not target.compiled or compute.mlp == "torch":
         return ("torch",) * n_layer
     if family != "gpt2":  # where a field library's SwiGLU kernel would be chosen, once one measures faster
         return (pick("compute.mlp", compute.mlp, "quack", SWIGLU_WITHOUT_QUACK, "torch"),) * n_layer
-    kernel = pick("compute.mlp", compute.mlp, "quack", fused_mlp.quack_unavailable_reason(device, dtype, width), "torch")
-    return fused_mlp.block_kernels(kernel, n_layer, compute.mlp_kept_derivatives, device)
+    capability = target.gpu_capability()
+    problem = fused_mlp.quack_unavailable_reason(capability, target.dtype, width)
+    kernel = pick("compute.mlp", compute.mlp, "quack", problem, "torch")
+    return fused_mlp.block_kernels(kernel, n_layer, compute.mlp_kept_derivatives, capability)
 
 
 # Why llama's MLP runs PyTorch's products: quack's epilogue holds GPT-2's GELU, and inductor fuses SwiGLU's SiLU and
@@ -164,27 +178,27 @@ SWIGLU_WITHOUT_QUACK = ("quack's MLP has GPT-2's GELU in its epilogues, not SwiG
                         "as PyTorch's products with the elementwise work fused by inductor in the compiled trunk")
 
 
-def loss_kernel(compute: ComputeConfig, device: torch.device, dtype: torch.dtype, compiled: bool, width: int) -> str:
+def loss_kernel(compute: ComputeConfig, target: Target, width: int) -> str:
     """The chunk function of the loss in training: PyTorch's eager (CPU, eager runs), quack's logits with their
     log-sum-exp and the one-pass Triton gradient, or the two-pass Triton kernel over cuBLAS's logits."""
-    if not compiled or device.type != "cuda":
+    if not target.compiled or target.device.type != "cuda":
         return "eager"
     if compute.loss == "triton":
         return "triton"
-    problem = fused_mlp.quack_unavailable_reason(device, dtype, width)
-    if problem is None and dtype != torch.bfloat16:
-        problem = f"its logits are rounded to bf16, not {dtype}"
-    if problem is None and gpu.compute_capability(device)[0] != LSE_COMPUTE_CAPABILITY:
+    capability = target.gpu_capability()
+    problem = fused_mlp.quack_unavailable_reason(capability, target.dtype, width)
+    if problem is None and target.dtype != torch.bfloat16:
+        problem = f"its logits are rounded to bf16, not {target.dtype}"
+    if problem is None and capability[0] != LSE_COMPUTE_CAPABILITY:
         problem = "its epilogue takes the single values Hopper's GEMMs pass (compute capability 9.x)"
     return pick("compute.loss", compute.loss, "quack", problem, "triton")
 
 
 def choose_kernels(compute: ComputeConfig, target: Target, shape) -> Kernels:
     """Every part's kernel for a model of ``shape`` (model.decoder.ModelConfig) built for ``target``."""
-    device, dtype, compiled = target.device, target.dtype, target.compiled
-    return Kernels(attention=attention_kernel(compute, device, dtype, shape.head_dim),
-                   mlp=mlp_kernels(compute, device, dtype, compiled, shape.n_layer, shape.n_embd, shape.family),
-                   loss=loss_kernel(compute, device, dtype, compiled, shape.n_embd))
+    return Kernels(attention=attention_kernel(compute, target, shape.head_dim),
+                   mlp=mlp_kernels(compute, target, shape.n_layer, shape.n_embd, shape.family),
+                   loss=loss_kernel(compute, target, shape.n_embd))
 
 
 def describe(kernels: Kernels, family: str = "gpt2") -> str:

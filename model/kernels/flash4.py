@@ -44,11 +44,12 @@ def fa4_interface():
     return _fa4
 
 
-def fa4_unavailable_reason(device: torch.device, head_dim: int) -> str | None:
-    """None when FA4 can run attention of ``head_dim`` on ``device``, else why not."""
-    if device.type != "cuda":
-        return f"needs a CUDA device, not {device.type}"
-    major, minor = gpu.compute_capability(device)
+def fa4_unavailable_reason(capability: tuple[int, int] | None, head_dim: int) -> str | None:
+    """None when FA4 can run attention of ``head_dim`` on a GPU of compute ``capability`` (None: no CUDA device),
+    else why not."""
+    if capability is None:
+        return "needs a CUDA device"
+    major, minor = capability
     if major not in FA4_COMPUTE_CAPABILITIES:
         return f"compute capability {major}.{minor} is not one FA4 supports here (9.x, 10.x)"
     if head_dim not in FA4_HEAD_DIMS:

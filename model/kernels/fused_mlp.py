@@ -189,21 +189,22 @@ def on_rows(function, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
 KEPT_DERIVATIVE = "quack, derivative kept"
 
 
-def kept_derivative_runs(device: torch.device) -> bool:
-    """Whether a block can keep the GELU's derivative on ``device``: quack's epilogues there pass their functions
-    one value at a time (Hopper), as model.kernels.quack_gelu's take them, and quack's frontend built those epilogues."""
-    if device.type != "cuda" or gpu.compute_capability(device)[0] != 9:
+def kept_derivative_runs(capability: tuple[int, int] | None) -> bool:
+    """Whether a block can keep the GELU's derivative on a GPU of compute ``capability`` (None: no CUDA device):
+    quack's epilogues there pass their functions one value at a time (Hopper), as model.kernels.quack_gelu's take
+    them, and quack's frontend built those epilogues."""
+    if capability is None or capability[0] != 9:
         return False
     from model.kernels import quack_gelu
 
     return hasattr(quack_gelu, "times_derivative")
 
 
-def block_kernels(kernel: str, n_layer: int, kept: int, device: torch.device) -> tuple[str, ...]:
+def block_kernels(kernel: str, n_layer: int, kept: int, capability: tuple[int, int] | None) -> tuple[str, ...]:
     """Each block's MLP kernel: ``kernel`` ("quack" or "torch"), with the last ``kept`` blocks keeping the GELU's
     derivative where ``kernel`` is quack's and ``kept_derivative_runs`` (Hopper: Blackwell's epilogues take pairs
     of values, which model.kernels.quack_gelu's epilogue functions do not)."""
-    if kernel != "quack" or kept <= 0 or not kept_derivative_runs(device):
+    if kernel != "quack" or kept <= 0 or not kept_derivative_runs(capability):
         kept = 0
     kept = max(0, min(kept, n_layer))
     return (kernel,) * (n_layer - kept) + (KEPT_DERIVATIVE,) * kept
@@ -246,15 +247,16 @@ def dsl_location_problem(cutlass_file: str) -> str | None:
             f"site-packages")
 
 
-def quack_unavailable_reason(device: torch.device, dtype: torch.dtype, width: int) -> str | None:
-    """None when quack's MLP can run in ``dtype`` on ``device`` for a model of ``width`` (n_embd), else why not."""
-    if device.type != "cuda":
-        return f"it needs a CUDA device, not {device.type}"
+def quack_unavailable_reason(capability: tuple[int, int] | None, dtype: torch.dtype, width: int) -> str | None:
+    """None when quack's MLP can run in ``dtype`` on a GPU of compute ``capability`` (None: no CUDA device) for a
+    model of ``width`` (n_embd), else why not."""
+    if capability is None:
+        return "it needs a CUDA device"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"it computes in bf16 or fp16, not {dtype}"
     if width % 8:  # the operands' rows are width or 4 * width elements of 2 bytes
         return f"the model's width {width} is not a multiple of 8, and quack's GEMMs need rows of whole 16 bytes"
-    major, minor = gpu.compute_capability(device)
+    major, minor = capability
     if major not in QUACK_COMPUTE_CAPABILITIES:
         return f"compute capability {major}.{minor} is not one quack's GEMMs support here (9.x, 10.x)"
     return quack_imports()

@@ -55,7 +55,8 @@ def prepare_environment() -> None:
 
 
 def compute_capability(device: torch.device) -> tuple[int, int]:
-    """The GPU's compute capability: whether a kernel written for Hopper or Blackwell runs on it."""
+    """The GPU's compute capability: whether a kernel written for Hopper or Blackwell runs on it (read through
+    ``Target.gpu_capability``, where a Target may also describe a GPU it does not ask)."""
     return torch.cuda.get_device_capability(device)
 
 

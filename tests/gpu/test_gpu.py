@@ -21,7 +21,7 @@ from model.loss import IGNORE_INDEX, token_loss_sum
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 EAGER = Target(torch.device("cuda"), torch.bfloat16)  # what models run under bf16 autocast here are built for
 COMPILED = Target(torch.device("cuda"), torch.bfloat16, compiled=True)  # training's: the trunk compiled
-FA4_MISSING = flash4.fa4_unavailable_reason(torch.device("cuda"), 64) if torch.cuda.is_available() else "no GPU"
+FA4_MISSING = flash4.fa4_unavailable_reason(COMPILED.gpu_capability(), 64) if torch.cuda.is_available() else "no GPU"
 needs_fa4 = pytest.mark.skipif(FA4_MISSING is not None, reason=f"FlashAttention 4: {FA4_MISSING}")
 
 
@@ -380,7 +380,7 @@ def test_a_compiled_llama_matches_eager_without_a_graph_break(n_kv_head):
 
 # ----------------------------------------------------------------------------- quack's fused GELU GEMMs
 
-QUACK_MISSING = fused_mlp.quack_unavailable_reason(torch.device("cuda"), torch.bfloat16, 768) \
+QUACK_MISSING = fused_mlp.quack_unavailable_reason(COMPILED.gpu_capability(), torch.bfloat16, 768) \
     if torch.cuda.is_available() else "no GPU"
 needs_quack = pytest.mark.skipif(QUACK_MISSING is not None, reason=f"quack: {QUACK_MISSING}")
 

@@ -199,15 +199,14 @@ def test_the_probe_runs_on_every_device_under_the_training_setup(tmp_path):
     assert result.stdout == b"" and not (tmp_path / "out").exists()
 
 
-def test_workers_fork_only_from_a_process_that_has_not_initialized_cuda(monkeypatch):
+def test_workers_fork_only_from_a_process_that_has_not_initialized_cuda():
     from runtime import launcher
 
     assert not launcher.cuda_driver_initialized()  # this CPU process never loaded the driver
     assert launcher.resolve_start("auto") == "fork" and launcher.resolve_start("exec") == "exec"
-    monkeypatch.setattr(launcher, "cuda_driver_initialized", lambda: True)
-    assert launcher.resolve_start("auto") == "exec"
+    assert launcher.resolve_start("auto", cuda_initialized=True) == "exec"  # a process that has
     with pytest.raises(RuntimeError, match="already initialized CUDA"):
-        launcher.resolve_start("fork")
+        launcher.resolve_start("fork", cuda_initialized=True)
     with pytest.raises(ValueError, match="worker_start"):
         launcher.resolve_start("spawn")
 

@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file
 
 from config import load_config
-from lit_module import GPTTrainingModule
+from lit_module import DecoderTrainingModule
 from model.hf import to_hf
 from pipeline import shards
 from pipeline.packing import collate_rows
@@ -113,12 +113,12 @@ def rank_rows(rows: Path, world: int, rows_per_rank: int, seed: int) -> list[lis
     return shares
 
 
-def accumulate_same_rows(config: Path, shares: list[list], updates: int) -> tuple[list[float], GPTTrainingModule]:
+def accumulate_same_rows(config: Path, shares: list[list], updates: int) -> tuple[list[float], DecoderTrainingModule]:
     """One process, update k = every rank's k-th share: loss sum over the update's target tokens,
     clipping, AdamW and the schedule as the LightningModule configures them."""
     cfg = load_config(config)
     L.seed_everything(cfg.seed, verbose=False)
-    module = GPTTrainingModule(cfg.model, cfg.optim)
+    module = DecoderTrainingModule(cfg.model, cfg.optim)
     optimizers = module.configure_optimizers()
     optimizer, schedule = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
     per_rank = GLOBAL_BATCH // len(shares)
@@ -135,7 +135,7 @@ def accumulate_same_rows(config: Path, shares: list[list], updates: int) -> tupl
     return losses, module
 
 
-def assert_same_weights(model_dir: Path, module: GPTTrainingModule) -> None:
+def assert_same_weights(model_dir: Path, module: DecoderTrainingModule) -> None:
     trained = load_file(model_dir / "model.safetensors")
     expected = to_hf(module.model)
     assert trained.keys() == expected.keys()

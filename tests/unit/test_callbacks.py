@@ -27,7 +27,7 @@ from config import load_config
 from pipeline.packing import Row
 from pipeline.records import StreamStats
 from pipeline.stream import split_update
-from lit_module import GPTTrainingModule, OptimConfig
+from lit_module import DecoderTrainingModule, OptimConfig
 from model.decoder import ModelConfig
 from tests.helpers import IN_PROCESS_RUN, Stdin, as_dotlist, records
 
@@ -116,7 +116,8 @@ def test_a_non_finite_loss_stops_the_run_naming_the_update_and_reports_no_nan():
     rows = [Row(rng.integers(0, 50, 16).astype(np.int32), np.arange(16, dtype=np.int32)) for _ in range(16)]
     batches = [mb for i in range(0, 16, 4) for mb in split_update(rows[i : i + 4], 1, 2, StreamStats())[0]]
     torch.manual_seed(0)
-    lit = GPTTrainingModule(ModelConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=16, max_seq_len=16), OptimConfig(warmup_steps=1))
+    lit = DecoderTrainingModule(ModelConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=16, max_seq_len=16),
+                                OptimConfig(warmup_steps=1))
     stream = io.StringIO()
     trainer = L.Trainer(
         accelerator="cpu", max_steps=8, max_epochs=1, accumulate_grad_batches=2, logger=False,

@@ -20,7 +20,7 @@ from tests.pipeline_helpers import stream_settings
 def test_each_update_is_trained_before_the_stream_is_asked_for_the_next_and_the_wait_is_measured():
     """Lightning fetches one microbatch ahead: without a stand-in for a microbatch that has not
     arrived, the last microbatch of every update would wait, untrained, for the next update."""
-    from lit_module import GPTTrainingModule, OptimConfig
+    from lit_module import DecoderTrainingModule, OptimConfig
     from model.decoder import ModelConfig
 
     rng = np.random.default_rng(0)
@@ -41,7 +41,8 @@ def test_each_update_is_trained_before_the_stream_is_asked_for_the_next_and_the_
         yield INPUT_PENDING  # then the input ends
 
     torch.manual_seed(0)
-    module = GPTTrainingModule(ModelConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=16, max_seq_len=16), OptimConfig())
+    module = DecoderTrainingModule(ModelConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=16, max_seq_len=16),
+                                   OptimConfig())
     datamodule = StreamingDataModule(stream, ValidationPool(0), stream_settings())
     trainer.fit(module, datamodule=datamodule)
     assert trainer.global_step == 4 and steps_when_asked == [1, 2, 3]

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from pipeline.packing import Row
 from pipeline.records import StreamStats
 from pipeline.stream import split_update
-from lit_module import GPTTrainingModule, OptimConfig, lr_factor
+from lit_module import DecoderTrainingModule, OptimConfig, lr_factor
 from model.decoder import ModelConfig
 from model.loss import IGNORE_INDEX, token_loss_sum
 
@@ -35,10 +35,10 @@ def uneven_rows(seed: int = 0) -> list[Row]:
     return rows
 
 
-def module(seed: int = 0, **optim) -> GPTTrainingModule:
+def module(seed: int = 0, **optim) -> DecoderTrainingModule:
     torch.manual_seed(seed)
     config = ModelConfig(vocab_size=61, n_layer=2, n_head=2, n_embd=16, max_seq_len=SEQ_LEN, init_std=0.1)
-    return GPTTrainingModule(config, OptimConfig(warmup_steps=1, schedule="constant", **optim))
+    return DecoderTrainingModule(config, OptimConfig(warmup_steps=1, schedule="constant", **optim))
 
 
 class CaptureGradients(L.Callback):
@@ -49,7 +49,7 @@ class CaptureGradients(L.Callback):
         self.grads.append({n: p.grad.clone() for n, p in pl_module.named_parameters()})
 
 
-def fit(lit: GPTTrainingModule, updates: list[list[Row]], microbatch: int, steps: int = 1,
+def fit(lit: DecoderTrainingModule, updates: list[list[Row]], microbatch: int, steps: int = 1,
         gradient_clip_val: float | None = None) -> CaptureGradients:
     accumulation = ROWS // microbatch
     batches = [mb for update in updates for mb in split_update(update, 1, microbatch, StreamStats())[0]]
@@ -63,7 +63,7 @@ def fit(lit: GPTTrainingModule, updates: list[list[Row]], microbatch: int, steps
     return capture
 
 
-def reference_gradients(lit: GPTTrainingModule, rows: list[Row]) -> dict[str, torch.Tensor]:
+def reference_gradients(lit: DecoderTrainingModule, rows: list[Row]) -> dict[str, torch.Tensor]:
     """The definition: sum of every target token's loss in the update / the update's target count."""
     lit = copy.deepcopy(lit)
     tokens = torch.from_numpy(np.stack([r.tokens for r in rows]).astype(np.int64))
@@ -199,11 +199,11 @@ def test_the_schedule_scales_muon_and_adamw_alike():
     assert adamw.param_groups[0]["lr"] == pytest.approx(6e-4 * 2 / 4)
 
 
-def llama_module(tie_embeddings: bool = False, **optim) -> GPTTrainingModule:
+def llama_module(tie_embeddings: bool = False, **optim) -> DecoderTrainingModule:
     torch.manual_seed(0)
     config = ModelConfig(family="llama", vocab_size=61, n_layer=2, n_head=2, n_embd=16, max_seq_len=SEQ_LEN,
                          init_std=0.1, tie_embeddings=tie_embeddings)
-    return GPTTrainingModule(config, OptimConfig(warmup_steps=4, schedule="constant", **optim))
+    return DecoderTrainingModule(config, OptimConfig(warmup_steps=4, schedule="constant", **optim))
 
 
 def test_under_muon_an_untied_head_goes_to_adamw_and_decays_as_a_matrix():

@@ -1,9 +1,10 @@
 """Kernel selection and the FlashAttention 4 custom ops, on CPU.
 
 FA4 itself needs a Hopper or Blackwell GPU (tests/gpu/test_gpu.py runs it there). Here the selection
-runs against fakes of the import and the GPU, and the custom ops run with a float32 reference of
-FA4's interface behind them: that checks the calls into FA4, the ops' fake (shape) functions, their
-autograd formula and that torch.compile traces them without a graph break, on any machine.
+runs for GPUs a Target describes (its compute capability) against a fake of FA4's import, and the
+custom ops run with a float32 reference of FA4's interface behind them: that checks the calls into
+FA4, the ops' fake (shape) functions, their autograd formula and that torch.compile traces them
+without a graph break, on any machine.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from model.kernels.attention import document_offsets
 from model.decoder import ModelConfig
 from model.families import build_model
 from model.gpt import GPT
-from model.kernels import ComputeConfig
+from model.kernels import ComputeConfig, Target
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
 
@@ -29,49 +30,48 @@ CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a G
 
 
 @pytest.fixture
-def fake_gpu(monkeypatch):
-    """A GPU of compute capability ``state["capability"]`` and an FA4 that imports unless ``state["imports"]`` is
-    False; ``state["imported"]`` counts the tries."""
-    state = {"capability": (9, 0), "imports": True, "imported": 0}
+def fa4_import(monkeypatch):
+    """An FA4 that imports unless ``state["imports"]`` is False; ``state["imported"]`` counts the tries. (Whether
+    the package is installed is the one thing faked: the GPU is the Target's compute capability.)"""
+    state = {"imports": True, "imported": 0}
 
     def import_problem():
         state["imported"] += 1
         return None if state["imports"] else "flash_attn.cute does not import (ModuleNotFoundError)"
 
-    monkeypatch.setattr(gpu, "compute_capability", lambda device: state["capability"])
     monkeypatch.setattr(flash4, "fa4_import_problem", import_problem)
     return state
 
 
-def attention_kernel(requested: str, device, dtype, head_dim: int) -> str:
-    return kernels.attention_kernel(ComputeConfig(attention=requested), device, dtype, head_dim)
+def attention_kernel(requested: str, device, dtype, head_dim: int, capability=None) -> str:
+    target = Target(device, dtype, capability=capability if device.type == "cuda" else None)
+    return kernels.attention_kernel(ComputeConfig(attention=requested), target, head_dim)
 
 
-def test_auto_takes_fa4_on_hopper_when_it_imports(fake_gpu):
-    assert attention_kernel("auto", CUDA, torch.bfloat16, 64) == "fa4"
-    assert attention_kernel("fa4", CUDA, torch.float16, 64) == "fa4"
-    fake_gpu["capability"] = (10, 0)
-    assert attention_kernel("auto", CUDA, torch.bfloat16, 64) == "fa4"
+def test_auto_takes_fa4_on_hopper_and_blackwell_when_it_imports(fa4_import):
+    assert attention_kernel("auto", CUDA, torch.bfloat16, 64, (9, 0)) == "fa4"
+    assert attention_kernel("fa4", CUDA, torch.float16, 64, (9, 0)) == "fa4"
+    assert attention_kernel("auto", CUDA, torch.bfloat16, 64, (10, 0)) == "fa4"
 
 
 @pytest.mark.parametrize("capability, imports, head_dim, says", [
     ((8, 0), True, 64, "compute capability 8.0 is not one FA4 supports"),
     ((9, 0), False, 64, "flash_attn.cute does not import"),
     ((9, 0), True, 160, "head dimension 160 is not a multiple of 8 up to 128")])
-def test_auto_keeps_pytorchs_kernels_where_fa4_cannot_run_and_fa4_says_why(fake_gpu, capability, imports, head_dim,
+def test_auto_keeps_pytorchs_kernels_where_fa4_cannot_run_and_fa4_says_why(fa4_import, capability, imports, head_dim,
                                                                            says):
-    fake_gpu.update(capability=capability, imports=imports)
-    assert attention_kernel("auto", CUDA, torch.bfloat16, head_dim) == "flash"
+    fa4_import.update(imports=imports)
+    assert attention_kernel("auto", CUDA, torch.bfloat16, head_dim, capability) == "flash"
     with pytest.raises(RuntimeError, match=f"compute.attention is 'fa4' but it cannot run: {says}"):
-        attention_kernel("fa4", CUDA, torch.bfloat16, head_dim)
+        attention_kernel("fa4", CUDA, torch.bfloat16, head_dim, capability)
 
 
-def test_cpu_fp32_and_explicit_choices_never_import_fa4(fake_gpu):
+def test_cpu_fp32_and_explicit_choices_never_import_fa4(fa4_import):
     assert attention_kernel("auto", torch.device("cpu"), torch.float32, 64) == "sdpa"
-    assert attention_kernel("auto", CUDA, torch.float32, 64) == "sdpa"  # FA4 and FA2 want half precision
-    assert attention_kernel("varlen", CUDA, torch.bfloat16, 64) == "flash"
-    assert attention_kernel("sdpa", CUDA, torch.bfloat16, 64) == "sdpa"
-    assert fake_gpu["imported"] == 0
+    assert attention_kernel("auto", CUDA, torch.float32, 64, (9, 0)) == "sdpa"  # FA4 and FA2 want half precision
+    assert attention_kernel("varlen", CUDA, torch.bfloat16, 64, (9, 0)) == "flash"
+    assert attention_kernel("sdpa", CUDA, torch.bfloat16, 64, (9, 0)) == "sdpa"
+    assert fa4_import["imported"] == 0
 
 
 def test_the_model_records_and_describes_the_kernel_of_each_batch_kind():

@@ -14,7 +14,7 @@ import torch
 
 from config import ConfigError, load_config
 from model import kernels
-from model.kernels import fused_mlp, gpu
+from model.kernels import fused_mlp
 from model.decoder import ModelConfig
 from model.gpt import GPT
 from model.kernels import ComputeConfig, Target
@@ -22,14 +22,20 @@ from model.kernels import ComputeConfig, Target
 CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
 
 
+HOPPER, BLACKWELL = (9, 0), (10, 0)
+
+
 @pytest.fixture
 def quack_runs_here(monkeypatch):
-    monkeypatch.setattr(fused_mlp, "quack_unavailable_reason", lambda device, dtype, width: None)
+    monkeypatch.setattr(fused_mlp, "quack_imports", lambda: None)  # quack installed
 
 
-def mlp_kernels(requested: str, device, dtype, compiled: bool, width: int = 768, n_layer: int = 2):
+def mlp_kernels(requested: str, device, dtype, compiled: bool, width: int = 768, n_layer: int = 2,
+                capability=HOPPER):
+    """The MLP kernels of a model built for ``device``; a CUDA device is a GPU of ``capability``."""
     compute = ComputeConfig(mlp=requested, mlp_kept_derivatives=0)  # kept derivatives: their own test
-    return kernels.mlp_kernels(compute, device, dtype, compiled, n_layer, width)
+    target = Target(device, dtype, compiled, capability if device.type == "cuda" else None)
+    return kernels.mlp_kernels(compute, target, n_layer, width)
 
 
 def test_eager_runs_and_the_torch_setting_take_pytorch_whatever_is_installed(quack_runs_here):
@@ -42,15 +48,14 @@ def test_eager_runs_and_the_torch_setting_take_pytorch_whatever_is_installed(qua
 
 def test_auto_falls_back_to_pytorch_and_quack_is_an_error_where_it_cannot_run(monkeypatch):
     assert mlp_kernels("auto", torch.device("cpu"), torch.float32, True) == ("torch", "torch")
-    with pytest.raises(RuntimeError, match="compute.mlp is 'quack' but it cannot run: it needs a CUDA device, not cpu"):
+    with pytest.raises(RuntimeError, match="compute.mlp is 'quack' but it cannot run: it needs a CUDA device"):
         mlp_kernels("quack", torch.device("cpu"), torch.bfloat16, True)
-    monkeypatch.setattr(gpu, "compute_capability", lambda device: (8, 0))
-    assert "compute capability 8.0" in fused_mlp.quack_unavailable_reason(CUDA, torch.bfloat16, 768)
-    assert "bf16 or fp16, not torch.float32" in fused_mlp.quack_unavailable_reason(CUDA, torch.float32, 768)
-    assert "width 100 is not a multiple of 8" in fused_mlp.quack_unavailable_reason(CUDA, torch.bfloat16, 100)
-    monkeypatch.setattr(gpu, "compute_capability", lambda device: (9, 0))
+    assert "compute capability 8.0" in fused_mlp.quack_unavailable_reason((8, 0), torch.bfloat16, 768)
+    assert mlp_kernels("auto", CUDA, torch.bfloat16, True, capability=(8, 0)) == ("torch", "torch")
+    assert "bf16 or fp16, not torch.float32" in fused_mlp.quack_unavailable_reason(HOPPER, torch.float32, 768)
+    assert "width 100 is not a multiple of 8" in fused_mlp.quack_unavailable_reason(HOPPER, torch.bfloat16, 100)
     monkeypatch.setattr(fused_mlp, "quack_imports", lambda: "quack.gemm_interface does not import (ModuleNotFoundError: x)")
-    assert fused_mlp.quack_unavailable_reason(CUDA, torch.bfloat16, 768) == \
+    assert fused_mlp.quack_unavailable_reason(HOPPER, torch.bfloat16, 768) == \
         "quack.gemm_interface does not import (ModuleNotFoundError: x)"
     assert mlp_kernels("auto", CUDA, torch.bfloat16, True) == ("torch", "torch")
 
@@ -75,8 +80,10 @@ def compiled_on_the_cpu(monkeypatch):
     torch._dynamo.reset()
 
 
-# What compiled CUDA training in bf16 builds its model for, with the kernels' CPU stand-ins (quack_runs_here)
-COMPILED_BF16 = Target(torch.device("cpu"), torch.bfloat16, compiled=True)
+# What compiled CUDA training in bf16 builds its model for, on a GPU of the given compute capability, with the
+# kernels' CPU stand-ins (quack_runs_here, recording_mlps)
+def compiled_bf16(capability: tuple[int, int] = BLACKWELL) -> Target:
+    return Target(torch.device("cpu"), torch.bfloat16, compiled=True, capability=capability)
 
 
 def recording_mlps(monkeypatch, calls: list) -> None:
@@ -88,12 +95,12 @@ def recording_mlps(monkeypatch, calls: list) -> None:
         monkeypatch.setattr(fused_mlp, name, mlp)
 
 
-def compiled_pair(kept: int) -> tuple[GPT, GPT]:
+def compiled_pair(kept: int, capability: tuple[int, int] = BLACKWELL) -> tuple[GPT, GPT]:
     """A model built for compiled bf16 training and a plain one with the same weights, both run in fp32 here."""
     torch.manual_seed(0)
     shape = ModelConfig(vocab_size=64, n_layer=3, n_head=2, n_embd=16, max_seq_len=8)
-    model = GPT(shape, ComputeConfig(mlp_kept_derivatives=kept), COMPILED_BF16)
-    plain = GPT(shape, ComputeConfig(mlp="torch"), COMPILED_BF16)
+    model = GPT(shape, ComputeConfig(mlp_kept_derivatives=kept), compiled_bf16(capability))
+    plain = GPT(shape, ComputeConfig(mlp="torch"), compiled_bf16(capability))
     plain.load_state_dict(model.state_dict())
     return model.train(), plain.train()
 
@@ -173,17 +180,14 @@ def fake_gemm_config(monkeypatch):
     fused_mlp.pinned_dact_config.cache_clear()
 
 
-def test_the_backward_product_pins_its_tile_on_hopper_only(monkeypatch, fake_gemm_config):
-    """The 128 x 128 tile is Hopper's; Blackwell and the CPU keep quack's own default (None). Every call gets the
-    same config object: quack keys its cached launch by the pinned config's identity."""
+def test_the_backward_product_pins_its_tile_on_hopper_only(fake_gemm_config):
+    """The 128 x 128 tile is Hopper's (compute capability 9); Blackwell (10) and the CPU keep quack's own default
+    (None). Every call gets the same config object: quack keys its cached launch by the pinned config's identity."""
     assert fused_mlp.dact_config(torch.device("cpu")) is None
-    for capability, pinned in (((9, 0), True), ((10, 0), False)):
-        monkeypatch.setattr(gpu, "compute_capability", lambda device, capability=capability: capability)
-        config = fused_mlp.dact_config(torch.device("cuda"))
-        assert (config is not None) == pinned
-        if pinned:
-            assert (config.tile_m, config.tile_n, config.pingpong, config.device_capacity) == (128, 128, True, 9)
-            assert fused_mlp.dact_config(torch.device("cuda")) is config
+    assert fused_mlp.pinned_dact_config(10) is None
+    config = fused_mlp.pinned_dact_config(9)
+    assert (config.tile_m, config.tile_n, config.pingpong, config.device_capacity) == (128, 128, True, 9)
+    assert fused_mlp.pinned_dact_config(9) is config
 
 
 @pytest.fixture
@@ -231,16 +235,15 @@ def test_the_last_blocks_keep_the_derivative_with_quacks_mlp_on_hopper_only(monk
     from model.kernels import quack_gelu
 
     kept = fused_mlp.KEPT_DERIVATIVE
-    monkeypatch.setattr(gpu, "compute_capability", lambda device: (9, 0))
-    assert not fused_mlp.block_kernels("quack", 3, 2, CUDA).count(kept) and not hasattr(quack_gelu, "times_derivative")
+    assert not hasattr(quack_gelu, "times_derivative")  # quack's frontend did not build the epilogues here
+    assert not fused_mlp.block_kernels("quack", 3, 2, HOPPER).count(kept)
     monkeypatch.setattr(quack_gelu, "times_derivative", object(), raising=False)  # as where quack's frontend built it
-    assert fused_mlp.block_kernels("quack", 4, 2, CUDA) == ("quack", "quack", kept, kept)
-    assert fused_mlp.block_kernels("quack", 3, 6, CUDA) == (kept,) * 3  # at most every block
-    assert fused_mlp.block_kernels("quack", 3, 0, CUDA) == ("quack",) * 3
-    assert fused_mlp.block_kernels("torch", 3, 2, CUDA) == ("torch",) * 3
-    monkeypatch.setattr(gpu, "compute_capability", lambda device: (10, 0))  # Blackwell's epilogues take pairs
-    assert fused_mlp.block_kernels("quack", 3, 2, CUDA) == ("quack",) * 3
-    assert not fused_mlp.kept_derivative_runs(torch.device("cpu"))
+    assert fused_mlp.block_kernels("quack", 4, 2, HOPPER) == ("quack", "quack", kept, kept)
+    assert fused_mlp.block_kernels("quack", 3, 6, HOPPER) == (kept,) * 3  # at most every block
+    assert fused_mlp.block_kernels("quack", 3, 0, HOPPER) == ("quack",) * 3
+    assert fused_mlp.block_kernels("torch", 3, 2, HOPPER) == ("torch",) * 3
+    assert fused_mlp.block_kernels("quack", 3, 2, BLACKWELL) == ("quack",) * 3  # Blackwell's epilogues take pairs
+    assert not fused_mlp.kept_derivative_runs(None)  # no CUDA device
 
 
 def test_compiled_training_routes_the_last_blocks_through_the_kept_derivative_mlp_and_records_it(quack_runs_here,
@@ -248,8 +251,10 @@ def test_compiled_training_routes_the_last_blocks_through_the_kept_derivative_ml
                                                                                                   monkeypatch):
     calls = []
     recording_mlps(monkeypatch, calls)
-    monkeypatch.setattr(fused_mlp, "kept_derivative_runs", lambda device: True)  # as on Hopper with quack
-    model, plain = compiled_pair(kept=2)
+    from model.kernels import quack_gelu
+
+    monkeypatch.setattr(quack_gelu, "times_derivative", object(), raising=False)  # as where quack's frontend built it
+    model, plain = compiled_pair(kept=2, capability=HOPPER)
     ids = torch.randint(0, 64, (2, 8))
     torch.testing.assert_close(model.hidden_states(ids), plain.hidden_states(ids))
     assert calls == ["quack_mlp", "quack_kept_derivative_mlp", "quack_kept_derivative_mlp"]

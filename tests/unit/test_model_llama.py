@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from config import ConfigError, load_config
-from lit_module import GPTTrainingModule, OptimConfig
+from lit_module import DecoderTrainingModule, OptimConfig
 from model import kernels, rope
 from model.kernels.attention import DocumentLayout, attend, document_offsets
 from model.decoder import ModelConfig
@@ -21,7 +21,7 @@ from model.families import build_model
 from model.flops import count_parameters, matrix_parameters, training_flops
 from model.kernels import ComputeConfig, Target
 from model.llama import Llama
-from runtime import hostmem
+from runtime import host_budget
 
 from tests.helpers import ROOT
 
@@ -89,7 +89,7 @@ def test_an_untied_head_is_its_own_matrix_and_decays_while_the_embedding_does_no
     assert tied.lm_head_weight is tied.wte.weight
     assert untied.lm_head_weight is not untied.wte.weight
     assert count_parameters(untied) - count_parameters(tied) == 97 * 32
-    module = GPTTrainingModule(untied.config, OptimConfig())
+    module = DecoderTrainingModule(untied.config, OptimConfig())
     decayed, kept = ({id(p) for p in group["params"]} for group in module.parameter_groups())
     assert id(module.model.lm_head_weight) in decayed and id(module.model.wte.weight) in kept
     assert all(id(p) in kept for name, p in module.model.named_parameters() if name.endswith("norm.weight"))
@@ -163,22 +163,22 @@ def test_the_cpu_memory_estimate_counts_the_built_models_parameters(preset):
     heads = 1 if cfg.tie_embeddings else 2
     padding = (-(-cfg.vocab_size // 128) * 128 - cfg.vocab_size) * cfg.n_embd * heads
     if cfg.family == "llama":
-        assert hostmem.cpu_parameters(cfg) - padding == built
+        assert host_budget.cpu_parameters(cfg) - padding == built
     else:  # GPT-2's count, as it was measured against, stays what it was: close to the built model's
-        assert abs(hostmem.cpu_parameters(cfg) - padding - built) < 0.01 * built
+        assert abs(host_budget.cpu_parameters(cfg) - padding - built) < 0.01 * built
 
 
 def test_the_mlp_of_compiled_llama_training_is_pytorchs_and_the_log_says_why(monkeypatch):
-    monkeypatch.setattr("model.kernels.fused_mlp.quack_unavailable_reason", lambda *a: None)  # quack would run for gpt2
-    assert kernels.mlp_kernels(ComputeConfig(), CUDA, torch.bfloat16, True, 3, 128, "llama") == ("torch",) * 3
-    gpt2 = kernels.mlp_kernels(ComputeConfig(mlp_kept_derivatives=0), CUDA, torch.bfloat16, True, 3, 128, "gpt2")
-    assert gpt2 == ("quack",) * 3
+    monkeypatch.setattr("model.kernels.fused_mlp.quack_imports", lambda: None)  # quack installed: it runs for gpt2
+    hopper = Target(CUDA, torch.bfloat16, compiled=True, capability=(9, 0))
+    assert kernels.mlp_kernels(ComputeConfig(), hopper, 3, 128, "llama") == ("torch",) * 3
+    assert kernels.mlp_kernels(ComputeConfig(mlp_kept_derivatives=0), hopper, 3, 128, "gpt2") == ("quack",) * 3
     with pytest.raises(RuntimeError, match="compute.mlp is 'quack' but it cannot run: quack's MLP has GPT-2's GELU"):
-        kernels.mlp_kernels(ComputeConfig(mlp="quack"), CUDA, torch.bfloat16, True, 3, 128, "llama")
+        kernels.mlp_kernels(ComputeConfig(mlp="quack"), hopper, 3, 128, "llama")
     # The fallback's log line comes once a process: a process of its own sees it.
     code = ("import logging, sys, torch; logging.basicConfig(stream=sys.stdout, level=logging.INFO)\n"
-            "from model import kernels; from model.kernels import ComputeConfig\n"
-            "kernels.mlp_kernels(ComputeConfig(), torch.device('cpu'), torch.float32, True, 3, 128, 'llama')")
+            "from model import kernels; from model.kernels import ComputeConfig, Target\n"
+            "kernels.mlp_kernels(ComputeConfig(), Target(compiled=True), 3, 128, 'llama')")
     said = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "compute.mlp: quack not used (quack's MLP has GPT-2's GELU in its epilogues, not SwiGLU" in said
     assert said.rstrip().endswith("torch instead")

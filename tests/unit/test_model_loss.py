@@ -1,7 +1,7 @@
 """The LM head + cross-entropy: the chunked loss against the plain one, and which chunk kernel runs.
 
 The Triton and quack chunk kernels need CUDA; tests/gpu/test_gpu.py compares them with the plain
-path there. Here the choice runs against fakes of quack's availability and of the GPU, and the
+path there. Here the choice runs for GPUs a Target describes, against a fake of quack's availability, and the
 kernels' arithmetic through Triton's interpreter where Triton is installed.
 """
 
@@ -12,7 +12,7 @@ import torch
 
 from config import ConfigError, load_config
 from model import kernels, loss
-from model.kernels import ComputeConfig, fused_mlp, gpu
+from model.kernels import ComputeConfig, Target, fused_mlp
 from model.loss import IGNORE_INDEX, token_loss_sum
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
@@ -35,28 +35,28 @@ def test_chunked_loss_matches_the_plain_loss_and_its_gradients():
         torch.testing.assert_close(token_loss_sum(hidden, weight, targets, chunk_tokens=8), plain)
 
 
-def loss_kernel(requested: str, device, compiled: bool = True, dtype=torch.bfloat16) -> str:
-    return kernels.loss_kernel(ComputeConfig(loss=requested), device, dtype, compiled, 768)
+def loss_kernel(requested: str, device, compiled: bool = True, dtype=torch.bfloat16, capability=(9, 0)) -> str:
+    """The loss kernel of a model built for ``device``; a CUDA device is a GPU of ``capability`` (Hopper's)."""
+    target = Target(device, dtype, compiled, capability if device.type == "cuda" else None)
+    return kernels.loss_kernel(ComputeConfig(loss=requested), target, 768)
 
 
 def test_eager_runs_and_the_cpu_take_pytorch_and_compiled_cuda_training_a_triton_kernel(monkeypatch):
-    monkeypatch.setattr(fused_mlp, "quack_unavailable_reason", lambda device, dtype, width: None)
-    monkeypatch.setattr(gpu, "compute_capability", lambda device: (9, 0))  # a Hopper GPU with quack
+    monkeypatch.setattr(fused_mlp, "quack_imports", lambda: None)  # quack installed
     for requested in kernels.LOSS_CHOICES:
         assert loss_kernel(requested, CUDA, compiled=False) == "eager"  # the probe, evaluation
         assert loss_kernel(requested, torch.device("cpu")) == "eager"  # Triton is CUDA's
     assert loss_kernel("auto", CUDA) == loss_kernel("quack", CUDA) == "quack"
     assert loss_kernel("triton", CUDA) == "triton"
     assert loss_kernel("auto", CUDA, dtype=torch.float16) == "triton"  # the epilogue rounds the logits to bf16
-    monkeypatch.setattr(gpu, "compute_capability", lambda device: (10, 0))
-    assert loss_kernel("auto", CUDA) == "triton"  # quack passes Blackwell's epilogues pairs of values
+    assert loss_kernel("auto", CUDA, capability=(10, 0)) == "triton"  # quack passes Blackwell's epilogues pairs
     with pytest.raises(RuntimeError, match="compute.loss is 'quack' but it cannot run: its epilogue takes the single "
                                            "values Hopper's GEMMs pass"):
-        loss_kernel("quack", CUDA)
+        loss_kernel("quack", CUDA, capability=(10, 0))
 
 
 def test_without_quack_auto_takes_the_two_pass_kernel_and_quack_by_name_is_an_error(monkeypatch):
-    monkeypatch.setattr(fused_mlp, "quack_unavailable_reason", lambda device, dtype, width: "quack does not import")
+    monkeypatch.setattr(fused_mlp, "quack_imports", lambda: "quack does not import")
     assert loss_kernel("auto", CUDA) == "triton"
     with pytest.raises(RuntimeError, match="compute.loss is 'quack' but it cannot run: quack does not import"):
         loss_kernel("quack", CUDA)

@@ -21,7 +21,7 @@ import time
 
 import psutil
 
-from pipeline.config import DataConfig
+from pipeline.data_section import DataConfig
 from pipeline.records import StreamStats
 from pipeline.stream import StreamSettings, stream_updates
 from pipeline.validation_split import ValidationPool

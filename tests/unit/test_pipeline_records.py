@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pipeline.config import DataConfig
+from pipeline.data_section import DataConfig
 from pipeline.records import StreamStats, UnusableInputError, encode_documents, parse_record, read_records
 from tests.pipeline_helpers import VOCAB, fake_encode, ndjson
 

@@ -103,6 +103,31 @@ def test_group_collate_gives_the_microbatches_and_their_target_tokens():
     assert group["target_tokens"] == sum(b["target_tokens"] for b in expected)
 
 
+
+def test_each_microbatch_carries_the_totals_the_ranks_settled_for_its_update():
+    """ShardUpdates asks once per update, with this rank's share, and hands every microbatch of the update what
+    the ranks settled (runtime/update_agreement.py in training; a plain function here, no process group)."""
+    rng = np.random.default_rng(2)
+    docs = [rng.integers(1, 100, n).astype(np.int32) for n in rng.integers(1, 50, 40)]
+    rows = list(pack_rows(docs, SEQ_LEN, StreamStats()))[:8]
+    collate = shards.GroupCollate(SEQ_LEN, microbatch=2)
+    groups = [collate([shards.row_item(r) for r in rows[i : i + 4]]) for i in (0, 4)]
+    asked = []
+
+    def settle(rank_tokens: int, rank_digest: int) -> tuple[int, int]:
+        asked.append((rank_tokens, rank_digest))
+        return 3 * rank_tokens, rank_digest + len(asked)  # as if two more ranks held as many tokens
+
+    updates = shards.ShardUpdates(groups, accumulation=2, settle=settle)
+    batches = list(updates)
+    assert len(updates) == len(batches) == 4
+    assert asked == [(group["target_tokens"], group["rows_digest"]) for group in groups]
+    for i, batch in enumerate(batches):
+        group = groups[i // 2]
+        assert batch["update_target_tokens"] == 3 * group["target_tokens"]
+        assert batch["update_digest"] == group["rows_digest"] + 1 + i // 2
+
+
 # ----------------------------------------------------------------------------- preparation
 
 

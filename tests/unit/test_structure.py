@@ -52,7 +52,8 @@ def test_no_training_module_imports_one_that_imports_it_back():
 def test_the_ground_floor_imports_nothing_of_the_project():
     graph = project_imports()
     ground = {name for name in graph if name.split(".")[0] == "runfab"}
-    assert {"runfab.limits", "runfab.lifetime", "runfab.shipping", "runfab.created_files", "runfab.memory"} <= ground
+    assert {"runfab.limits", "runfab.lifetime", "runfab.shipping", "runfab.created_files",
+            "runfab.process_memory"} <= ground
     above = {name: sorted(m for m in graph[name] if m.split(".")[0] != "runfab") for name in ground}
     assert not any(above.values()), f"the ground floor imports the project: {above}"
 
@@ -365,3 +366,90 @@ def test_each_packages_first_lines_say_what_it_holds_and_what_it_is_not():
             unbounded.append(package)
     assert not unnamed, f"modules their package's __init__ docstring does not name: {sorted(unnamed)}"
     assert not unbounded, f"packages whose __init__ docstring does not say what they are not: {unbounded}"
+
+
+def test_only_gpt2s_family_names_a_class_gpt():
+    """``GPT`` is GPT-2's family (model/gpt.py); what serves either family (the training module, the decoder, the
+    kernels, the callbacks, the tools) says what it is without it: no other module defines a class whose name says
+    GPT. Checked by ``grep -rn "^class .*GPT" --include=*.py . | grep -v ^./model/gpt.py``."""
+    named = [f"{rel}:{node.lineno} {node.name}" for rel in python_files() if rel != "model/gpt.py"
+             and not rel.startswith("tests/")
+             for node in ast.walk(ast.parse((ROOT / rel).read_text()))
+             if isinstance(node, ast.ClassDef) and "gpt" in node.name.lower()]
+    assert not named, f"classes named for GPT-2 outside its family's module: {named}"
+
+
+def module_stem(rel: str) -> str:
+    return Path(rel).stem.replace("_", "")
+
+
+def test_no_two_floors_hold_modules_of_near_identical_names():
+    """A module's name says its one job, so two modules on different floors (packages, or the root) never share a
+    name, nor does one repeat the other's with a word in front (``memory`` beside ``host_memory``): host memory is
+    read by runfab/process_memory.py, budgeted by runtime/host_budget.py and recorded by callbacks/memory_stages.py;
+    the ``data`` section is pipeline/data_section.py, beside the root's config.py."""
+    modules = [rel for rel in shipping.shipped_files(ROOT) if rel.endswith(".py") and not rel.endswith("__init__.py")]
+    alike = [(a, b) for a in modules for b in modules if a != b and Path(a).parent != Path(b).parent
+             and module_stem(b).endswith(module_stem(a))]
+    assert not alike, f"modules on different floors whose names say the same: {sorted(alike)}"
+
+
+# What each package's __init__ docstring says it never imports (runfab/, the ground floor, imports nothing of ours).
+NEVER_IMPORTED = {
+    "model": {"pipeline", "runtime", "callbacks", "config", "lightning", "torch.distributed"},
+    "pipeline": {"runtime", "callbacks", "config", "lightning", "torch.distributed"},
+    "callbacks": {"runtime", "config"},
+}
+
+
+def imported_names(tree: ast.AST) -> set[str]:
+    """Every module ``tree`` imports (also inside functions and ``if TYPE_CHECKING``), and ``torch.distributed``
+    where it is reached as an attribute of an imported torch."""
+    found = {"torch.distributed"} if any(isinstance(node, ast.Attribute) and node.attr == "distributed"
+                                         and ast.unparse(node.value) == "torch" for node in ast.walk(tree)) else set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_no_package_imports_what_its_first_lines_say_it_never_imports():
+    """pipeline/ reads and packs records and never talks to the other ranks: the per-update agreement of a run from
+    shards (Lightning, torch.distributed) is the runtime's (runtime/update_agreement.py). model/ neither, and
+    callbacks/ never reach up to the runtime or the config. Checked by ``grep -rnE "lightning|torch.distributed"
+    pipeline/ model/`` (prose only)."""
+    found = []
+    for rel in shipping.shipped_files(ROOT):
+        package = rel.split("/")[0]
+        if not rel.endswith(".py") or package not in NEVER_IMPORTED:
+            continue
+        for name in sorted(imported_names(ast.parse((ROOT / rel).read_text()))):
+            if any(name == never or name.startswith(never + ".") for never in NEVER_IMPORTED[package]):
+                found.append(f"{rel}: {name}")
+    assert not found, f"imports a package's first lines rule out: {found}"
+
+
+def patched_names(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, attribute) of every ``monkeypatch.setattr(target, "name", value)`` or ``("module.name", value)``."""
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "setattr"
+                and ast.unparse(node.func.value) == "monkeypatch" and node.args):
+            named = node.args[1] if len(node.args) == 3 else node.args[0]
+            if isinstance(named, ast.Constant) and isinstance(named.value, str):
+                found.append((node.lineno, named.value.rsplit(".", 1)[-1]))
+    return found
+
+
+def test_tests_patch_no_private_name_and_choose_kernels_for_a_gpu_they_describe():
+    """A test drives behaviour through public entry points: it patches no private name (``_x``) of a module, and a
+    GPU it has not got is described, not faked: ``model.kernels.Target(..., capability=(9, 0))`` chooses the
+    kernels of a Hopper GPU on a CPU, where patching ``compute_capability`` would fake the device. Checked by
+    ``grep -rnE "setattr\\([^,]*, \\"_|compute_capability\\"" tests/``."""
+    found = [f"{rel}:{line} {name}" for rel in python_files() if rel.startswith("tests/")
+             for line, name in patched_names(ast.parse((ROOT / rel).read_text()))
+             if name == "compute_capability" or name.startswith("_") and not name.endswith("__")]
+    assert not found, f"tests that patch a private name or fake the GPU's compute capability: {found}"

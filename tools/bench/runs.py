@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import cli
 import train
-from runfab import memory
+from runfab import process_memory
 from callbacks.runfab_metrics import peak_memory
 from config import ConfigError, RunConfig, load_config
 from model.flops import training_flops
@@ -198,7 +198,7 @@ def run_lightning(layout: str, args, name: str = "lightning", extra: tuple[str, 
     output = out / f"{name}-{layout}"
     stages = out / f"{name}-{layout}-stages.jsonl"
     stages.unlink(missing_ok=True)
-    env = dict(os.environ, RUNFABRIC_OUTPUT=str(output), **{memory.STAGE_LOG_ENV: str(stages)})
+    env = dict(os.environ, RUNFABRIC_OUTPUT=str(output), **{process_memory.STAGE_LOG_ENV: str(stages)})
     if cold:
         for variable in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
             env.pop(variable, None)
@@ -379,7 +379,7 @@ def peak_time(sampler: processes.MemorySampler, started: float) -> float | None:
 
 
 def read_stages(path: Path, started: float) -> list[dict]:
-    """runfab.memory's stage records of every process of a run, in GiB, in time order."""
+    """runfab.process_memory's stage records of every process of a run, in GiB, in time order."""
     if not path.is_file():
         return []
     wall = time.time() - (time.perf_counter() - started)

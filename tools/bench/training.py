@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 
 import train
-from runfab import memory
+from runfab import process_memory
 from config import CONFIG_ENV, as_dict
 from runfab import created_files
 from runtime import probe
@@ -158,7 +158,7 @@ def probe_timing(argv: list[str]) -> int:
     name = f"probe-{args.microbatch}"
     stages = args.out / f"{name}-stages.jsonl"
     stages.unlink(missing_ok=True)
-    env = dict(os.environ, **{memory.STAGE_LOG_ENV: str(stages)})
+    env = dict(os.environ, **{process_memory.STAGE_LOG_ENV: str(stages)})
     if args.train_flags:  # the hooks read their configuration from the file RUNFAB_CONFIG names
         merged = args.out / f"{name}-config.yaml"
         created_files.write_text(merged, yaml.safe_dump(as_dict(runs.config(args)), sort_keys=False))

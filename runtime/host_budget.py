@@ -1,14 +1,12 @@
-"""Host memory as a container charges it, the job's budget for it, and what a GPU process gives back.
+"""The host memory a run will need, against the job's budget for it (or, on the CPU, the memory there is).
 
-RunFab grants the whole job 8 GiB of RAM however many GPUs it has. A memory cgroup charges a page
-once, whoever maps it, so the figure that matters is PSS (proportional set size: each shared page
-split among the processes that map it), summed over the process tree. RSS counts a shared library
-once per process that maps it and overstates a tree of several CUDA processes by gigabytes; it is
-reported beside PSS, never instead of it.
+RunFab grants the whole job 8 GiB of RAM however many GPUs it has, and charges it as PSS summed over the
+process tree (runfab/process_memory.py reads it): the figures here are PSS.
 
 - ``host_budget`` / ``host_budget_problem``: the job's peak for a GPU count (processes' PSS, the
   output folder, /tmp), from measured figures; train() and probe_batch() refuse a count that cannot
   fit before they read any data or start any worker.
+- ``cpu_memory_problem``: a CPU run's processes against the memory this machine has left.
 """
 
 from __future__ import annotations
@@ -99,7 +97,7 @@ def host_budget_problem(budget_gib: float, gpus: int, output_bytes: float) -> st
 # peak RSS in the probe (two eager fp32 steps on worst-case rows) fits this model, checked against
 # measured peaks in docs/PERFORMANCE.md ("Host memory"):
 #   0.40 GiB imported (a one-layer probe's whole peak) + 0.03 GiB of headroom, so that the estimate stays
-#     above the measured peaks (tests/unit/test_runtime_hostmem.py)
+#     above the measured peaks (tests/unit/test_runtime_host_budget.py)
 #   + 16 B per parameter (weights, gradients, AdamW's two moments)
 #   + tokens x layers x (12 x width + k x MLP width) fp32 values (the blocks' saved activations: attention and norms,
 #     and k per MLP unit: GPT-2's GELU MLP keeps 2 (its product and GELU), Llama's SwiGLU 4 (gate and up, SiLU,

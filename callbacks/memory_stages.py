@@ -1,14 +1,14 @@
-"""The host memory of a run, stage by stage (runfab/memory.py reads it), and the teardown copy it avoids."""
+"""The host memory of a run, stage by stage (runfab/process_memory.py reads it), and the teardown copy it avoids."""
 
 from __future__ import annotations
 
 import lightning as L
 import torch
 
-from runfab.memory import record_stage
+from runfab.process_memory import record_stage
 
 
-class HostMemory(L.Callback):
+class MemoryStages(L.Callback):
     """Records this process's memory at each stage of a run, and keeps Lightning's teardown from
     copying a finished GPU run's weights, gradients and optimizer state into host memory."""
 
