@@ -102,9 +102,6 @@ def resume_point(cfg: RunConfig, split: BatchSplit, ckpt_path: str | None) -> tu
     model, batch, optimizer setting or stream setting is refused here, before anything moves."""
     if ckpt_path is None:
         return None, None
-    if not cfg.data.token_digests:
-        raise ConfigError("a resume on stdin checks that the input is the same by its tokens' digests: leave "
-                          "data.token_digests true")
     found = checkpoints.resolve(ckpt_path, checkpoint_folder(cfg.output.root))
     if found is None:
         return None, None
@@ -279,7 +276,7 @@ def build_callbacks(cfg: RunConfig, accelerator: str, split: BatchSplit, descrip
     run_dir, checkpoint_dir = run_folder(cfg.output.root), checkpoint_folder(cfg.output.root)
     every = cfg.trainer.checkpoint_every_steps
     observer = ObservationWindows(cfg.observe, run_dir)
-    history = History(token_digests=cfg.data.token_digests)
+    history = History()
     if cfg.observe.loggers:  # the loggers' per-update points, up to each metric line, ahead of it
         metrics.before_line = history.flush
     fixed_validation = build_fixed_validation(cfg, split, source, history, metrics)
