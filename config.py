@@ -189,7 +189,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The decoder: its family (gpt2, llama) and shape"""
     compute: ComputeConfig = field(default_factory=ComputeConfig)
-    """How the model computes: kernels, the residual stream's dtype, loss chunks, recomputation"""
+    """How the model computes: kernels, loss chunks, recomputation"""
     data: DataConfig = field(default_factory=DataConfig)
     """Where records come from, their tokenization, shuffle and packing"""
     optim: OptimConfig = field(default_factory=OptimConfig)
