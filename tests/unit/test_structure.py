@@ -352,3 +352,34 @@ def test_each_packages_first_lines_say_what_it_holds_and_what_it_is_not():
             unbounded.append(package)
     assert not unnamed, f"modules their package's __init__ docstring does not name: {sorted(unnamed)}"
     assert not unbounded, f"packages whose __init__ docstring does not say what they are not: {unbounded}"
+
+
+def test_every_pin_in_the_requirements_and_the_docs_install_lines_agrees_with_pyproject():
+    """A package that pyproject.toml names (dependencies or an extra) and that a requirements*.txt (its comments too)
+    or an install line of the docs pins gets one version: exact pins equal, an exact pin inside pyproject's range, the
+    same range where both give one, and no exact pin beside pyproject's bare name."""
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {Requirement(spec).name.lower(): Requirement(spec).specifier
+                for spec in [*project.get("dependencies", []),
+                             *(s for specs in project.get("optional-dependencies", {}).values() for s in specs)]}
+    sources = {rel: [line.lstrip("# ") for line in (ROOT / rel).read_text().splitlines()]
+               for rel in sorted(p.name for p in ROOT.glob("requirements*.txt"))}
+    assert {"requirements.txt", "requirements-dev.txt"} <= sources.keys()
+    for rel in ["README.md", *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").glob("*.md")))]:
+        lines = (ROOT / rel).read_text().replace("\\\n", " ").splitlines()
+        sources[rel] = [line for line in lines if "pip install" in line]
+    differ = []
+    for rel, lines in sources.items():
+        for name, spec in requirement_pins(lines).items():
+            wanted = declared.get(name)
+            if wanted is None:
+                continue
+            exact = spec.startswith("==")
+            agrees = (str(wanted) != "" and wanted.contains(spec[2:], prereleases=True) if exact
+                      else set(spec.split(",")) <= {str(clause) for clause in wanted})
+            if not agrees:
+                differ.append(f"{rel}: {name}{spec}, pyproject.toml: {name}{wanted or ' (no version)'}")
+    assert len(sources) > 3 and "quack-kernels" in declared
+    assert not differ, f"pins that disagree with pyproject.toml: {differ}"
