@@ -40,7 +40,7 @@ from callbacks.progress import UpdateProgressBar
 from callbacks.run_record import RunRecord
 from callbacks.stop_checkpoint import StopCheckpoint
 from callbacks.runfab_metrics import RunFabMetrics, ensure_stdout
-from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, training_time_limit
+from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path
 from datamodule import StreamingDataModule
 from pipeline import feeder_wire
 from pipeline.feeder import UpdateFeeder
@@ -221,7 +221,7 @@ def build_feeder(cfg: RunConfig, encoder: TextEncoder, split: BatchSplit, stdin=
         lambda: open_input(bundle_path(cfg.data.sample_path), stdin, cfg.data.source),
         stream_settings(cfg, encoder, split), encoder.encode_batch_arrays, validation_pool(cfg, encoder),
         report_every=cfg.metrics.interval_seconds if split.ranks > 1 else None,
-        time_limit_seconds=limit.total_seconds() if (limit := training_time_limit(cfg)) is not None else None,
+        time_limit_seconds=limit.total_seconds() if (limit := cfg.trainer.time_limit()) is not None else None,
         trained=trained,
     )
 

@@ -409,7 +409,8 @@ def test_every_key_of_the_config_is_read_by_the_run():
         tree = ast.parse((ROOT / rel).read_text())
         scopes = [node for node in tree.body if isinstance(node, ast.ClassDef)] if rel == "config.py" else [tree]
         checks = {id(node) for scope in scopes for function in ast.walk(scope)
-                  if isinstance(function, ast.FunctionDef) and function.name == "problems" for node in ast.walk(function)}
+                  if isinstance(function, ast.FunctionDef) and function.name == "problems"
+                  for node in ast.walk(function)}
         read |= {node.attr for scope in scopes for node in ast.walk(scope)
                  if isinstance(node, ast.Attribute) and id(node) not in checks}
     keys = config_keys(RunConfig)
