@@ -33,7 +33,7 @@ from runtime.batch_split import BatchSplit, command_line_microbatch
 from callbacks.export import ExportFailed
 from callbacks.runfab_metrics import NonFiniteLossError
 from config import (CONFIG_ENV, DEFAULT_CONFIG, KEY_RANGES, LIGHTNING_REFUSED, ConfigError, RunConfig, TrainerConfig,
-                    as_dict, key_hints, lightning_argument_problems, load_config, range_text, value_problem)
+                    as_dict, key_hints, key_values, lightning_argument_problems, load_config, range_text, value_problem)
 from runtime.device_policy import world_size
 from runtime.probe import run_probe
 from pipeline.shards import ShardsError
@@ -154,7 +154,7 @@ def parse(argv: list[str]) -> Command:
     except Exception as error:  # jsonargparse's ArgumentError, raised because exit_on_error is off
         raise CommandLineError(readable(error, argv)) from None
     name = namespace.subcommand
-    values = flatten(namespace[name].as_dict() if namespace[name] is not None else {})
+    values = {key: value for key, value in (namespace[name] or {}).items() if not key.endswith(SECTION_FILE_KEY)}
     options = {key: values.pop(key, None) for key in ("config", "microbatch", "accumulation", "ckpt_path")}
     return Command(name=name, config_path=config_from_here(options["config"]), overrides=list(values.items()),
                    microbatch=options["microbatch"], accumulation=options["accumulation"], print_config=print_config,
@@ -205,7 +205,7 @@ def build_parser(config_path: str | None = None) -> ArgumentParser:
     root = ArgumentParser(prog=PROG, exit_on_error=False, description=describe(),
                           usage=f"{PROG} [{{{','.join(SUBCOMMANDS)}}}] [--config FILE] [--section.key VALUE ...]")
     subcommands = root.add_subcommands(dest="subcommand", required=False)  # train.py names fit when none is given
-    values = flatten(as_dict(load_config(config_from_here(config_path)))) if config_path is not None else None
+    values = key_values(load_config(config_from_here(config_path))) if config_path is not None else None
     for name, summary in SUBCOMMANDS.items():
         if values is None:
             parser = subcommand_parser(name, summary)
@@ -272,17 +272,3 @@ def new_subcommand_parser(name: str, summary: str = "") -> ArgumentParser:
 def fit_sections() -> tuple[str, ...]:
     """The sections of the config (model, data, ...): each has a --SECTION.key option per key and --SECTION FILE."""
     return tuple(dict.fromkeys(key.split(".")[0] for key in key_hints() if "." in key))
-
-
-def flatten(values: dict, prefix: str = "") -> dict[str, object]:
-    """Dotted keys and their values; where a section file (``--model FILE``) was read, its keys (jsonargparse
-    also keeps the file's path, which is no key)."""
-    flat = {}
-    for key, value in values.items():
-        if key == SECTION_FILE_KEY:
-            continue
-        if isinstance(value, dict) and not (prefix + key == PASSED_TO_LIGHTNING):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat

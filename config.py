@@ -243,6 +243,11 @@ def key_hints() -> dict[str, Any]:
     return dict(walk(RunConfig, ""))
 
 
+def key_values(cfg: RunConfig) -> dict[str, Any]:
+    """Every key of ``cfg`` and its value ("model.n_layer": 12)."""
+    return {key: functools.reduce(getattr, key.split("."), cfg) for key in key_hints()}
+
+
 def value_problem(key: str, value: Any) -> str | None:
     """What a value of ``key`` is not, in the words a YAML file's check and the command line share: a choice key's
     choices (a list key's, for each item), a numeric key's kind of number; None where it is neither or fits."""
@@ -460,7 +465,7 @@ def check_config(cfg: RunConfig) -> None:
     numeric key lies in its range (a section's own line about a key, which says what its special values mean,
     stands for the range's); all problems are reported at once, each once. A NaN or an infinity, which no key has
     a use for and which slips through range checks, is reported alone."""
-    values = {key: functools.reduce(getattr, key.split("."), cfg) for key in key_hints()}
+    values = key_values(cfg)
     problems = [f"{key} must be a finite number, not {value}" for key, value in values.items()
                 if isinstance(value, float) and not math.isfinite(value)] or [
         *filter(None, (value_problem(key, value) for key, value in values.items())),
