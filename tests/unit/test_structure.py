@@ -141,7 +141,7 @@ def test_kernels_are_chosen_when_the_model_is_built_never_in_a_forward():
 # 2**30, 2**20, 1 << 30: RunFab's units are runfab/limits.py's GIB and MIB, spelled there once.
 UNIT_LITERALS = {(ast.Pow, 2, 30), (ast.Pow, 2, 20), (ast.LShift, 1, 30)}
 # RunFab's figures as a message would spell them (docstrings may describe the platform in words).
-RUNFAB_FIGURES = re.compile(r"\b(8|3) GiB\b|\b256 MiB\b")
+RUNFAB_FIGURES = re.compile(r"\b(8|3) GiB\b|\b(256|64|16) MiB\b")
 
 
 def python_files() -> list[str]:
@@ -432,3 +432,15 @@ def test_removed_keys_stay_gone_from_the_schema_the_presets_the_code_and_the_doc
              and rel.endswith((".py", ".md", ".yaml", ".txt", ".toml", ".sh"))
              for key in REMOVED_KEYS if key.split(".")[-1] in (ROOT / rel).read_text()]
     assert not named, f"removed keys still named: {named}"
+
+
+def test_the_command_line_checks_typed_values_and_leaves_lightnings_docstrings_to_jsonargparse():
+    """cli.py checks a value it was given by its key's type (config.value_problem, the check YAML files get too), never
+    by matching the parser's error text, and takes Lightning's Trainer arguments, types and help from jsonargparse:
+    it imports neither ``re`` nor ``docstring_parser``."""
+    tree = ast.parse((ROOT / "cli.py").read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert not {"re", "docstring_parser"} & imported, sorted({"re", "docstring_parser"} & imported)
+    called = {node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    assert "value_problem" in called
