@@ -439,8 +439,10 @@ def test_the_command_line_checks_typed_values_and_leaves_lightnings_docstrings_t
     by matching the parser's error text, and takes Lightning's Trainer arguments, types and help from jsonargparse:
     it imports neither ``re`` nor ``docstring_parser``."""
     tree = ast.parse((ROOT / "cli.py").read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module}
     assert not {"re", "docstring_parser"} & imported, sorted({"re", "docstring_parser"} & imported)
     called = {node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
     assert "value_problem" in called
