@@ -8,8 +8,11 @@ values are checked once, the same way, and the hooks never import jsonargparse (
 
 The help of a key is the docstring under its field in the dataclass that defines it, read by
 jsonargparse (with docstring-parser), so a key's meaning is written once, beside its default. Any other
-argument of lightning.Trainer is an option too, ``--trainer.NAME VALUE``, passed to the Trainer (config.py
-keeps it under ``trainer.lightning``), except those the run sets itself, which are refused with the reason.
+argument of lightning.Trainer is an option too, ``--trainer.NAME VALUE``, typed and documented by jsonargparse
+from Lightning's signature, passed to the Trainer (config.py keeps it under ``trainer.lightning``), except those
+the run sets itself, which are refused with the reason. A value given for a key is checked by its type
+(``config.value_problem``, as a YAML file's are) before jsonargparse parses, so the error names the key's
+choices or range.
 """
 
 from __future__ import annotations
