@@ -385,22 +385,11 @@ def test_every_pin_in_the_requirements_and_the_docs_install_lines_agrees_with_py
     assert not differ, f"pins that disagree with pyproject.toml: {differ}"
 
 
-def config_keys(section: type, prefix: str = "") -> list[str]:
-    """The dotted key of every leaf of the configuration schema (``config.RunConfig``)."""
-    import typing
-    from dataclasses import fields, is_dataclass
-
-    hints = typing.get_type_hints(section)
-    return [key for item in fields(section) for key in (
-        config_keys(hints[item.name], f"{prefix}{item.name}.") if is_dataclass(hints[item.name])
-        else [f"{prefix}{item.name}"])]
-
-
 def test_every_key_of_the_config_is_read_by_the_run():
     """No dead key: every leaf of the schema is read as an attribute by a shipped module, outside the command line
     (cli.py), the config's own checks (``problems()`` and config.py's functions) and the field's declaration.
     Checked by name, so a key whose name is also another attribute's passes: the rule catches a key nobody reads."""
-    from config import RunConfig
+    from config import key_hints
 
     read = set()
     for rel in shipping.shipped_files(ROOT):
@@ -413,7 +402,7 @@ def test_every_key_of_the_config_is_read_by_the_run():
                   for node in ast.walk(function)}
         read |= {node.attr for scope in scopes for node in ast.walk(scope)
                  if isinstance(node, ast.Attribute) and id(node) not in checks}
-    keys = config_keys(RunConfig)
+    keys = list(key_hints())
     assert "trainer.max_time" in keys and len(keys) > 60
     dead = [key for key in keys if key.split(".")[-1] not in read]
     assert not dead, f"keys of the config that no module reads (remove them, or use them): {dead}"
@@ -424,9 +413,9 @@ REMOVED_KEYS = ("data.token_digests", "compute.residual_in_fp32")  # residue: al
 
 def test_removed_keys_stay_gone_from_the_schema_the_presets_the_code_and_the_docs():
     """A removed key is named only by the tests that check it is refused as any unknown key."""
-    from config import RunConfig
+    from config import key_hints
 
-    assert not set(REMOVED_KEYS) & set(config_keys(RunConfig))
+    assert not set(REMOVED_KEYS) & set(key_hints())
     listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     named = [f"{rel}: {key}" for rel in listed if not rel.startswith("tests/") and (ROOT / rel).is_file()
              and rel.endswith((".py", ".md", ".yaml", ".txt", ".toml", ".sh"))
