@@ -153,7 +153,9 @@ class MetricsConfig:
     training lab counts it"""
 
     def problems(self) -> list[str]:
-        return [f"metrics.peak_flops must be >= 0 (0: no mfu), not {self.peak_flops}"] if self.peak_flops < 0 else []
+        found = ["metrics.interval_seconds must be >= 0 (0 reports every update)"] if self.interval_seconds < 0 else []
+        return found + ([f"metrics.peak_flops must be >= 0 (0: no mfu), not {self.peak_flops}"] if self.peak_flops < 0
+                        else [])
 
 
 @dataclass
