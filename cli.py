@@ -8,22 +8,23 @@ values are checked once, the same way, and the hooks never import jsonargparse (
 
 The help of a key is the docstring under its field in the dataclass that defines it, read by
 jsonargparse (with docstring-parser), so a key's meaning is written once, beside its default. Any other
-argument of lightning.Trainer is an option too, ``--trainer.NAME VALUE``, passed to the Trainer (config.py
-keeps it under ``trainer.lightning``), except those the run sets itself, which are refused with the reason.
+argument of lightning.Trainer is an option too, ``--trainer.NAME VALUE``, typed and documented by jsonargparse
+from Lightning's signature, passed to the Trainer (config.py keeps it under ``trainer.lightning``), except those
+the run sets itself, which are refused with the reason. A value given for a key is checked by its type
+(``config.value_problem``, as a YAML file's are) before jsonargparse parses, so the error names the key's
+choices or range.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import difflib
-import re
 import sys
 import typing
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, fields
 from functools import cache
 from pathlib import Path
 
-import docstring_parser
 import lightning as L
 import yaml
 from jsonargparse import ArgumentParser, set_parsing_settings
@@ -34,9 +35,8 @@ from runtime import training_run
 from runtime.batch_split import BatchSplit, command_line_microbatch
 from callbacks.export import ExportFailed
 from callbacks.runfab_metrics import NonFiniteLossError
-from config import (CONFIG_ENV, DEFAULT_CONFIG, KEY_RANGES, LIGHTNING_REFUSED, ConfigError, RunConfig, TrainerConfig, as_dict,
-                    lightning_argument_problems, lightning_trainer_arguments, literal_choices, load_config, nullable,
-                    range_text)
+from config import (CONFIG_ENV, DEFAULT_CONFIG, KEY_RANGES, LIGHTNING_REFUSED, ConfigError, RunConfig, TrainerConfig,
+                    as_dict, key_hints, key_values, lightning_argument_problems, load_config, range_text, value_problem)
 from runtime.device_policy import world_size
 from runtime.probe import run_probe
 from pipeline.shards import ShardsError
@@ -138,14 +138,18 @@ def parse(argv: list[str]) -> Command:
     # configuration), so the flag is taken out before it parses; the option is declared only for --help.
     print_config = PRINT_CONFIG in argv
     argv = [token for token in argv if token != PRINT_CONFIG]
-    configs = given_values(argv, "config")
+    given = given_options(argv)
+    configs = [value for key, value in given if key == "config"]
     if len(configs) > 1:  # the parser would keep the last one silently
         raise CommandLineError(f"--config is given {len(configs)} times; give one file, and change single keys "
                                "with --section.key VALUE")
-    refused = [token.split("=")[0].removeprefix("--trainer.") for token in argv if token.startswith("--trainer.")]
-    refused = lightning_argument_problems({name: None for name in refused if name in LIGHTNING_REFUSED})
+    refused = lightning_argument_problems({key.removeprefix("trainer."): None for key, _ in given
+                                           if key.removeprefix("trainer.") in LIGHTNING_REFUSED})
     if refused:  # the parser has no option for them and would only call them unrecognized
         raise CommandLineError(refused[0])
+    for key, text in given:  # a value the key's type refuses, said with its choices or range, not the type's name
+        if key in key_hints() and (problem := value_problem(key, typed(text, key))):
+            raise CommandLineError(f"--{problem}")
     parser = build_parser(configs[0] if configs and any(token in HELP for token in argv) else None)
     try:
         # defaults=False: only what the user typed, so the YAML file is never overridden by a schema default
@@ -153,82 +157,45 @@ def parse(argv: list[str]) -> Command:
     except Exception as error:  # jsonargparse's ArgumentError, raised because exit_on_error is off
         raise CommandLineError(readable(error, argv)) from None
     name = namespace.subcommand
-    given = flatten(namespace[name].as_dict() if namespace[name] is not None else {})
-    options = {key: given.pop(key, None) for key in ("config", "microbatch", "accumulation", "ckpt_path")}
-    return Command(
-        name=name,
-        config_path=config_from_here(options["config"]),
-        overrides=list(given.items()),
-        microbatch=options["microbatch"],
-        accumulation=options["accumulation"],
-        print_config=print_config,
-        ckpt_path=options["ckpt_path"],
-    )
+    values = {key: value for key, value in (namespace[name] or {}).items() if not key.endswith(SECTION_FILE_KEY)}
+    options = {key: values.pop(key, None) for key in ("config", "microbatch", "accumulation", "ckpt_path")}
+    return Command(name=name, config_path=config_from_here(options["config"]), overrides=list(values.items()),
+                   microbatch=options["microbatch"], accumulation=options["accumulation"], print_config=print_config,
+                   ckpt_path=options["ckpt_path"])
+
+
+def given_options(argv: list[str]) -> list[tuple[str, str]]:
+    """(key, value as typed) for each ``--key VALUE`` or ``--key=VALUE`` of ``argv``, in order."""
+    return [(token[2:].split("=", 1)[0], token.split("=", 1)[1] if "=" in token else argv[index + 1])
+            for index, token in enumerate(argv) if token.startswith("--")
+            and ("=" in token or index + 1 < len(argv) and not argv[index + 1].startswith("--"))]
+
+
+def typed(text: str, key: str) -> object:
+    """A command-line value as the parser reads it: YAML (3, 0.5, null, [csv], or text), and for a key that takes any
+    number, 1e30 too (which YAML 1.1 reads as text)."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str) and isinstance(KEY_RANGES.get(key, (0,))[0], float):
+        with contextlib.suppress(ValueError):
+            return float(value)
+    return value
 
 
 def readable(error: Exception, argv: list[str]) -> str:
-    """jsonargparse's message on one line; for an option no key has, the keys spelled closest to it."""
+    """jsonargparse's message on one line; for an option no key has, the options spelled closest to it."""
     message = " ".join(str(error).split())
-    if (key := re.match(r'Parser key "([\w.]+)"', message)) and (choices := key_choices(key[1]))[0]:
-        item = re.search(r"Expected a typing.Literal\[.*\]\. Got value: (.*)$", message)
-        if not choices[1] and (given := given_values(argv, key[1])):  # not given: from a --SECTION FILE
-            return f"--{key[1]} must be one of {choices[0]}, not {given[-1]!r}"
-        if choices[1] and item:  # a list key (a bare value, no list, keeps jsonargparse's words)
-            return f"--{key[1]} must list only {choices[0]}, not {item[1]!r}"
-    if key and key[1] in KEY_RANGES and (given := given_values(argv, key[1])):  # a number of the wrong kind
-        whole = isinstance(KEY_RANGES[key[1]][0], int)
-        return (f"--{key[1]} must be a {'whole number' if whole else 'number'} in {range_text(key[1])}"
-                f"{' (or null)' if nullable(key_hint(key[1])) else ''}, not {given[-1]!r}")
     if not message.startswith("unrecognized arguments"):
         return message
-    options = known_options()
+    options = [option for action in subcommand_parser("fit")._actions for option in action.option_strings]
     for token in argv:
         spelled = token.split("=", 1)[0]
         if spelled.startswith("--") and spelled not in options:
-            close = difflib.get_close_matches(spelled, options, n=3, cutoff=0.75)
-            if close:
+            if close := difflib.get_close_matches(spelled, options, n=3, cutoff=0.75):
                 return f"{message}; did you mean {' or '.join(close)}?"
     return message
-
-
-def key_hint(key: str) -> object:
-    """The type hint of a configuration key ("model.n_layer"), None for a name the config has no key for."""
-    hint: object = RunConfig
-    for name in key.split("."):
-        hint = typing.get_type_hints(hint).get(name) if is_dataclass(hint) else None
-    return hint
-
-
-def key_choices(key: str) -> tuple[str, bool]:
-    """The choices of a configuration key ("model.n_layer") typed ``Literal[...]`` or a list of them ("a, b, c (or
-    null)"; "" for any other key or a name the config has no key for), and whether the key is a list."""
-    hint = key_hint(key)
-    listed = typing.get_origin(hint) is list
-    hint = typing.get_args(hint)[0] if listed else hint
-    choices = literal_choices(hint)
-    return f"{', '.join(map(str, choices))}{' (or null)' if nullable(hint) else ''}" if choices else "", listed
-
-
-def given_values(argv: list[str], key: str) -> list[str]:
-    """What ``argv`` gives ``--key`` (``--key VALUE`` or ``--key=VALUE``), each time it is given."""
-    return [token.split("=", 1)[1] if "=" in token else argv[index + 1] for index, token in enumerate(argv)
-            if token.startswith(f"--{key}=") or token == f"--{key}" and index + 1 < len(argv)]
-
-
-def known_options() -> list[str]:
-    """Every option of ``fit``: its own, one per configuration key, and the Trainer's that pass through."""
-    own = ["--config", "--microbatch", "--accumulation", "--ckpt_path", PRINT_CONFIG]
-    keys = [f"--{key}" for key in config_keys(RunConfig)]
-    passed = [f"--trainer.{name}" for name in lightning_trainer_arguments()
-              if name not in LIGHTNING_REFUSED and f"--trainer.{name}" not in keys]
-    return own + keys + passed
-
-
-def config_keys(cls: type, prefix: str = "") -> list[str]:
-    """The dotted key of every leaf field of the configuration dataclasses."""
-    hints = typing.get_type_hints(cls)
-    return [key for item in fields(cls) for key in (config_keys(hints[item.name], f"{prefix}{item.name}.")
-                                                   if is_dataclass(hints[item.name]) else [f"{prefix}{item.name}"])]
 
 
 def config_yaml(cfg: RunConfig) -> str:
@@ -241,7 +208,7 @@ def build_parser(config_path: str | None = None) -> ArgumentParser:
     root = ArgumentParser(prog=PROG, exit_on_error=False, description=describe(),
                           usage=f"{PROG} [{{{','.join(SUBCOMMANDS)}}}] [--config FILE] [--section.key VALUE ...]")
     subcommands = root.add_subcommands(dest="subcommand", required=False)  # train.py names fit when none is given
-    values = flatten(as_dict(load_config(config_from_here(config_path)))) if config_path is not None else None
+    values = key_values(load_config(config_from_here(config_path))) if config_path is not None else None
     for name, summary in SUBCOMMANDS.items():
         if values is None:
             parser = subcommand_parser(name, summary)
@@ -253,14 +220,16 @@ def build_parser(config_path: str | None = None) -> ArgumentParser:
 
 
 def describe(summary: str = "") -> str:
-    lines = [f"{summary}." if summary else "Pretrain the decoder (GPT-2 or Llama) the way RunFab runs train.py."]
-    lines.append(
+    return " ".join([
+        f"{summary}." if summary else "Pretrain the decoder (GPT-2 or Llama) the way RunFab runs train.py.",
         f"Subcommands: {DEFAULT_SUBCOMMAND} (the default), "
         f"{', '.join(name for name in SUBCOMMANDS if name != DEFAULT_SUBCOMMAND)}; `python {PROG} SUBCOMMAND --help` "
         f"lists every key. Values come from --config (default: ${CONFIG_ENV} or {DEFAULT_CONFIG}), then "
-        "--section.key VALUE overrides, wherever they stand. The bundle tools run as `python -m tools`."
-    )
-    return " ".join(lines)
+        "--section.key VALUE overrides, wherever they stand. Any other lightning.Trainer argument is "
+        f"--trainer.NAME VALUE, passed to the Trainer as given (kept under {PASSED_TO_LIGHTNING}); unset, each keeps "
+        "Lightning's default, except no sanity validation and no model summary; refused, because the run sets them "
+        f"itself: {', '.join(LIGHTNING_REFUSED)}. The bundle tools run as `python -m tools`.",
+    ])
 
 
 @cache
@@ -289,6 +258,10 @@ def new_subcommand_parser(name: str, summary: str = "") -> ArgumentParser:
     parser.add_argument(PRINT_CONFIG, action="store_true",
                         help="print the merged configuration as YAML on stdout and exit without training")
     parser.add_class_arguments(RunConfig, sub_configs=False)
+    # Every other lightning.Trainer argument, typed and documented from Lightning's own signature and docstring.
+    own = {item.name for item in fields(TrainerConfig)}
+    parser.add_method_arguments(L.Trainer, "__init__", nested_key="trainer", as_group=False, fail_untyped=False,
+                                sub_configs=False, skip=own | set(LIGHTNING_REFUSED))
     for action in parser._actions:
         if action.dest in KEY_RANGES:
             action.help = f"{action.help} (range: {range_text(action.dest)})"
@@ -296,55 +269,9 @@ def new_subcommand_parser(name: str, summary: str = "") -> ArgumentParser:
             action.metavar = "FILE"
             action.help = (f"a YAML file of {action.dest} keys (e.g. the {action.dest}: part of a config, without "
                            "that line), applied where it stands among the overrides")
-    add_lightning_options(parser)
     return parser
 
 
-@cache
 def fit_sections() -> tuple[str, ...]:
     """The sections of the config (model, data, ...): each has a --SECTION.key option per key and --SECTION FILE."""
-    hints = typing.get_type_hints(RunConfig)
-    return tuple(item.name for item in fields(RunConfig) if is_dataclass(hints[item.name]))
-
-
-def add_lightning_options(parser: ArgumentParser) -> None:
-    """An option for every lightning.Trainer argument the config has no key for and does not refuse."""
-    group = parser.add_argument_group(
-        "trainer: other lightning.Trainer arguments",
-        f"Passed to the Trainer as given, kept in the config under {PASSED_TO_LIGHTNING} (in YAML, trainer.NAME "
-        f"works too). Unset, each keeps the run's default: Lightning's, except no sanity validation and no model "
-        f"summary. Refused, because the run sets them itself: "
-        f"{', '.join(LIGHTNING_REFUSED)}.")
-    own = {item.name for item in fields(TrainerConfig)}
-    hints = typing.get_type_hints(L.Trainer.__init__)
-    helps = {param.arg_name: " ".join((param.description or "").split()).split(". ")[0].rstrip(".")
-             for param in docstring_parser.parse(L.Trainer.__init__.__doc__ or "").params}
-    for name in lightning_trainer_arguments():
-        if name not in own and name not in LIGHTNING_REFUSED:
-            group.add_argument(f"--trainer.{name}", type=spelled(hints.get(name, typing.Any)),
-                               default=argparse.SUPPRESS, help=helps.get(name, "an argument of lightning.Trainer"))
-
-
-def spelled(hint: object) -> object:
-    """A Trainer argument's type without the classes that a command line cannot spell (a Profiler object, ...)."""
-    def plain(arg: object) -> bool:
-        return arg in (bool, int, float, str, type(None)) or typing.get_origin(arg) is typing.Literal
-
-    if typing.get_origin(hint) is typing.Union or type(hint).__name__ == "UnionType":
-        kept = [arg for arg in typing.get_args(hint) if plain(arg)]
-        return typing.Union[tuple(kept)] if kept else typing.Any
-    return hint if plain(hint) else typing.Any
-
-
-def flatten(values: dict, prefix: str = "") -> dict[str, object]:
-    """Dotted keys and their values; where a section file (``--model FILE``) was read, its keys (jsonargparse
-    also keeps the file's path, which is no key)."""
-    flat = {}
-    for key, value in values.items():
-        if key == SECTION_FILE_KEY:
-            continue
-        if isinstance(value, dict) and not (prefix + key == PASSED_TO_LIGHTNING):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
+    return tuple(dict.fromkeys(key.split(".")[0] for key in key_hints() if "." in key))

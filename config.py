@@ -7,6 +7,7 @@ overrides (`--model.n_layer 2`) override the presets.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import os
@@ -99,7 +100,9 @@ class TrainerConfig:
     --trainer.log_every_n_steps 10); the config keeps them here"""
 
     def problems(self) -> list[str]:
-        found = []
+        """What the ranges (KEY_RANGES) do not say."""
+        found = [f"trainer.{name} must be >= 0 (0: off), not {getattr(self, name)}"
+                 for name in ("val_every_steps", "checkpoint_every_steps") if getattr(self, name) < 0]
         if self.max_steps < 1 and self.max_steps != -1:
             found.append("trainer.max_steps must be positive, or -1 to train until the input ends")
         if self.max_time is not None:
@@ -107,18 +110,10 @@ class TrainerConfig:
                 self.time_limit()
             except ValueError as error:
                 found.append(str(error))
-        found += [f"trainer.{name} must be at least 1, not {getattr(self, name)}"
-                  for name in ("devices", "limit_val_batches", "global_batch_size")
-                  if getattr(self, name) is not None and getattr(self, name) < 1]
-        found += [f"trainer.{name} must be >= 0 (0: off), not {getattr(self, name)}"
-                  for name in ("val_every_steps", "checkpoint_every_steps", "export_reserve_seconds", "stop_grace_seconds")
-                  if getattr(self, name) < 0]
-        if self.memory_headroom_gib < 0 or self.probe_margin_gib < 0:
-            found.append("trainer.memory_headroom_gib and trainer.probe_margin_gib must be >= 0")
-        if self.host_memory_budget_gib < 0 or self.ddp_bucket_cap_mb <= 0:
-            found.append("trainer.host_memory_budget_gib must be >= 0 (0: no check) and trainer.ddp_bucket_cap_mb > 0")
         if self.gradient_clip_val < 0:
             found.append(f"trainer.gradient_clip_val must be >= 0 (0: no clipping), not {self.gradient_clip_val}")
+        if self.ddp_bucket_cap_mb <= 0:
+            found.append(f"trainer.ddp_bucket_cap_mb must be above 0, not {self.ddp_bucket_cap_mb}")
         return found + lightning_argument_problems(self.lightning)
 
     def time_limit(self) -> timedelta | None:
@@ -159,9 +154,8 @@ class MetricsConfig:
 
     def problems(self) -> list[str]:
         found = ["metrics.interval_seconds must be >= 0 (0 reports every update)"] if self.interval_seconds < 0 else []
-        if self.peak_flops < 0:
-            found.append(f"metrics.peak_flops must be >= 0 (0: no mfu), not {self.peak_flops}")
-        return found
+        return found + ([f"metrics.peak_flops must be >= 0 (0: no mfu), not {self.peak_flops}"] if self.peak_flops < 0
+                        else [])
 
 
 @dataclass
@@ -172,9 +166,6 @@ class OutputConfig:
     """Folder of the model, the run record and checkpoints: RunFab's RUNFABRIC_OUTPUT, else ./output"""
     budget_bytes: int = OUTPUT_BYTES
     """Bytes all output may take: RunFab keeps it in the job's RAM (model, checkpoints, caches)"""
-
-    def problems(self) -> list[str]:
-        return [f"output.budget_bytes must be at least 1, not {self.budget_bytes}"] if self.budget_bytes < 1 else []
 
 
 @dataclass
@@ -189,7 +180,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The decoder: its family (gpt2, llama) and shape"""
     compute: ComputeConfig = field(default_factory=ComputeConfig)
-    """How the model computes: kernels, the residual stream's dtype, loss chunks, recomputation"""
+    """How the model computes: kernels, loss chunks, recomputation"""
     data: DataConfig = field(default_factory=DataConfig)
     """Where records come from, their tokenization, shuffle and packing"""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -242,17 +233,59 @@ def range_text(key: str) -> str:
     return f"{low}..{high}" if isinstance(low, int) else f"{low:g}..{high:g}"
 
 
-def range_problems(cfg: RunConfig, named: set[str]) -> list[str]:
-    """A line for every numeric key outside its range (``KEY_RANGES``), unless a line of ``named`` names it."""
-    found = []
-    for key, (low, high) in KEY_RANGES.items():
-        value = cfg
-        for name in key.split("."):
-            value = getattr(value, name)
-        if value is not None and not low <= value <= high and key not in named:
-            number = "a whole number" if isinstance(low, int) else "a number"
-            found.append(f"{key} must be {number} in {range_text(key)}, not {value}")
-    return found
+@cache
+def key_hints() -> dict[str, Any]:
+    """Every key of the schema ("model.n_layer", "seed") and its type hint, in the schema's order."""
+    def walk(section: type, prefix: str) -> Iterable[tuple[str, Any]]:
+        hints = typing.get_type_hints(section)
+        for item in fields(section):
+            hint = hints[item.name]
+            yield from walk(hint, f"{prefix}{item.name}.") if is_dataclass(hint) else [(f"{prefix}{item.name}", hint)]
+
+    return dict(walk(RunConfig, ""))
+
+
+def key_values(cfg: RunConfig) -> dict[str, Any]:
+    """Every key of ``cfg`` and its value ("model.n_layer": 12)."""
+    return {key: functools.reduce(getattr, key.split("."), cfg) for key in key_hints()}
+
+
+def value_problem(key: str, value: Any) -> str | None:
+    """What a value of ``key`` is not, in the words a YAML file's check and the command line share: a choice key's
+    choices (a list key's, for each item), a numeric key's kind of number; None where it is neither or fits."""
+    hint = key_hints()[key]
+    listed = typing.get_origin(hint) is list
+    null = " (or null)" if nullable(hint) else ""
+    if value is None and null:
+        return None
+    if choices := literal_choices(typing.get_args(hint)[0] if listed else hint):
+        named = ", ".join(map(str, choices))
+        if not listed:
+            return None if value in choices else f"{key} must be one of {named}{null}, not {value!r}"
+        if not isinstance(value, list):
+            return f"{key} must be a list of {named}, not {value!r}"
+        wrong = [one for one in value if one not in choices]
+        return f"{key} must list only {named}, not {wrong[0]!r}" if wrong else None
+    if key not in KEY_RANGES:
+        return None
+    whole = isinstance(KEY_RANGES[key][0], int)
+    if isinstance(value, int if whole else (int, float)) and not isinstance(value, bool):
+        return None
+    return f"{key} must be {'a whole number' if whole else 'a number'} in {range_text(key)}{null}, not {value!r}"
+
+
+def literal_choices(hint: Any) -> tuple:
+    """The values of the ``Literal[...]`` in ``hint`` (itself, or it or null); () where it has none."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return args
+    if origin in (typing.Union, types.UnionType):
+        return tuple(choice for arg in args for choice in literal_choices(arg))
+    return ()
+
+
+def nullable(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
 
 
 # lightning.Trainer arguments that trainer.NAME does not pass through, and why: the run sets them itself, and
@@ -280,6 +313,26 @@ LIGHTNING_REFUSED = {
     "fast_dev_run": "it counts microbatches and could end the run inside an update: for one update, set "
                     "--trainer.max_steps 1 --optim.warmup_steps 0",
 }
+
+
+@cache
+def lightning_trainer_arguments() -> tuple[str, ...]:
+    """The parameters of ``lightning.Trainer``."""
+    return tuple(name for name in inspect.signature(L.Trainer.__init__).parameters if name != "self")
+
+
+def lightning_argument_problems(arguments: dict) -> list[str]:
+    """What is wrong with the names in ``trainer.lightning`` (Lightning itself checks the values)."""
+    own = {item.name for item in fields(TrainerConfig)}
+    found = []
+    for name in arguments:
+        if name in LIGHTNING_REFUSED:
+            found.append(f"trainer.{name} is not passed to Lightning's Trainer: {LIGHTNING_REFUSED[name]}")
+        elif name in own:
+            found.append(f"trainer.lightning.{name}: trainer.{name} is a key of the config, set it there")
+        elif name not in lightning_trainer_arguments():
+            found.append(f"trainer.lightning.{name} is not an argument of lightning.Trainer")
+    return found
 
 
 @cache
@@ -330,50 +383,63 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str | tuple[
         if not isinstance(values, DictConfig):
             raise ConfigError(f"{path} must hold a mapping of sections (model:, data:, ...), not a "
                               f"{type(values).__name__.removesuffix('Config').lower()}")
-        values = lightning_arguments_apart(values)
-        given = lightning_arguments_apart(overrides_config(overrides))
-        config = built(RunConfig, OmegaConf.merge(OmegaConf.structured(schema(RunConfig)), values, given))
-    except ConfigError:
-        raise
-    except (OmegaConfBaseException, ValueError) as error:  # ValueError: a section that cannot be built (ModelConfig)
-        raise ConfigError(f"invalid configuration ({source}): {error}") from None
+        given = OmegaConf.create()
+        for item in overrides:  # a later override replaces an earlier one; trainer.lightning's mapping merges
+            if isinstance(item, str):
+                given = OmegaConf.merge(given, OmegaConf.from_dotlist([item]))
+            else:
+                OmegaConf.update(given, item[0], item[1], force_add=True)
+        return built(values, given)
     except yaml.YAMLError as error:
         raise ConfigError(f"{path} is not valid YAML: {error}") from None
-    resolve_defaults(config)
-    check_config(config)
-    return config
+    except (OmegaConfBaseException, ValueError) as error:  # ValueError: a section that cannot be built (ModelConfig)
+        if isinstance(error, ConfigError):
+            raise
+        key = f"{error.full_key}: " if getattr(error, "full_key", None) else ""
+        raise ConfigError(f"invalid configuration ({source}): {key}{str(error).splitlines()[0]}") from None
 
 
-def overrides_config(overrides: Iterable[str | tuple[str, Any]]) -> DictConfig:
-    """The overrides as one config, a later one replacing an earlier one (a mapping, trainer.lightning's, merged
-    into what is there)."""
-    given = OmegaConf.create()
-    for item in overrides:
-        if isinstance(item, str):
-            given = OmegaConf.merge(given, OmegaConf.from_dotlist([item]))
-        else:
-            OmegaConf.update(given, item[0], item[1], force_add=True)
-    return given
+def load_config_dict(values: dict) -> RunConfig:
+    """A configuration already resolved (as_dict's output), as a data-parallel worker receives it."""
+    return built(OmegaConf.create(values))
+
+
+def built(*layers: DictConfig) -> RunConfig:
+    """The schema's defaults with ``layers`` merged over them in turn, interpolations resolved, defaults that
+    follow other keys filled in, then checked."""
+    merged = OmegaConf.merge(OmegaConf.structured(schema(RunConfig)), *map(lightning_arguments_apart, layers))
+
+    def build(cls: type, items: dict) -> Any:
+        hints = typing.get_type_hints(cls)
+        return cls(**{name: build(hints[name], value) if is_dataclass(hints[name]) else value
+                      for name, value in items.items()})
+
+    cfg = build(RunConfig, OmegaConf.to_container(merged, resolve=True, throw_on_missing=True))
+    if cfg.optim.decay_steps is None and cfg.trainer.max_steps > 0:  # the cosine schedule decays over the whole run
+        cfg.optim.decay_steps = cfg.trainer.max_steps
+    if not cfg.output.root.strip():  # RUNFABRIC_OUTPUT= (set but empty) is unset, as shells treat it: not the cwd
+        cfg.output.root = "output"
+    check_config(cfg)
+    return cfg
 
 
 def lightning_arguments_apart(values: DictConfig) -> DictConfig:
     """``trainer.NAME``, where NAME is an argument of lightning.Trainer and no key of the config, moved to
     ``trainer.lightning``: YAML files and overrides name a Trainer argument as Lightning does."""
-    trainer = values.get("trainer")
     own = {item.name for item in fields(TrainerConfig)}
-    passed = [name for name in trainer or () if name not in own and name in lightning_trainer_arguments()]
+    passed = [name for name in values.get("trainer") or () if name not in own and name in lightning_trainer_arguments()]
     if not passed:
         return values
     moved = OmegaConf.to_container(values, resolve=False)  # interpolations are resolved after the merge
-    lightning = moved["trainer"].get("lightning") or {}
-    moved["trainer"]["lightning"] = lightning | {name: moved["trainer"].pop(name) for name in passed}
+    moved["trainer"]["lightning"] = (moved["trainer"].get("lightning") or {}) | {
+        name: moved["trainer"].pop(name) for name in passed}
     return OmegaConf.create(moved)
 
 
 @cache
 def schema(section: type) -> type:
     """``section`` as omegaconf's schema, its choice keys typed ``str``: omegaconf before 2.4 refuses
-    ``Literal`` fields. The choices are checked by ``choice_problems`` with either version."""
+    ``Literal`` fields. check_config checks the choices with either version."""
     hints = typing.get_type_hints(section)
     specs = []
     for item in fields(section):
@@ -393,106 +459,34 @@ def without_literal(hint: Any) -> Any:
         return type(args[0])
     if origin in (typing.Union, types.UnionType):
         return typing.Union[tuple(without_literal(arg) for arg in args)]
-    if origin is list:
-        return list[without_literal(args[0])]
-    return hint
-
-
-def built(section: type, values: DictConfig) -> Any:
-    """The ``section`` dataclass (and its subsections) holding ``values``, interpolations resolved."""
-    plain = OmegaConf.to_container(values, resolve=True, throw_on_missing=True)
-
-    def build(cls: type, items: dict) -> Any:
-        hints = typing.get_type_hints(cls)
-        return cls(**{name: build(hints[name], value) if is_dataclass(hints[name]) else value
-                      for name, value in items.items()})
-
-    return build(section, plain)
-
-
-def resolve_defaults(cfg: RunConfig) -> None:
-    """Defaults that follow other settings: the cosine schedule decays over the whole run."""
-    if cfg.optim.decay_steps is None and cfg.trainer.max_steps > 0:
-        cfg.optim.decay_steps = cfg.trainer.max_steps
-    if not cfg.output.root.strip():  # RUNFABRIC_OUTPUT= (set but empty) is unset, as shells treat it: not the cwd
-        cfg.output.root = "output"
-
-
-def load_config_dict(values: dict) -> RunConfig:
-    """A configuration already resolved (as_dict's output), as a data-parallel worker receives it."""
-    config = built(RunConfig, OmegaConf.merge(OmegaConf.structured(schema(RunConfig)), OmegaConf.create(values)))
-    resolve_defaults(config)
-    check_config(config)
-    return config
+    return list[without_literal(args[0])] if origin is list else hint
 
 
 def check_config(cfg: RunConfig) -> None:
-    """Every key typed with ``Literal`` choices holds one of them, every section checks itself (its
-    ``problems()``), and every numeric key lies in its range (a section's own line about a key, which says
-    what its special values mean, stands for the range's); all problems are reported at once, each once. A NaN or an infinity, which no key has a
-    use for and which slips through range checks, is reported alone."""
-    problems = non_finite_keys(cfg) or [
-        *choice_problems(cfg),
-        *cfg.model.problems(), *cfg.compute.problems(), *cfg.data.problems(), *cfg.optim.problems(cfg.trainer.max_steps),
-        *cfg.trainer.problems(), *cfg.metrics.problems(), *cfg.observe.problems(), *cfg.output.problems(),
+    """Every choice key holds one of its choices, every section checks itself (its ``problems()``), and every
+    numeric key lies in its range (a section's own line about a key, which says what its special values mean,
+    stands for the range's); all problems are reported at once, each once. A NaN or an infinity, which no key has
+    a use for and which slips through range checks, is reported alone."""
+    values = key_values(cfg)
+    problems = [f"{key} must be a finite number, not {value}" for key, value in values.items()
+                if isinstance(value, float) and not math.isfinite(value)] or [
+        *filter(None, (value_problem(key, value) for key, value in values.items())),
+        *cfg.model.problems(), *cfg.compute.problems(), *cfg.data.problems(),
+        *cfg.optim.problems(cfg.trainer.max_steps), *cfg.trainer.problems(), *cfg.metrics.problems(),
+        *cfg.observe.problems(),
     ]
-    problems += range_problems(cfg, {word.strip("(),:;") for line in problems for word in line.split()})
-    problems = list(dict.fromkeys(problems))  # model/decoder.py checks model.family too, for a ModelConfig built directly
+    named = {word.strip("(),:;") for line in problems for word in line.split()}
+    for key, (low, high) in KEY_RANGES.items():
+        value, whole = values[key], isinstance(low, int)
+        if value is not None and not low <= value <= high and key not in named:
+            problems.append(f"{key} must be at least {low}, not {value}" if whole and 1 <= low and value < low
+                            else f"{key} must be {'a whole number' if whole else 'a number'} in {range_text(key)}, "
+                                 f"not {value}")
+    problems = list(dict.fromkeys(problems))  # model/decoder.py checks model.family too, for a ModelConfig built alone
     if len(problems) == 1:
         raise ConfigError(f"invalid configuration: {problems[0]}")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
-
-
-def choice_problems(section: object, prefix: str = "") -> list[str]:
-    """A line for every key of ``section`` (and the sections under it) typed ``Literal[...]`` (or a list of
-    them, or either or null) whose value is none of the choices. The command line's parser refuses such a
-    value itself; a YAML file (RUNFAB_CONFIG, --config) is read by omegaconf, which takes any string."""
-    found = []
-    hints = typing.get_type_hints(type(section))
-    for item in fields(section):
-        key, value, hint = f"{prefix}{item.name}", getattr(section, item.name), hints[item.name]
-        if is_dataclass(value):
-            found += choice_problems(value, f"{key}.")
-        elif typing.get_origin(hint) is list:
-            choices = literal_choices(typing.get_args(hint)[0])
-            found += [f"{key} must list only {', '.join(map(str, choices))}, not {one!r}"
-                      for one in value or () if choices and one not in choices]
-        elif (choices := literal_choices(hint)) and value not in choices and not (value is None and nullable(hint)):
-            null = " (or null)" if nullable(hint) else ""
-            found.append(f"{key} must be one of {', '.join(map(str, choices))}{null}, not {value!r}")
-    return found
-
-
-def literal_choices(hint: Any) -> tuple:
-    """The values of the ``Literal[...]`` in ``hint`` (itself, or it or null); () where it has none."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is Literal:
-        return args
-    if origin in (typing.Union, types.UnionType):
-        return tuple(choice for arg in args for choice in literal_choices(arg))
-    return ()
-
-
-def nullable(hint: Any) -> bool:
-    return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
-
-
-def non_finite_keys(section: object, prefix: str = "") -> list[str]:
-    """A line for every key of ``section`` (and the sections under it) that holds a NaN or an infinity."""
-    found = []
-    for item in fields(section):
-        value = getattr(section, item.name)
-        if is_dataclass(value):
-            found += non_finite_keys(value, f"{prefix}{item.name}.")
-        elif isinstance(value, float) and not math.isfinite(value):
-            found.append(f"{prefix}{item.name} must be a finite number, not {value}")
-    return found
-
-
-def training_time_limit(cfg: RunConfig) -> timedelta | None:
-    """``trainer.max_time`` less the export reserve: what the training loop itself may use."""
-    return cfg.trainer.time_limit()
 
 
 def as_dict(cfg: RunConfig) -> dict:

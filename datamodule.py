@@ -139,18 +139,16 @@ class ShardDataModule(L.LightningDataModule):
     input_wait_seconds = 0.0  # the loader reads prepared chunks ahead of training; no wait is measured here
 
     def __init__(self, path: str, seq_len: int, microbatch: int, accumulation: int, seed: int, workers: int,
-                 settle: Callable[[L.Trainer, int, int], tuple[int, int]], pin_memory: bool = False,
-                 token_digests: bool = True) -> None:
+                 settle: Callable[[L.Trainer, int, int], tuple[int, int]], pin_memory: bool = False) -> None:
         super().__init__()
         self.path, self.seq_len, self.seed, self.workers = path, seq_len, seed, workers
-        self.token_digests = token_digests
         self.microbatch, self.accumulation = microbatch, accumulation
         self.settle, self.pin_memory = settle, pin_memory
 
     def train_dataloader(self) -> ShardUpdates:
         # Called after the process group exists, so LitData sees this rank's place in it.
         rows = self.microbatch * self.accumulation
-        collate = GroupCollate(self.seq_len, self.microbatch, self.token_digests)
+        collate = GroupCollate(self.seq_len, self.microbatch)
         loader = open_rows(self.path, self.seed, rows, self.workers, collate, self.pin_memory)
         if len(loader) == 0:
             raise ShardsError(

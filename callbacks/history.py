@@ -73,9 +73,8 @@ def read_history(path: Path) -> dict:
 class History(L.Callback):
     """Keeps the per-update history, the initial weights' digest and the training tokens' chain."""
 
-    def __init__(self, max_rows: int = MAX_ROWS, token_digests: bool = True) -> None:
-        """``token_digests`` false: the rows were not digested (data.token_digests, to measure what it costs)."""
-        self.max_rows, self.token_digests = max_rows, token_digests
+    def __init__(self, max_rows: int = MAX_ROWS) -> None:
+        self.max_rows = max_rows
         self.columns = {name: np.zeros(0, dtype=dtype) for name, dtype in COLUMNS.items()}
         self.stride = 1
         self.initial_weights: str | None = None
@@ -196,7 +195,7 @@ class History(L.Callback):
 
     def summary(self) -> dict:
         return {"initial_weights_sha256": self.initial_weights,
-                "training_tokens": {"sha256": self.tokens_chain if self.token_digests else None,
+                "training_tokens": {"sha256": self.tokens_chain,
                                     "updates": self.updates, "history": HISTORY_FILE,
                                     "history_stride": self.stride}}
 

@@ -211,16 +211,16 @@ class Decoder(nn.Module):
             # with positions 0..T-1, plain causal attention, which dense causal kernels do fastest.
             positions = cu_seqlens = None
         dtype = self.compute_dtype(input_ids.device)
-        # fp32 keeps the embeddings' dtype (fp32 weights); a half dtype makes every residual add half too.
-        residual = None if self.compute.residual_in_fp32 or dtype == self.wte.weight.dtype else dtype
-        # Under autocast the final norm's output leaves in the compute dtype, in which the head's products take it
-        # anyway: the cast fuses into the norm's kernel, and the gradient coming back is half as wide.
-        out = None if dtype == self.wte.weight.dtype else dtype
+        # Under autocast the residual stream is kept in the compute dtype, as in Megatron-LM's default: half the bytes
+        # for the norms, residual adds and saved activations. The final norm's output leaves in it too, in which the
+        # head's products take it anyway: the cast fuses into the norm's kernel, and the gradient coming back is half
+        # as wide. Without autocast everything stays in the weights' dtype.
+        stream = None if dtype == self.wte.weight.dtype else dtype
         if self.compiled_trunk is not None and self.training:
             if cu_seqlens is not None:
                 torch._dynamo.mark_dynamic(cu_seqlens, 0)  # document counts vary: one graph for all
-            return self.compiled_trunk(input_ids, positions, cu_seqlens, residual, out)
-        return self.trunk(input_ids, positions, cu_seqlens, residual, out)
+            return self.compiled_trunk(input_ids, positions, cu_seqlens, stream)
+        return self.trunk(input_ids, positions, cu_seqlens, stream)
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.wte.weight.dtype
@@ -248,22 +248,22 @@ class Decoder(nn.Module):
 
     def trunk(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-        residual: torch.dtype | None = None, out: torch.dtype | None = None,
+        stream: torch.dtype | None = None,
     ) -> torch.Tensor:
         """Embeddings, blocks and the final norm: what a compiled target compiles, as one graph, which lets inductor
-        fuse across block boundaries (the loss's kernels are its own). ``residual``: the dtype of the residual
-        stream where it is not the embeddings'; ``out``: the final norm's output dtype."""
+        fuse across block boundaries (the loss's kernels are its own). ``stream``: the dtype of the residual
+        stream and of the final norm's output, where it is not the embeddings'."""
         rotary = None if self.rotary is None else self.rotary(positions, input_ids.shape[1])
         layout = DocumentLayout(positions, cu_seqlens, rotary)
         x = self.embed(input_ids, layout)
-        if residual is not None:
-            x = x.to(residual)
+        if stream is not None:
+            x = x.to(stream)
         for block in self.blocks:
             if self.compute.activation_checkpointing and self.training:
                 x = checkpoint(block, x, layout, use_reentrant=False)
             else:
                 x = block(x, layout)
-        return self.final_norm(x) if out is None else self.final_norm(x).to(out)
+        return self.final_norm(x) if stream is None else self.final_norm(x).to(stream)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab_size]."""

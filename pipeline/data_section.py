@@ -62,8 +62,6 @@ class DataConfig:
     """Token budget: training stops after this many target tokens; null: no budget"""
     prefetch_updates: int = 2
     """Complete updates read ahead of training, per rank"""
-    token_digests: bool = True
-    """Digest every training row for the run record's training-tokens fingerprint; false only to measure its cost"""
 
     def problems(self) -> list[str]:
         found = []

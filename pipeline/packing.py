@@ -101,11 +101,9 @@ def pack_rows(docs: Iterable[np.ndarray], seq_len: int, stats: StreamStats, pad_
         stats.tail_tokens_dropped += fill
 
 
-def collate_rows(rows: list[Row], digest: bool = True) -> dict[str, torch.Tensor | int]:
-    """Tensors of a microbatch; document offsets are found here, on the host, not by a device sync.
-    ``digest`` false leaves the rows' digest 0 (data.token_digests)."""
+def collate_rows(rows: list[Row]) -> dict[str, torch.Tensor | int]:
+    """Tensors of a microbatch; document offsets are found here, on the host, not by a device sync."""
     tokens, positions = np.stack([r.tokens for r in rows]), np.stack([r.positions for r in rows])
-    digest = rows_digest(tokens, positions) if digest else 0
     positions = torch.from_numpy(positions.astype(np.int64))
     targets = np.stack([r.targets() for r in rows])
     cu_seqlens = document_offsets(positions)
@@ -116,7 +114,7 @@ def collate_rows(rows: list[Row], digest: bool = True) -> dict[str, torch.Tensor
         "cu_seqlens": cu_seqlens,
         "attention_pairs": sum(attention_pairs(row) for row in rows),  # for MFU (model/flops.py)
         "target_tokens": int(np.count_nonzero(targets != IGNORE_INDEX)),
-        "rows_digest": digest,  # pipeline/fingerprints.py: what the run record's training-tokens digest is made of
+        "rows_digest": rows_digest(tokens, positions),  # pipeline/fingerprints.py: what the run record's training-tokens digest is made of
     }
 
 

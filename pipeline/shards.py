@@ -245,13 +245,12 @@ class GroupCollate:
 
     Runs in the loader's worker processes when there are any (``data.loader_workers``)."""
 
-    def __init__(self, seq_len: int, microbatch: int, digest: bool = True) -> None:
-        self.seq_len, self.microbatch, self.digest = seq_len, microbatch, digest
+    def __init__(self, seq_len: int, microbatch: int) -> None:
+        self.seq_len, self.microbatch = seq_len, microbatch
 
     def __call__(self, items: list[dict]) -> dict:
         rows = [item_row(item, self.seq_len) for item in items]
-        batches = [collate_rows(rows[i : i + self.microbatch], self.digest)
-                   for i in range(0, len(rows), self.microbatch)]
+        batches = [collate_rows(rows[i : i + self.microbatch]) for i in range(0, len(rows), self.microbatch)]
         return {"microbatches": batches, "target_tokens": sum(b["target_tokens"] for b in batches),
                 "rows_digest": sum(b["rows_digest"] for b in batches)}
 

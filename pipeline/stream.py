@@ -62,8 +62,7 @@ def balance_ranks(update: list[Row], world_size: int) -> list[list[Row]]:
     return [[update[i] for i in sorted(indices)] for indices in members]
 
 
-def split_update(update: list[Row], world_size: int, microbatch: int, stats: StreamStats,
-                 digest: bool = True) -> list[list[dict]]:
+def split_update(update: list[Row], world_size: int, microbatch: int, stats: StreamStats) -> list[list[dict]]:
     """Per rank, its microbatches of one update; each carries the whole update's target-token count.
 
     Every rank receives the same number of microbatches; with several ranks, balance_ranks decides
@@ -71,7 +70,7 @@ def split_update(update: list[Row], world_size: int, microbatch: int, stats: Str
     """
     if world_size > 1:
         update = [row for share in balance_ranks(update, world_size) for row in share]
-    batches = [collate_rows(update[i : i + microbatch], digest) for i in range(0, len(update), microbatch)]
+    batches = [collate_rows(update[i : i + microbatch]) for i in range(0, len(update), microbatch)]
     update_tokens = sum(b["target_tokens"] for b in batches)
     update_digest = sum(b["rows_digest"] for b in batches)  # the whole update's, whichever rank trains which row
     stats.update_target_tokens += update_tokens
@@ -113,7 +112,7 @@ def stream_updates(
                                  idle_release_tokens=s.rows_per_update * s.seq_len)
     rows = pack_rows(shuffled, s.seq_len, stats)
     for update in assemble_updates(rows, s.rows_per_update, stats, d.max_train_tokens):
-        yield split_update(update, s.world_size, s.microbatch, stats, d.token_digests)
+        yield split_update(update, s.world_size, s.microbatch, stats)
     stats.drained = True
     if stats.updates == 0:
         rejected = rejected_counts(stats.rejected) or "none"

@@ -119,8 +119,7 @@ def train_from_shards(cfg: RunConfig, effective: int, microbatch: int | None = N
         agreement = UpdateAgreement(cfg.metrics.interval_seconds)
         datamodule = ShardDataModule(
             cfg.data.path, cfg.model.max_seq_len, split.microbatch, split.accumulation, cfg.seed,
-            cfg.data.loader_workers, agreement.settle, pin_memory=resolve_accelerator(cfg) == "gpu",
-            token_digests=cfg.data.token_digests)
+            cfg.data.loader_workers, agreement.settle, pin_memory=resolve_accelerator(cfg) == "gpu")
         held_out = prepared_validation(cfg, meta, encoder)
         stop_at = checkpoint_folder(root) / checkpoints.STOP_CHECKPOINT
         stop = StopAtAgreedUpdate(agreement, stop_at, before_exit=release_now)

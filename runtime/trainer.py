@@ -13,7 +13,7 @@ import sys
 import lightning as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from config import ConfigError, RunConfig, training_time_limit
+from config import ConfigError, RunConfig
 from runtime.batch_split import BatchSplit
 from runtime.device_policy import resolve_precision, resolve_strategy
 
@@ -63,7 +63,7 @@ def training_arguments(cfg: RunConfig, split: BatchSplit) -> dict:
     validate = validates(cfg)
     every = cfg.trainer.checkpoint_every_steps
     return dict(
-        max_steps=cfg.trainer.max_steps, max_time=training_time_limit(cfg),
+        max_steps=cfg.trainer.max_steps, max_time=cfg.trainer.time_limit(),
         accumulate_grad_batches=split.accumulation,
         val_check_interval=cfg.trainer.val_every_steps * split.accumulation if validate else None,
         limit_val_batches=(cfg.trainer.limit_val_batches or 1.0) if validate else 0,

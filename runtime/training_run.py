@@ -40,7 +40,7 @@ from callbacks.progress import UpdateProgressBar
 from callbacks.run_record import RunRecord
 from callbacks.stop_checkpoint import StopCheckpoint
 from callbacks.runfab_metrics import RunFabMetrics, ensure_stdout
-from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path, training_time_limit
+from config import BUNDLE_ROOT, ConfigError, RunConfig, as_dict, bundle_path
 from datamodule import StreamingDataModule
 from pipeline import feeder_wire
 from pipeline.feeder import UpdateFeeder
@@ -102,9 +102,6 @@ def resume_point(cfg: RunConfig, split: BatchSplit, ckpt_path: str | None) -> tu
     model, batch, optimizer setting or stream setting is refused here, before anything moves."""
     if ckpt_path is None:
         return None, None
-    if not cfg.data.token_digests:
-        raise ConfigError("a resume on stdin checks that the input is the same by its tokens' digests: leave "
-                          "data.token_digests true")
     found = checkpoints.resolve(ckpt_path, checkpoint_folder(cfg.output.root))
     if found is None:
         return None, None
@@ -224,7 +221,7 @@ def build_feeder(cfg: RunConfig, encoder: TextEncoder, split: BatchSplit, stdin=
         lambda: open_input(bundle_path(cfg.data.sample_path), stdin, cfg.data.source),
         stream_settings(cfg, encoder, split), encoder.encode_batch_arrays, validation_pool(cfg, encoder),
         report_every=cfg.metrics.interval_seconds if split.ranks > 1 else None,
-        time_limit_seconds=limit.total_seconds() if (limit := training_time_limit(cfg)) is not None else None,
+        time_limit_seconds=limit.total_seconds() if (limit := cfg.trainer.time_limit()) is not None else None,
         trained=trained,
     )
 
@@ -279,7 +276,7 @@ def build_callbacks(cfg: RunConfig, accelerator: str, split: BatchSplit, descrip
     run_dir, checkpoint_dir = run_folder(cfg.output.root), checkpoint_folder(cfg.output.root)
     every = cfg.trainer.checkpoint_every_steps
     observer = ObservationWindows(cfg.observe, run_dir)
-    history = History(token_digests=cfg.data.token_digests)
+    history = History()
     if cfg.observe.loggers:  # the loggers' per-update points, up to each metric line, ahead of it
         metrics.before_line = history.flush
     fixed_validation = build_fixed_validation(cfg, split, source, history, metrics)

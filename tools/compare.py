@@ -204,7 +204,7 @@ def differences(first: Run, other: Run) -> list[dict]:
 
     differ("initial weights", a.get("initial_weights_sha256"), b.get("initial_weights_sha256"))
     ta, tb = a.get("training_tokens") or {}, b.get("training_tokens") or {}
-    if ta.get("sha256") is None or tb.get("sha256") is None:  # not recorded, or data.token_digests false
+    if ta.get("sha256") is None or tb.get("sha256") is None:  # a record without it
         differ("training tokens", ta.get("sha256"), tb.get("sha256"))
     elif (ta["sha256"], ta.get("updates")) != (tb["sha256"], tb.get("updates")):
         found.append({"fingerprint": "training tokens", "run": other.label,

@@ -71,10 +71,6 @@ class ComputeConfig:
     loss_chunk_tokens: int = 16384
     """LM head and cross-entropy run over chunks of this many tokens, so the logits of a whole microbatch never
     exist at once; 0: all at once"""
-    residual_in_fp32: bool = False
-    """true: keep the residual stream (the embeddings and every block's sum) in fp32 under autocast, as autocast
-    alone leaves it; false: in the compute dtype (bf16), as in Megatron-LM's default, with half the bytes for the
-    LayerNorms, residual adds and saved activations. Runs without autocast (fp32, CPU) are unaffected"""
     activation_checkpointing: bool = False
     """Recompute each block in the backward pass: less activation memory for more compute"""
 

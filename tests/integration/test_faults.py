@@ -69,11 +69,11 @@ def test_an_output_that_cannot_fit_the_budget_is_refused_before_training():
 def test_max_time_keeps_the_export_reserve_out_of_the_training_loop():
     from datetime import timedelta
 
-    from config import ConfigError, training_time_limit
+    from config import ConfigError
 
     cfg = load_config("conf/smoke.yaml", ["trainer.max_time=00:01:00:00", "trainer.export_reserve_seconds=90"])
-    assert training_time_limit(cfg) == timedelta(minutes=58, seconds=30)
-    assert training_time_limit(load_config("conf/smoke.yaml")) is None
+    assert cfg.trainer.time_limit() == timedelta(minutes=58, seconds=30)
+    assert load_config("conf/smoke.yaml").trainer.time_limit() is None
     with pytest.raises(ConfigError, match="leaves no training time"):
         load_config("conf/smoke.yaml", ["trainer.max_time=00:00:00:30"])
     with pytest.raises(ConfigError, match="DD:HH:MM:SS"):

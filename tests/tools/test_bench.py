@@ -64,10 +64,10 @@ def test_a_bad_override_is_refused_before_anything_runs(no_gpu, capsys, tmp_path
 
 def test_a_variant_keeps_its_keys_together_in_train_py_form(no_gpu, capsys, tmp_path):
     args = runs.parse(runs.parser("trainer", "a variant"), ["--model.n_layer", "2"])
-    flags = runs.variant_flags(args, "--compute.loss_chunk_tokens 32768 --data.token_digests=false")
-    assert flags == ("--compute.loss_chunk_tokens", "32768", "--data.token_digests=false")
+    flags = runs.variant_flags(args, "--compute.loss_chunk_tokens 32768 --compute.mlp=torch")
+    assert flags == ("--compute.loss_chunk_tokens", "32768", "--compute.mlp=torch")
     out = tmp_path / "bench-out"
-    variants = ["--variant", "--compute.loss_chunk_tokens 32768 --data.token_digests false", "--variant=--model.n_layer=2"]
+    variants = ["--variant", "--compute.loss_chunk_tokens 32768 --compute.mlp torch", "--variant=--model.n_layer=2"]
     assert tools(["bench", "trainer", "--out", str(out), *variants]) == 2  # accepted: only the GPU is missing
     assert "needs a CUDA GPU" in capsys.readouterr().err
 

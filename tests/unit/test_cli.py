@@ -11,11 +11,11 @@ import pytest
 import yaml
 
 import cli
-from config import ConfigError, RunConfig, bundle_path, load_config
+from config import ConfigError, RunConfig, bundle_path, key_hints, load_config
 
 from tests.helpers import ROOT, TINY, as_args
 
-KEYS = cli.config_keys(RunConfig)
+KEYS = list(key_hints())
 
 
 def run_train_py(*args: str, cwd: Path, output: Path) -> subprocess.CompletedProcess:

@@ -150,3 +150,17 @@ def test_a_value_beyond_its_keys_range_is_refused_at_once_from_a_file_and_the_co
         with pytest.raises(ConfigError) as refused:
             load()
         assert str(refused.value).startswith(f"invalid configuration: {says}") and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("key, value", [("data.token_digests", False), ("compute.residual_in_fp32", True)])
+def test_a_key_the_schema_no_longer_has_is_refused_as_any_unknown_key(tmp_path, key, value):
+    """A preset or a command line that still names a removed key gets the unknown-key error, never a silent pass."""
+    import cli
+
+    section, name = key.split(".")
+    config = tmp_path / "config.yaml"
+    config.write_text(as_yaml({key: value}))
+    with pytest.raises(ConfigError, match=f"Key '{name}' not in '{section.capitalize()}Config'"):
+        load_config(config)
+    with pytest.raises(cli.CommandLineError, match=f"^unrecognized arguments: --{key} {value}"):
+        cli.parse([f"--{key}", str(value)])

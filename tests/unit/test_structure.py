@@ -142,7 +142,7 @@ def test_kernels_are_chosen_when_the_model_is_built_never_in_a_forward():
 # 2**30, 2**20, 1 << 30: RunFab's units are runfab/limits.py's GIB and MIB, spelled there once.
 UNIT_LITERALS = {(ast.Pow, 2, 30), (ast.Pow, 2, 20), (ast.LShift, 1, 30)}
 # RunFab's figures as a message would spell them (docstrings may describe the platform in words).
-RUNFAB_FIGURES = re.compile(r"\b(8|3) GiB\b|\b256 MiB\b")
+RUNFAB_FIGURES = re.compile(r"\b(8|3) GiB\b|\b(256|64|16) MiB\b")
 
 
 def python_files() -> list[str]:
@@ -453,3 +453,86 @@ def test_tests_patch_no_private_name_and_choose_kernels_for_a_gpu_they_describe(
              for line, name in patched_names(ast.parse((ROOT / rel).read_text()))
              if name == "compute_capability" or name.startswith("_") and not name.endswith("__")]
     assert not found, f"tests that patch a private name or fake the GPU's compute capability: {found}"
+
+
+def test_every_pin_in_the_requirements_and_the_docs_install_lines_agrees_with_pyproject():
+    """A package that pyproject.toml names (dependencies or an extra) and that a requirements*.txt (its comments too)
+    or an install line of the docs pins gets one version: exact pins equal, an exact pin inside pyproject's range, the
+    same range where both give one, and no exact pin beside pyproject's bare name."""
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {Requirement(spec).name.lower(): Requirement(spec).specifier
+                for spec in [*project.get("dependencies", []),
+                             *(s for specs in project.get("optional-dependencies", {}).values() for s in specs)]}
+    sources = {rel: [line.lstrip("# ") for line in (ROOT / rel).read_text().splitlines()]
+               for rel in sorted(p.name for p in ROOT.glob("requirements*.txt"))}
+    assert {"requirements.txt", "requirements-dev.txt"} <= sources.keys()
+    for rel in ["README.md", *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").glob("*.md")))]:
+        lines = (ROOT / rel).read_text().replace("\\\n", " ").splitlines()
+        sources[rel] = [line for line in lines if "pip install" in line]
+    differ = []
+    for rel, lines in sources.items():
+        for name, spec in requirement_pins(lines).items():
+            wanted = declared.get(name)
+            if wanted is None:
+                continue
+            exact = spec.startswith("==")
+            agrees = (str(wanted) != "" and wanted.contains(spec[2:], prereleases=True) if exact
+                      else set(spec.split(",")) <= {str(clause) for clause in wanted})
+            if not agrees:
+                differ.append(f"{rel}: {name}{spec}, pyproject.toml: {name}{wanted or ' (no version)'}")
+    assert len(sources) > 3 and "quack-kernels" in declared
+    assert not differ, f"pins that disagree with pyproject.toml: {differ}"
+
+
+def test_every_key_of_the_config_is_read_by_the_run():
+    """No dead key: every leaf of the schema is read as an attribute by a shipped module, outside the command line
+    (cli.py), the config's own checks (``problems()`` and config.py's functions) and the field's declaration.
+    Checked by name, so a key whose name is also another attribute's passes: the rule catches a key nobody reads."""
+    from config import key_hints
+
+    read = set()
+    for rel in shipping.shipped_files(ROOT):
+        if not rel.endswith(".py") or rel == "cli.py":
+            continue
+        tree = ast.parse((ROOT / rel).read_text())
+        scopes = [node for node in tree.body if isinstance(node, ast.ClassDef)] if rel == "config.py" else [tree]
+        checks = {id(node) for scope in scopes for function in ast.walk(scope)
+                  if isinstance(function, ast.FunctionDef) and function.name == "problems"
+                  for node in ast.walk(function)}
+        read |= {node.attr for scope in scopes for node in ast.walk(scope)
+                 if isinstance(node, ast.Attribute) and id(node) not in checks}
+    keys = list(key_hints())
+    assert "trainer.max_time" in keys and len(keys) > 60
+    dead = [key for key in keys if key.split(".")[-1] not in read]
+    assert not dead, f"keys of the config that no module reads (remove them, or use them): {dead}"
+
+
+REMOVED_KEYS = ("data.token_digests", "compute.residual_in_fp32")  # residue: alternatives that lost, gone with them
+
+
+def test_removed_keys_stay_gone_from_the_schema_the_presets_the_code_and_the_docs():
+    """A removed key is named only by the tests that check it is refused as any unknown key."""
+    from config import key_hints
+
+    assert not set(REMOVED_KEYS) & set(key_hints())
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    named = [f"{rel}: {key}" for rel in listed if not rel.startswith("tests/") and (ROOT / rel).is_file()
+             and rel.endswith((".py", ".md", ".yaml", ".txt", ".toml", ".sh"))
+             for key in REMOVED_KEYS if key.split(".")[-1] in (ROOT / rel).read_text()]
+    assert not named, f"removed keys still named: {named}"
+
+
+def test_the_command_line_checks_typed_values_and_leaves_lightnings_docstrings_to_jsonargparse():
+    """cli.py checks a value it was given by its key's type (config.value_problem, the check YAML files get too), never
+    by matching the parser's error text, and takes Lightning's Trainer arguments, types and help from jsonargparse:
+    it imports neither ``re`` nor ``docstring_parser``."""
+    tree = ast.parse((ROOT / "cli.py").read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module}
+    assert not {"re", "docstring_parser"} & imported, sorted({"re", "docstring_parser"} & imported)
+    called = {node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    assert "value_problem" in called

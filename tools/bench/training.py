@@ -45,7 +45,7 @@ def trainer(argv: list[str]) -> int:
     parser = runs.parser("trainer", "train.py against the same work in a plain PyTorch loop.")
     parser.add_argument("--variant", action="append", default=[], metavar='"--section.key VALUE ..."',
                         help="add a train.py run with these settings, train.py's options quoted as one argument "
-                             '(e.g. --variant "--compute.loss_chunk_tokens 32768 --data.token_digests false", or '
+                             '(e.g. --variant "--compute.loss_chunk_tokens 32768 --compute.mlp torch", or '
                              "--variant=--section.key=VALUE for one key); repeat for more runs")
     parser.add_argument("--against", type=Path, action="append", default=[], metavar="CHECKOUT",
                         help="add a run of the train.py in CHECKOUT, another revision of this project (for example "
