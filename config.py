@@ -335,26 +335,6 @@ def lightning_argument_problems(arguments: dict) -> list[str]:
     return found
 
 
-@cache
-def lightning_trainer_arguments() -> tuple[str, ...]:
-    """The parameters of ``lightning.Trainer``."""
-    return tuple(name for name in inspect.signature(L.Trainer.__init__).parameters if name != "self")
-
-
-def lightning_argument_problems(arguments: dict) -> list[str]:
-    """What is wrong with the names in ``trainer.lightning`` (Lightning itself checks the values)."""
-    own = {item.name for item in fields(TrainerConfig)}
-    found = []
-    for name in arguments:
-        if name in LIGHTNING_REFUSED:
-            found.append(f"trainer.{name} is not passed to Lightning's Trainer: {LIGHTNING_REFUSED[name]}")
-        elif name in own:
-            found.append(f"trainer.lightning.{name}: trainer.{name} is a key of the config, set it there")
-        elif name not in lightning_trainer_arguments():
-            found.append(f"trainer.lightning.{name} is not an argument of lightning.Trainer")
-    return found
-
-
 class ConfigError(ValueError):
     """A configuration that cannot run; the message says what to change."""
 
