@@ -237,14 +237,15 @@ def test_the_command_line_hands_typed_values_to_the_config_not_text():
 
 def test_the_bundle_parses_no_command_line_but_train_pys():
     """A command of ``python -m tools`` (training a tokenizer, preparing shards) is a tool, in tools/: of the shipped
-    modules only cli.py parses arguments. Checked by ``python -m tools package --dry-run`` (the shipped files),
-    then ``grep -l "import argparse"`` on them, which finds cli.py alone."""
+    modules only cli.py parses arguments (with jsonargparse). Checked by ``python -m tools package --dry-run`` (the
+    shipped files), then ``grep -lE "import (json)?argparse"`` on them, which finds cli.py alone."""
     def imported(node: ast.AST) -> list[str]:
         return ([a.name for a in node.names] if isinstance(node, ast.Import) else
                 [node.module] if isinstance(node, ast.ImportFrom) else [])
 
     parsing = sorted(rel for rel in shipping.shipped_files(ROOT) if rel.endswith(".py")
-                     if any("argparse" in imported(node) for node in ast.walk(ast.parse((ROOT / rel).read_text()))))
+                     if any({"argparse", "jsonargparse"} & {name.split(".")[0] for name in imported(node)}
+                            for node in ast.walk(ast.parse((ROOT / rel).read_text()))))
     assert parsing == ["cli.py"], f"shipped modules that parse a command line: {parsing}"
 
 
