@@ -1,0 +1,140 @@
+"""The stop of a run from prepared shards (callbacks/agreed_stop.py), through tiny single-rank Lightning runs on
+the CPU with the real per-update agreement (runtime/update_agreement.py), settled at each update's first
+microbatch as the shards' data module settles it: a signal asks the agreement to stop, training ends after the
+update the ranks agreed on with the checkpoint of that update written (a resume trains on from it), the
+handlers from before are back afterwards, and a second signal runs ``before_exit()`` and ends the process."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from callbacks.agreed_stop import StopAtAgreedUpdate
+from runtime.update_agreement import UpdateAgreement
+from tests.helpers import ROOT
+
+ACCUMULATE = 2  # microbatches per update
+
+
+class TinyRegression(L.LightningModule):
+    """One linear layer fitted to a fixed target: a few updates take milliseconds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.mse_loss(self.layer(batch), torch.ones(len(batch), 1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Stream(IterableDataset):
+    """Six updates' microbatches, as a stream of unknown length (no ``len``), as the shards' is."""
+
+    def __iter__(self):
+        return (torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(6 * ACCUMULATE))
+
+
+class Settle(L.Callback):
+    """Settles each update with the agreement when its first microbatch starts, as ShardDataModule does."""
+
+    def __init__(self, agreement: UpdateAgreement) -> None:
+        self.agreement = agreement
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx % ACCUMULATE == 0:
+            self.agreement.settle(trainer, rank_tokens=4, rank_digest=0)
+
+
+class SignalAt(L.Callback):
+    """Sends this process ``signum`` when microbatch ``batch_idx`` starts."""
+
+    def __init__(self, signum: int, batch_idx: int) -> None:
+        self.signum, self.batch_idx = signum, batch_idx
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == self.batch_idx:
+            signal.raise_signal(self.signum)
+
+
+def fit(*callbacks: L.Callback, ckpt_path=None) -> L.Trainer:
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, max_epochs=1, accumulate_grad_batches=ACCUMULATE,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=list(callbacks))
+    trainer.fit(TinyRegression(), DataLoader(Stream(), batch_size=None), ckpt_path=ckpt_path)
+    return trainer
+
+
+@pytest.fixture
+def handlers_before():
+    """A handler of the test's own for both stop signals, which lists the signals it gets; restored afterwards."""
+    got: list[int] = []
+
+    def before(signum, frame):
+        got.append(signum)
+
+    saved = {sig: signal.signal(sig, before) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield got
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_training_after_the_agreed_update_with_its_checkpoint_written(signum, handlers_before,
+                                                                                       tmp_path):
+    """The signal comes in update 2, after the ranks settled it: they agree to stop after update 3, the next
+    one settled. Training ends there without an exception, the checkpoint of update 3 is written and a resume
+    from it trains updates 4 to 6."""
+    agreement = UpdateAgreement(report_every_seconds=1e9)
+    path = tmp_path / "stop.ckpt"
+    stop = StopAtAgreedUpdate(agreement, path)
+    trainer = fit(Settle(agreement), SignalAt(signum, batch_idx=ACCUMULATE + 1), stop)
+    assert agreement.stop_signal == signal.Signals(signum).name and agreement.stop_after == 3
+    assert trainer.global_step == 3 and stop.saved == str(path)
+    assert torch.load(path, weights_only=False)["global_step"] == 3
+    assert fit(ckpt_path=path).global_step == 6
+
+
+def test_without_a_signal_no_checkpoint_is_written_and_a_signal_after_training_no_longer_asks_a_stop(
+        handlers_before, tmp_path):
+    """After ``fit`` a SIGTERM reaches the handler from before (through Lightning's, which stays installed),
+    not the agreement."""
+    agreement = UpdateAgreement(report_every_seconds=1e9)
+    stop = StopAtAgreedUpdate(agreement, tmp_path / "stop.ckpt")
+    assert fit(Settle(agreement), stop).global_step == 6
+    assert stop.saved is None and not (tmp_path / "stop.ckpt").exists()
+    signal.raise_signal(signal.SIGTERM)
+    assert agreement.stop_signal is None and handlers_before == [signal.SIGTERM]
+
+
+def test_a_second_signal_runs_before_exit_and_ends_the_process_as_the_signals_default_does(tmp_path):
+    """In a process of its own: SIGTERM twice in one microbatch; the process dies of SIGTERM, after
+    ``before_exit()`` wrote its mark, and no checkpoint is written."""
+    mark, path = tmp_path / "before_exit", tmp_path / "stop.ckpt"
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from pathlib import Path
+        import signal
+        from callbacks.agreed_stop import StopAtAgreedUpdate
+        from runtime.update_agreement import UpdateAgreement
+        from tests.unit.test_callbacks_agreed_stop import SignalAt, Settle, fit
+        agreement = UpdateAgreement(report_every_seconds=1e9)
+        stop = StopAtAgreedUpdate(agreement, Path({str(path)!r}),
+                                  before_exit=lambda: Path({str(mark)!r}).write_text("x"))
+        fit(Settle(agreement), SignalAt(signal.SIGTERM, batch_idx=3), SignalAt(signal.SIGTERM, batch_idx=3), stop)
+        print("training went on after the second signal")
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
+    assert mark.read_text() == "x" and "went on" not in done.stdout and not path.exists()
