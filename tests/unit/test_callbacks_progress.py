@@ -64,7 +64,7 @@ def test_the_bar_counts_updates_out_of_max_steps_with_the_time_left_on_stderr_ne
     out, err = capsys.readouterr()
     assert out == ""
     final = last_render(err)
-    assert re.search(r"\| 3/3 \[\d\d:\d\d<\d\d:\d\d, [\d.]+update/s", final), final
+    assert re.search(r"\| 3/3 \[\d\d:\d\d<\d\d:\d\d,\s+[\d.]+update/s", final), final
     assert "/6" not in err
 
 
@@ -73,7 +73,7 @@ def test_without_a_step_limit_the_bar_shows_the_count_and_the_rate_alone(capsys)
     out, err = capsys.readouterr()
     assert out == ""
     final = last_render(err)
-    assert re.search(r"\| 2/\? \[\d\d:\d\d<\S+, [\d.]+update/s", final), final  # no total to count down to
+    assert re.search(r"\| 2/\? \[\d\d:\d\d<\S+,\s+[\d.]+update/s", final), final  # no total to count down to
     assert "4update" not in err  # four microbatches, two updates
 
 
