@@ -1,4 +1,7 @@
-"""SIGTERM or SIGINT during training: finish the update in hand, keep what was trained, then fail the run.
+"""SIGTERM or SIGINT during training: stop after the microbatch in hand, keep the updates trained, then fail the run.
+
+An update the signal interrupts is not applied (Lightning ends the epoch inside it and its gradients are
+dropped); a resume on the same input reads its microbatches again.
 
 A cancelled RunFab job has no checkpoint recovery, so the model trained so far is exported
 (the run record says ``partial``) before the process exits non-zero. Both signals take the
@@ -23,8 +26,9 @@ class GracefulStop(L.Callback):
     """Single process only: data-parallel ranks must stop at the same update, so there the feeder
     ends every rank's stream instead (launcher.raise_on_signals).
 
-    ``end_input(name)`` ends the input at the next update boundary; Lightning then finishes the
-    update, exports and writes the record as at any end of input. A second signal stops at once,
+    ``end_input(name)`` ends the input at the next update boundary (for a signal while the input is silent) and
+    ``trainer.should_stop`` ends training after the microbatch in hand; the run then exports and writes the
+    record as at any end of input. A second signal stops at once,
     right after ``before_exit()``, which removes what must not outlive the process (a half-written export,
     the output folder's lock).
     """
@@ -58,7 +62,7 @@ class GracefulStop(L.Callback):
             signal.raise_signal(signum)
             return
         self.signal_name = name
-        log.warning("%s received: stopping after the update in hand and exporting the model trained so far; "
+        log.warning("%s received: stopping after the microbatch in hand and exporting the model trained so far; "
                     "send it again to stop at once", name)
         self._trainer.should_stop = True
         self.end_input(name)

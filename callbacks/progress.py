@@ -23,10 +23,18 @@ class UpdateProgressBar(TQDMProgressBar):
         return Tqdm(desc=self.validation_description, position=1, leave=False, dynamic_ncols=True, file=sys.stderr,
                     disable=self.is_disabled, bar_format=self.BAR_FORMAT)
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self.count_updates(trainer)  # a run resumed inside its epoch (--ckpt_path last) gets no epoch start
+
     def on_train_epoch_start(self, trainer: L.Trainer, *_) -> None:
+        self.count_updates(trainer)
+
+    def count_updates(self, trainer: L.Trainer) -> None:
+        """The bar counts updates out of ``trainer.max_steps``, from the update a resumed run goes on from."""
         bar = self.train_progress_bar
         bar.reset(total=trainer.max_steps if trainer.max_steps > 0 else None)
-        bar.initial = bar.n = trainer.global_step  # a resumed run goes on from its update
+        bar.initial = bar.n = trainer.global_step
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         bar = self.train_progress_bar

