@@ -14,34 +14,13 @@ import textwrap
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset
 
 from callbacks.agreed_stop import StopAtAgreedUpdate
 from runtime.update_agreement import UpdateAgreement
 from tests.helpers import ROOT
+from tests.tiny_lightning import TinyRegression, microbatches
 
 ACCUMULATE = 2  # microbatches per update
-
-
-class TinyRegression(L.LightningModule):
-    """One linear layer fitted to a fixed target: a few updates take milliseconds."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        return torch.nn.functional.mse_loss(self.layer(batch), torch.ones(len(batch), 1))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-class Stream(IterableDataset):
-    """Six updates' microbatches, as a stream of unknown length (no ``len``), as the shards' is."""
-
-    def __iter__(self):
-        return (torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(6 * ACCUMULATE))
 
 
 class Settle(L.Callback):
@@ -70,7 +49,7 @@ def fit(*callbacks: L.Callback, ckpt_path=None) -> L.Trainer:
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, max_epochs=1, accumulate_grad_batches=ACCUMULATE,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=list(callbacks))
-    trainer.fit(TinyRegression(), DataLoader(Stream(), batch_size=None), ckpt_path=ckpt_path)
+    trainer.fit(TinyRegression(), microbatches(6 * ACCUMULATE), ckpt_path=ckpt_path)
     return trainer
 
 

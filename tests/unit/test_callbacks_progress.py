@@ -6,40 +6,11 @@ from __future__ import annotations
 import re
 
 import lightning as L
-import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
-import torch
-from torch.utils.data import DataLoader, IterableDataset
 
 from callbacks.progress import UpdateProgressBar
 
-
-class TinyRegression(L.LightningModule):
-    """One linear layer fitted to a fixed target: a few updates take milliseconds."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        return torch.nn.functional.mse_loss(self.layer(batch), torch.ones(len(batch), 1))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-class Stream(IterableDataset):
-    """``n`` microbatches of two rows, as a stream of unknown length (no ``len``), as the pipeline's is."""
-
-    def __init__(self, n: int) -> None:
-        self.batches = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(n)]
-
-    def __iter__(self):
-        return iter(self.batches)
-
-
-def microbatches(n: int) -> DataLoader:
-    return DataLoader(Stream(n), batch_size=None)
+from tests.tiny_lightning import TinyRegression, microbatches
 
 
 def fit(bar: UpdateProgressBar, updates_in_stream: int, max_steps: int, accumulate: int = 2,

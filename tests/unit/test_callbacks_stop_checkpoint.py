@@ -7,37 +7,12 @@ from __future__ import annotations
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, IterableDataset
 
 from callbacks.stop_checkpoint import StopCheckpoint
 
+from tests.tiny_lightning import TinyRegression, microbatches
+
 ACCUMULATE = 2  # microbatches per update
-
-
-class TinyRegression(L.LightningModule):
-    """One linear layer fitted to a fixed target: a few updates take milliseconds."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        return torch.nn.functional.mse_loss(self.layer(batch), torch.ones(len(batch), 1))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-class Stream(IterableDataset):
-    """The microbatches of ``updates`` updates, as a stream of unknown length (no ``len``), as the pipeline's
-    is; it ends at an update boundary, as the feeder ends a stream that a signal stopped."""
-
-    def __init__(self, updates: int) -> None:
-        self.batches = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i))
-                        for i in range(updates * ACCUMULATE)]
-
-    def __iter__(self):
-        return iter(self.batches)
 
 
 class StopAfterUpdate(L.Callback):
@@ -57,7 +32,7 @@ def fit(callbacks: list, max_steps: int = 6, ckpt_path=None) -> L.Trainer:
                         accumulate_grad_batches=ACCUMULATE, logger=False,
                         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
-    trainer.fit(TinyRegression(), DataLoader(Stream(6), batch_size=None), ckpt_path=ckpt_path)
+    trainer.fit(TinyRegression(), microbatches(6 * ACCUMULATE), ckpt_path=ckpt_path)
     return trainer
 
 
