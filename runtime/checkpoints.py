@@ -221,7 +221,7 @@ def fingerprint(cfg, split, input_identity: dict, tokenizer_sha256: str, process
         "tokens per update": split.effective * cfg.model.max_seq_len,
         "tokenizer (sha256)": tokenizer_sha256,
         **{f"optim.{key}": value for key, value in dataclasses.asdict(cfg.optim).items()
-           if key not in unread_optim_keys(cfg.optim)},
+           if key not in unread_optim_keys(cfg.optim, cfg.model.tie_embeddings)},
         "processes (trainer.devices x trainer.num_nodes)": processes,
     }
 
@@ -243,13 +243,16 @@ def stream_identity(cfg) -> dict:
     return {f"data.{key}": getattr(cfg.data, key) for key in STREAM_KEYS}
 
 
-def unread_optim_keys(optim) -> set[str]:
+def unread_optim_keys(optim, tie_embeddings: bool) -> set[str]:
     """The ``optim`` keys this run's optimizer and schedule do not read, which a resume may therefore change (a
-    constant schedule has no horizon, so training longer is a resume)."""
+    constant schedule has no horizon, so training longer is a resume; a head tied to the embedding has no
+    learning rate of its own)."""
     unread = {"constant": {"decay_steps", "decay_fraction", "min_lr_ratio"}, "cosine": {"decay_fraction"},
               "wsd": set()}[optim.schedule]
     if optim.name == "adamw":
         unread |= {key for key in dataclasses.asdict(optim) if key.startswith("muon_")}
+    if tie_embeddings:
+        unread.add("head_lr")
     return unread
 
 

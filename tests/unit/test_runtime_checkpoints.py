@@ -95,15 +95,17 @@ def test_the_fingerprint_holds_every_optim_key_the_run_reads_and_the_process_cou
     cfg = RunConfig()
     cfg.data.path = "rows"
     cfg.optim.name, cfg.optim.schedule = "muon", "wsd"
+    cfg.model.tie_embeddings = False  # a head of its own: optim.head_lr is read
     rows = checkpoints.shards_identity(cfg, "rows")
     values = checkpoints.fingerprint(cfg, SimpleNamespace(effective=8), rows, "tok", 4)
     assert {f"optim.{field.name}" for field in dataclasses.fields(cfg.optim)} <= set(values)
     assert values["processes (trainer.devices x trainer.num_nodes)"] == 4
     assert values["model.qk_norm"] is False  # another architecture: a resume cannot change it
     cfg.optim.name, cfg.optim.schedule = "adamw", "constant"  # no horizon and no Muon: training longer may resume
+    cfg.model.tie_embeddings = True  # the head is the embedding: no learning rate of its own
     values = checkpoints.fingerprint(cfg, SimpleNamespace(effective=8), rows, "tok", 4)
-    assert not {"optim.decay_steps", "optim.min_lr_ratio", "optim.muon_lr"} & set(values)
-    assert {"optim.lr", "optim.embed_lr", "optim.head_lr", "optim.warmup_steps", "optim.schedule"} <= set(values)
+    assert not {"optim.decay_steps", "optim.min_lr_ratio", "optim.muon_lr", "optim.head_lr"} & set(values)
+    assert {"optim.lr", "optim.embed_lr", "optim.warmup_steps", "optim.schedule"} <= set(values)
 
 
 def test_a_stored_fingerprint_refuses_the_first_changed_key_in_one_line():
