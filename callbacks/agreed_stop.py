@@ -11,7 +11,7 @@ from typing import Protocol
 
 import lightning as L
 
-from runfab.lifetime import on_stop_signals
+from runfab.lifetime import on_stop_signals, stop_handlers_now
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class StopAtAgreedUpdate(L.Callback):
 
     Installed when training starts, over Lightning's handler (which would end fit between
     microbatches, without a checkpoint) and over GracefulStop's (which ends a single process's
-    stream without one)."""
+    stream without one). After fit the handlers found at setup are back, those from before Lightning's."""
 
     def __init__(self, agreement: AgreedStop, checkpoint: Path,
                  before_exit: Callable[[], None] = lambda: None) -> None:
@@ -40,8 +40,11 @@ class StopAtAgreedUpdate(L.Callback):
         self.saved: str | None = None
         self._restore = lambda: None
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._restore = stop_handlers_now()
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._restore = on_stop_signals(self._handle)
+        on_stop_signals(self._handle)
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name

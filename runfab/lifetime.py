@@ -2,7 +2,8 @@
 
 - ``on_stop_signals``: the one installer of SIGTERM/SIGINT handlers. The single-process trainer
   (callbacks/graceful_stop.py), the launcher of data-parallel workers and ``python -m tools`` each
-  decide what a signal means; this installs their handler and puts the previous ones back.
+  decide what a signal means; this installs their handler and puts the previous ones back
+  (``stop_handlers_now`` notes them without installing anything).
 - ``exit_with_parent``: the one parent-death helper. A data-parallel worker calls it for itself, and
   so does a DataLoader worker of a run from shards (pipeline/shards.py), which ignores the stop
   signals its process group receives and must still end with the trainer; the tools pass it as
@@ -27,12 +28,21 @@ def on_stop_signals(handler: Callable) -> Callable[[], None]:
     """Install ``handler(signum, frame)`` for SIGTERM and SIGINT; returns a function that restores the
     handlers found here. Python runs signal handlers in the main thread only, so from another thread
     nothing is installed and the returned function does nothing."""
+    restore = stop_handlers_now()
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, handler)
+    return restore
+
+
+def stop_handlers_now() -> Callable[[], None]:
+    """A function that puts back the SIGTERM and SIGINT handlers installed now (nothing, outside the main thread)."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    found = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
 
     def restore() -> None:
-        for sig, old in previous.items():
+        for sig, old in found.items():
             signal.signal(sig, old if old is not None else signal.SIG_DFL)  # None: a handler not set from Python
 
     return restore

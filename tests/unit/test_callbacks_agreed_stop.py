@@ -85,12 +85,14 @@ def test_a_signal_stops_training_after_the_agreed_update_with_its_checkpoint_wri
 
 def test_without_a_signal_no_checkpoint_is_written_and_a_signal_after_training_no_longer_asks_a_stop(
         handlers_before, tmp_path):
-    """After ``fit`` a SIGTERM reaches the handler from before (through Lightning's, which stays installed),
-    not the agreement."""
+    """After ``fit`` the handlers from before are installed again, not Lightning's of the finished Trainer, and a
+    SIGTERM reaches them, not the agreement."""
     agreement = UpdateAgreement(report_every_seconds=1e9)
     stop = StopAtAgreedUpdate(agreement, tmp_path / "stop.ckpt")
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     assert fit(Settle(agreement), stop).global_step == 6
     assert stop.saved is None and not (tmp_path / "stop.ckpt").exists()
+    assert {sig: signal.getsignal(sig) for sig in before} == before
     signal.raise_signal(signal.SIGTERM)
     assert agreement.stop_signal is None and handlers_before == [signal.SIGTERM]
 
