@@ -21,7 +21,7 @@ import contextlib
 import difflib
 import sys
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -35,7 +35,7 @@ from runtime import training_run
 from runtime.batch_split import BatchSplit, command_line_microbatch
 from callbacks.export import ExportFailed
 from callbacks.runfab_metrics import NonFiniteLossError
-from config import (CONFIG_ENV, DEFAULT_CONFIG, KEY_RANGES, LIGHTNING_REFUSED, ConfigError, RunConfig, TrainerConfig,
+from config import (CONFIG_ENV, DEFAULT_CONFIG, KEY_RANGES, LIGHTNING_REFUSED, TRAINER_KEYS, ConfigError, RunConfig,
                     as_dict, key_hints, key_values, lightning_argument_problems, load_config, range_text, value_problem)
 from runtime.device_policy import world_size
 from runtime.probe import run_probe
@@ -259,9 +259,8 @@ def new_subcommand_parser(name: str, summary: str = "") -> ArgumentParser:
                         help="print the merged configuration as YAML on stdout and exit without training")
     parser.add_class_arguments(RunConfig, sub_configs=False)
     # Every other lightning.Trainer argument, typed and documented from Lightning's own signature and docstring.
-    own = {item.name for item in fields(TrainerConfig)}
     parser.add_method_arguments(L.Trainer, "__init__", nested_key="trainer", as_group=False, fail_untyped=False,
-                                sub_configs=False, skip=own | set(LIGHTNING_REFUSED))
+                                sub_configs=False, skip=TRAINER_KEYS | set(LIGHTNING_REFUSED))
     for action in parser._actions:
         if action.dest in KEY_RANGES:
             action.help = f"{action.help} (range: {range_text(action.dest)})"

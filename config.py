@@ -142,6 +142,9 @@ class TrainerConfig:
         return limit
 
 
+TRAINER_KEYS = frozenset(item.name for item in fields(TrainerConfig))  # the trainer section's keys, not Lightning's
+
+
 @dataclass
 class MetricsConfig:
     """The ``metrics`` section of the config: the metric lines on stdout."""
@@ -323,12 +326,11 @@ def lightning_trainer_arguments() -> tuple[str, ...]:
 
 def lightning_argument_problems(arguments: dict) -> list[str]:
     """What is wrong with the names in ``trainer.lightning`` (Lightning itself checks the values)."""
-    own = {item.name for item in fields(TrainerConfig)}
     found = []
     for name in arguments:
         if name in LIGHTNING_REFUSED:
             found.append(f"trainer.{name} is not passed to Lightning's Trainer: {LIGHTNING_REFUSED[name]}")
-        elif name in own:
+        elif name in TRAINER_KEYS:
             found.append(f"trainer.lightning.{name}: trainer.{name} is a key of the config, set it there")
         elif name not in lightning_trainer_arguments():
             found.append(f"trainer.lightning.{name} is not an argument of lightning.Trainer")
@@ -406,8 +408,8 @@ def built(*layers: DictConfig) -> RunConfig:
 def lightning_arguments_apart(values: DictConfig) -> DictConfig:
     """``trainer.NAME``, where NAME is an argument of lightning.Trainer and no key of the config, moved to
     ``trainer.lightning``: YAML files and overrides name a Trainer argument as Lightning does."""
-    own = {item.name for item in fields(TrainerConfig)}
-    passed = [name for name in values.get("trainer") or () if name not in own and name in lightning_trainer_arguments()]
+    passed = [name for name in values.get("trainer") or ()
+              if name not in TRAINER_KEYS and name in lightning_trainer_arguments()]
     if not passed:
         return values
     moved = OmegaConf.to_container(values, resolve=False)  # interpolations are resolved after the merge
