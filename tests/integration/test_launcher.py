@@ -133,7 +133,9 @@ def _training_on_two_workers(tmp_path, *extra) -> tuple[subprocess.Popen, list[p
     with records.open("rb") as stdin:
         feeder = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], stdin=stdin, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
-    assert feeder.stdout.readline()
+    if not feeder.stdout.readline():  # it ended before its first metric line: say why
+        feeder.kill()
+        pytest.fail(f"train.py ended before training, exit {feeder.wait()}: {feeder.stderr.read().decode()[-3000:]}")
     workers = _workers_of(psutil.Process(feeder.pid))
     assert len(workers) == 2
     return feeder, workers
