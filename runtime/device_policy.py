@@ -134,7 +134,7 @@ def check_host_memory(cfg: RunConfig, world: int, microbatch: int) -> None:
         written = host_budget.output_bytes(cfg) + host_budget.observation_bytes(cfg)  # the output folder is RAM too
         problem = host_budget.host_budget_problem(cfg.trainer.host_memory_budget_gib, world, written)
         if problem is None and cfg.trainer.host_memory_budget_gib > 0:
-            log.info(host_budget.host_budget(world, written).line(cfg.trainer.host_memory_budget_gib))
+            log.info(host_budget.projected(world, written).line(cfg.trainer.host_memory_budget_gib))
     if problem is not None:
         raise ConfigError(problem)
 

@@ -3,7 +3,7 @@
 RunFab grants the whole job 8 GiB of RAM however many GPUs it has, and charges it as PSS summed over the
 process tree (runfab/process_memory.py reads it): the figures here are PSS.
 
-- ``host_budget`` / ``host_budget_problem``: the job's peak for a GPU count (processes' PSS, the
+- ``projected`` / ``host_budget_problem``: the job's peak for a GPU count (processes' PSS, the
   output folder, /tmp), from measured figures; train() and probe_batch() refuse a count that cannot
   fit before they read any data or start any worker.
 - ``cpu_memory_problem``: a CPU run's processes against the memory this machine has left.
@@ -57,7 +57,7 @@ class HostBudget:
                 f"+ /tmp {self.tmp:.2f} + margin {self.margin:.2f} = {self.total:.2f} GiB of {budget_gib:.1f} GiB")
 
 
-def host_budget(gpus: int, output_bytes: float) -> HostBudget:
+def projected(gpus: int, output_bytes: float) -> HostBudget:
     """The projected peak for ``gpus`` GPUs whose run writes ``output_bytes`` (export, checkpoints)."""
     processes = ONE_GPU_GIB + PER_ADDED_GPU_GIB * (gpus - 1)
     return HostBudget(gpus, processes, output_bytes / GIB + COMPILE_CACHE_GIB_PER_GPU * gpus)
@@ -82,10 +82,10 @@ def host_budget_problem(budget_gib: float, gpus: int, output_bytes: float) -> st
     """Why ``gpus`` GPUs cannot fit ``budget_gib`` of host memory, or None when they can (0: no check)."""
     if budget_gib <= 0:
         return None
-    need = host_budget(gpus, output_bytes)
+    need = projected(gpus, output_bytes)
     if need.total <= budget_gib:
         return None
-    fits = max((n for n in range(1, gpus) if host_budget(n, output_bytes).total <= budget_gib), default=0)
+    fits = max((n for n in range(1, gpus) if projected(n, output_bytes).total <= budget_gib), default=0)
     advice = f"Use at most {fits} GPU(s): --trainer.devices {fits}, or fewer GPUs on RunFab's slider" if fits else (
         "Not even one GPU fits: shrink the model's export or raise the budget")
     return (f"{need.line(budget_gib)}: over the job's budget (trainer.host_memory_budget_gib; RunFab grants "

@@ -24,7 +24,7 @@ def test_a_gpu_count_over_the_host_budget_is_refused_before_any_input_is_read(mo
     monkeypatch.setattr("runtime.device_policy.cuda_present", lambda: True)  # the refusal comes before any CUDA call
     overrides = ["trainer.accelerator=gpu", "trainer.devices=8", "trainer.host_memory_budget_gib=4"]
     cfg = load_config("conf/smoke.yaml", overrides)
-    need = host_budget.host_budget(8, host_budget.output_bytes(cfg))
+    need = host_budget.projected(8, host_budget.output_bytes(cfg))
     assert need.total > 4
     stdin = io.BytesIO(b'{"text": "never read"}\n')
     with pytest.raises(ConfigError) as error:
@@ -41,12 +41,12 @@ def test_the_host_budget_counts_processes_output_and_tmp_and_admits_what_fits():
     reference = load_config("conf/config.yaml")
     written = host_budget.output_bytes(reference)
     assert written == 4 * 126_716_160  # the fp32 export of the lab's model
-    one, two = host_budget.host_budget(1, written), host_budget.host_budget(2, written)
+    one, two = host_budget.projected(1, written), host_budget.projected(2, written)
     assert two.processes - one.processes == pytest.approx(host_budget.PER_ADDED_GPU_GIB)
     assert one.output == pytest.approx(written / GIB + host_budget.COMPILE_CACHE_GIB_PER_GPU)
     assert one.total == pytest.approx(one.processes + one.output + TMP_BYTES / GIB + host_budget.MARGIN_GIB)
     fitting = [n for n in range(1, 9) if host_budget.host_budget_problem(8.0, n, written) is None]
-    assert fitting == [n for n in range(1, 9) if host_budget.host_budget(n, written).total <= 8.0]
+    assert fitting == [n for n in range(1, 9) if host_budget.projected(n, written).total <= 8.0]
     assert 4 in fitting and 8 not in fitting
     assert f"Use at most {max(fitting)} GPU(s)" in host_budget.host_budget_problem(8.0, 8, written)
     with_checkpoints = load_config("conf/config.yaml", ["trainer.checkpoint_every_steps=100"])
