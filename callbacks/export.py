@@ -27,12 +27,12 @@ from tokenizers import Tokenizer
 from callbacks import owned_folders
 from runfab import created_files
 from model import hf
+from model.hf import WEIGHTS_NAME
 from model.decoder import Decoder, ModelConfig
 from model.llama import Llama
 
 log = logging.getLogger(__name__)
 
-WEIGHTS_NAME = "model.safetensors"
 HF_NAMES = {"gpt2": "GPT-2", "llama": "Llama", "qwen3": "Qwen3"}
 # safetensors and tokenizers write in Rust and raise a plain error whose text carries the OS error's number.
 RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")

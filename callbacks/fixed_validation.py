@@ -12,17 +12,14 @@ the very initial weights is not reported. Rank 0 computes both, on its device, w
 precision; no other rank takes part. Both are also logged to the Trainer's loggers as ``val_loss``
 at updates 0 and the last.
 
-``cross_entropy`` is the exact token-weighted mean (summed target-token loss over the target-token
-count) over the set packed into rows as validation packs them; ``python -m tools evaluate``
-computes the same.
+The cross-entropy is scoring.py's exact token-weighted mean over the set packed into rows, as
+``python -m tools evaluate`` computes it; the set is saved in the format ``pipeline/validation_split.py`` writes.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -30,53 +27,10 @@ import numpy as np
 import torch
 
 from pipeline import fingerprints
-from pipeline.packing import collate_rows, pack_rows
-from pipeline.records import StreamStats
-from pipeline.validation_split import ValidationPool
-from runfab import created_files
+from pipeline.validation_split import ValidationPool, write_documents
+from scoring import cross_entropy
 
 log = logging.getLogger(__name__)
-
-
-def cross_entropy(model, documents: Iterable[np.ndarray], seq_len: int, microbatch: int, device: torch.device,
-                  context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> dict:
-    """Token-weighted cross-entropy of ``model`` (a model.decoder.Decoder, either family) on ``documents``
-    packed in rows of ``seq_len``."""
-    was_training = model.training
-    model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    count = 0
-    rows: list = []
-
-    def score(chunk: list) -> None:
-        nonlocal total, count
-        batch = collate_rows(chunk)
-        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-        with context():
-            total += model.loss_sum(batch).double()
-        count += batch["target_tokens"]
-
-    try:
-        with torch.no_grad():
-            for row in pack_rows(documents, seq_len, StreamStats(), pad_last=True):  # rows one chunk at a time
-                rows.append(row)
-                if len(rows) == microbatch:
-                    score(rows)
-                    rows = []
-            if rows:
-                score(rows)
-    finally:
-        model.train(was_training)
-    ce = float(total) / count if count else None
-    return {"cross_entropy": ce, "perplexity": float(np.exp(ce)) if ce is not None else None, "target_tokens": count}
-
-
-def write_documents(documents: Iterable[np.ndarray], path: Path) -> None:
-    """A validation set as NDJSON records of token ids, which read back as the same documents (the
-    reader appends the EOS that ends each, so it is left out)."""
-    with created_files.open_created(path, "w") as file:
-        for doc in documents:
-            file.write(json.dumps({"input_ids": np.asarray(doc[:-1]).tolist()}, separators=(",", ":")) + "\n")
 
 
 class FixedValidation(L.Callback):

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+WEIGHTS_NAME = "model.safetensors"  # the file of an exported model's weights, under Hugging Face's names
+
 
 @dataclass(frozen=True)
 class Entry:

@@ -8,11 +8,15 @@ bounds). Among them, the held-out documents (``data.val_fraction``) join the set
 the next would pass ``data.val_max_tokens``; that document, and every one after the set is closed,
 is trained on. Which documents form the set depends on the input and those ``data.*`` settings only:
 not on the run's length, batch split, accumulation or GPU count.
+
+``write_documents`` saves a set as records of token ids (the run's ``run/validation.jsonl``, the split that
+``python -m tools prepare`` writes), which a file set reads back as the same documents.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -21,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.records import INPUT_IDLE, InputIdle, StreamStats, UnusableInputError, file_documents
+from runfab import created_files
 
 log = logging.getLogger(__name__)
 
@@ -168,3 +173,11 @@ def load_validation_file(path: Path, encode_batch: Callable[[list[str]], list[np
     pool.close("file", 0, stats.documents)
     log.info("validation set: %d documents (%d tokens) from %s", stats.documents, pool.tokens, path)
     return pool
+
+
+def write_documents(documents: Iterable[np.ndarray], path: Path) -> None:
+    """A validation set as NDJSON records of token ids, which read back as the same documents (the
+    reader appends the EOS that ends each, so it is left out)."""
+    with created_files.open_created(path, "w") as file:
+        for doc in documents:
+            file.write(json.dumps({"input_ids": np.asarray(doc[:-1]).tolist()}, separators=(",", ":")) + "\n")

@@ -45,7 +45,7 @@ def checked_export(folder: Path) -> dict:
     anything is allocated. NotThisModel, one line, for what does not agree."""
     from safetensors import SafetensorError, safe_open
 
-    from callbacks.export import WEIGHTS_NAME
+    from model.hf import WEIGHTS_NAME
 
     config_path, weights_path = folder / "config.json", folder / WEIGHTS_NAME
     try:
@@ -145,7 +145,7 @@ def load_model(folder: Path):
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from callbacks.export import WEIGHTS_NAME
+    from model.hf import WEIGHTS_NAME
 
     config = checked_export(folder)
     try:
@@ -226,7 +226,7 @@ def evaluate(folder: Path, data: Path, microbatch: int = 8, max_record_bytes: in
     import torch
 
     from pipeline.fingerprints import ValidationDigest
-    from callbacks.fixed_validation import cross_entropy
+    from scoring import cross_entropy
     from model.kernels import Target
     from pipeline.records import StreamStats, file_documents
     from pipeline.tokenizer import TextEncoder

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from callbacks.export import WEIGHTS_NAME, export_model
+from callbacks.export import export_model
+from model.hf import WEIGHTS_NAME
 from model.decoder import ModelConfig
 from model.families import build_model
 from tests.helpers import records

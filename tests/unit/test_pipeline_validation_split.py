@@ -12,7 +12,8 @@ import pytest
 from pipeline import fingerprints
 from pipeline.records import StreamStats, UnusableInputError
 from pipeline.stream import stream_updates
-from pipeline.validation_split import ValidationPool, is_held_out, load_validation_file, split_validation
+from pipeline.validation_split import (ValidationPool, is_held_out, load_validation_file, split_validation,
+                                       write_documents)
 
 from tests.pipeline_helpers import VOCAB, fake_encode, ndjson, stream_settings
 
@@ -95,3 +96,22 @@ def test_a_validation_file_is_read_whole_and_one_above_the_bound_is_refused(tmp_
     list(stream_updates(io.BytesIO(ndjson(*({"input_ids": [7] * 20} for _ in range(40)))), stream_settings(),
                         fake_encode, stats, pool))
     assert stats.held_out_documents == 0 and len(pool.snapshot()) == 2
+
+
+def test_a_written_validation_set_reads_back_as_the_same_documents(tmp_path):
+    """What ``python -m tools prepare`` writes beside the shards, read as ``data.val_path`` reads a file: the
+    same documents, each ending in its EOS, in the same order."""
+    eos = VOCAB - 1
+    rng = np.random.default_rng(0)
+    docs = [np.append(rng.integers(0, eos, n), eos).astype(np.int32) for n in (3, 40, 5, 17, 2, 9, 30, 4, 11)]
+    path = tmp_path / "validation.jsonl"
+    write_documents(docs, path)
+
+    def no_text(texts):
+        raise AssertionError(f"a written validation set holds token ids, not text: {texts[:1]}")
+
+    pool = load_validation_file(path, no_text, eos_id=eos, vocab_size=VOCAB, max_record_bytes=1 << 20,
+                                max_tokens=10**6)
+    read = pool.snapshot()
+    assert len(read) == len(docs)
+    assert all(np.array_equal(a, b) for a, b in zip(read, docs))

@@ -133,7 +133,7 @@ def range_seed(seed: int, index: int) -> int:
 def prepare_range(piece: tuple[str, int, int, int], settings: PrepareSettings):
     """LitData's work function: the packed rows of one byte range, as items; its counts go to a file."""
     from pipeline.shards import row_item
-    from callbacks.fixed_validation import write_documents
+    from pipeline.validation_split import write_documents
     from pipeline.packing import pack_rows, shuffle_documents
     from pipeline.records import StreamStats, UnusableInputError, encode_documents, read_records
     from pipeline.validation_split import ValidationPool, split_validation

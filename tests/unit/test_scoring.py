@@ -1,7 +1,6 @@
-"""The validation cross-entropy (callbacks/fixed_validation.py's ``cross_entropy``) on a tiny real decoder: the
-exact token-weighted mean over the set packed into rows, whatever the microbatch, with its perplexity and target
-count, and the model left in the mode it was in; and the set ``write_documents`` saves, which reads back as the
-same documents."""
+"""scoring.py: the validation cross-entropy on a tiny real decoder: the exact token-weighted mean over the set
+packed into rows, whatever the microbatch, with its perplexity and target count, and the model left in the mode it
+was in."""
 
 from __future__ import annotations
 
@@ -11,13 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from callbacks.fixed_validation import cross_entropy, write_documents
 from lit_module import DecoderTrainingModule, OptimConfig
 from model.decoder import ModelConfig
 from model.loss import IGNORE_INDEX
 from pipeline.packing import pack_rows
 from pipeline.records import StreamStats
-from pipeline.validation_split import load_validation_file
+from scoring import cross_entropy
 
 SEQ_LEN = 16
 VOCAB = 61
@@ -72,21 +70,3 @@ def test_the_model_is_left_in_the_mode_it_was_in(training):
 def test_an_empty_set_has_no_cross_entropy_rather_than_a_division_by_zero():
     got = cross_entropy(decoder(), [], SEQ_LEN, 4, torch.device("cpu"))
     assert got == {"cross_entropy": None, "perplexity": None, "target_tokens": 0}
-
-
-def test_a_written_validation_set_reads_back_as_the_same_documents(tmp_path):
-    """What ``python -m tools prepare`` writes beside the shards, read as ``data.val_path`` reads a file: the
-    same documents, each ending in its EOS, in the same order."""
-    eos = VOCAB - 1
-    docs = [np.append(doc % eos, eos).astype(np.int32) for doc in documents()]
-    path = tmp_path / "validation.jsonl"
-    write_documents(docs, path)
-
-    def no_text(texts):
-        raise AssertionError(f"a written validation set holds token ids, not text: {texts[:1]}")
-
-    pool = load_validation_file(path, no_text, eos_id=eos, vocab_size=VOCAB, max_record_bytes=1 << 20,
-                                max_tokens=10**6)
-    read = pool.snapshot()
-    assert len(read) == len(docs)
-    assert all(np.array_equal(a, b) for a, b in zip(read, docs))
