@@ -80,7 +80,8 @@ def test_scoring_an_export_needs_no_lightning():
 
     from tests.helpers import ROOT
 
+    heavy = "{'lightning', 'pytorch_lightning', 'torchmetrics'}"
     probe = ("import sys, scoring, model.hf, pipeline.validation_split; "
-             "print(sorted({m.split('.')[0] for m in sys.modules} & {'lightning', 'pytorch_lightning', 'torchmetrics'}))")
+             f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {heavy}))")
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr[-2000:]
