@@ -18,9 +18,7 @@ import torch
 from callbacks.agreed_stop import StopAtAgreedUpdate
 from runtime.update_agreement import UpdateAgreement
 from tests.helpers import ROOT
-from tests.tiny_lightning import TinyRegression, microbatches
-
-ACCUMULATE = 2  # microbatches per update
+from tests.tiny_lightning import ACCUMULATE, SignalAt, fit
 
 
 class Settle(L.Callback):
@@ -32,25 +30,6 @@ class Settle(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx % ACCUMULATE == 0:
             self.agreement.settle(trainer, rank_tokens=4, rank_digest=0)
-
-
-class SignalAt(L.Callback):
-    """Sends this process ``signum`` when microbatch ``batch_idx`` starts."""
-
-    def __init__(self, signum: int, batch_idx: int) -> None:
-        self.signum, self.batch_idx = signum, batch_idx
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if batch_idx == self.batch_idx:
-            signal.raise_signal(self.signum)
-
-
-def fit(*callbacks: L.Callback, ckpt_path=None) -> L.Trainer:
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, max_epochs=1, accumulate_grad_batches=ACCUMULATE,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=list(callbacks))
-    trainer.fit(TinyRegression(), microbatches(6 * ACCUMULATE), ckpt_path=ckpt_path)
-    return trainer
 
 
 @pytest.fixture

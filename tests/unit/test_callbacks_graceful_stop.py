@@ -11,33 +11,11 @@ import subprocess
 import sys
 import textwrap
 
-import lightning as L
 import pytest
 
 from callbacks.graceful_stop import GracefulStop
 from tests.helpers import ROOT
-from tests.tiny_lightning import TinyRegression, microbatches
-
-ACCUMULATE = 2  # microbatches per update
-
-
-class SignalAt(L.Callback):
-    """Sends this process ``signum`` when microbatch ``batch_idx`` starts: a signal in the middle of an update."""
-
-    def __init__(self, signum: int, batch_idx: int) -> None:
-        self.signum, self.batch_idx = signum, batch_idx
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if batch_idx == self.batch_idx:
-            signal.raise_signal(self.signum)
-
-
-def fit(*callbacks: L.Callback) -> L.Trainer:
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, max_epochs=1, accumulate_grad_batches=ACCUMULATE,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=list(callbacks))
-    trainer.fit(TinyRegression(), microbatches(6 * ACCUMULATE))
-    return trainer
+from tests.tiny_lightning import ACCUMULATE, SignalAt, fit
 
 
 @pytest.fixture

@@ -10,9 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from callbacks.stop_checkpoint import StopCheckpoint
 
-from tests.tiny_lightning import TinyRegression, microbatches
-
-ACCUMULATE = 2  # microbatches per update
+from tests.tiny_lightning import fit
 
 
 class StopAfterUpdate(L.Callback):
@@ -26,34 +24,24 @@ class StopAfterUpdate(L.Callback):
             trainer.should_stop = True
 
 
-def fit(callbacks: list, max_steps: int = 6, ckpt_path=None) -> L.Trainer:
-    """A run of up to ``max_steps`` updates over a stream that holds six."""
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, max_epochs=1,
-                        accumulate_grad_batches=ACCUMULATE, logger=False,
-                        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
-    trainer.fit(TinyRegression(), microbatches(6 * ACCUMULATE), ckpt_path=ckpt_path)
-    return trainer
-
-
 def test_a_run_stopped_early_writes_a_checkpoint_that_a_resume_trains_on_from(tmp_path):
     """Stopped after two of six updates, the run says why: the checkpoint holds update 2, and a run resumed
     from it trains updates 3 to 6, where one resumed from a checkpoint taken as that run ended (the epoch
     over) trains nothing. (Without the loops of the update boundary, the first resume trains nothing too.)"""
     path = tmp_path / "stop.ckpt"
-    stopped = fit([StopAfterUpdate(2), StopCheckpoint(path, lambda: "SIGTERM")])
+    stopped = fit(StopAfterUpdate(2), StopCheckpoint(path, lambda: "SIGTERM"))
     assert stopped.global_step == 2
     assert torch.load(path, weights_only=False)["global_step"] == 2
     stopped.save_checkpoint(tmp_path / "epoch_over.ckpt")
 
-    assert fit([], ckpt_path=path).global_step == 6
-    assert fit([], ckpt_path=tmp_path / "epoch_over.ckpt").global_step == 2
+    assert fit(ckpt_path=path).global_step == 6
+    assert fit(ckpt_path=tmp_path / "epoch_over.ckpt").global_step == 2
 
 
 def test_it_is_the_checkpoint_the_periodic_save_wrote_at_the_same_update(tmp_path):
     path = tmp_path / "stop.ckpt"
     periodic = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=2, save_top_k=-1)
-    fit([StopAfterUpdate(2), periodic, StopCheckpoint(path, lambda: "SIGTERM")])
+    fit(StopAfterUpdate(2), periodic, StopCheckpoint(path, lambda: "SIGTERM"))
     stop = torch.load(path, weights_only=False)
     at_update_2 = torch.load(tmp_path / "step=2.ckpt", weights_only=False)
     assert stop["loops"]["fit_loop"] == at_update_2["loops"]["fit_loop"]
@@ -71,5 +59,5 @@ def test_a_run_that_did_not_stop_early_writes_none(tmp_path):
         asked.append(True)
         return None
 
-    fit([StopAfterUpdate(2), StopCheckpoint(path, stopped_early)])
+    fit(StopAfterUpdate(2), StopCheckpoint(path, stopped_early))
     assert asked and not path.exists()
